@@ -1,0 +1,128 @@
+"""GQA attention with RoPE, optional QK-norm, and the paper's gate at any of G1..G5.
+
+    Q = X W_Q, K = X W_K, V = X W_V      [N, heads, head_dim]; gate here for G4 / G3 / G2
+    Y = SDPA(RoPE(Q), RoPE(K), V)         causal, GQA; G1 non-linearity and gate act on Y
+    O = concat_heads(Y) W_O               G5 gate acts on O
+
+Order inside a projection: projection -> QK-norm -> gate -> RoPE, so a gate on Q or K is not
+undone by the norm. Switch Heads (Table 6) replace W_V (and W_K) by experts mixed per kv head by
+a sigmoid top-k router; with one expert and top-1 this is exactly the G2 headwise gate.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gattn import kernels
+from gattn.config import ModelConfig
+from gattn.gates import Gate, gate_params, sdpa_nonlinearity
+from gattn.layers import DTYPES, apply_rope, dense, param, rms_norm
+
+
+def added_params(cfg: ModelConfig) -> int:
+    """Parameters one attention layer has beyond the baseline's W_Q, W_K, W_V, W_O (and QK-norm)."""
+    n = gate_params(cfg.gate, cfg) if cfg.gate is not None else 0
+    if cfg.sdpa_nonlinearity == "rmsnorm":
+        n += cfg.head_dim
+    if (sw := cfg.switch_heads) is not None:
+        per_expert = cfg.d_model * cfg.kv_heads * cfg.head_dim * (2 if sw.targets == "kv" else 1)
+        n += cfg.d_model * cfg.kv_heads * sw.num_experts + (sw.num_experts - 1) * per_expert
+    return n
+
+
+class SwitchProjection(nnx.Module):
+    """E expert projections per kv head; a sigmoid router keeps the top-k and weights them:
+    out[n, h] = sum_{e in topk(s[n, h])} s[n, h, e] * (x W_e)[n, h],  s = sigmoid(x W_r)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        e, hk, k = cfg.switch_heads.num_experts, cfg.kv_heads, cfg.head_dim
+        self.w = param(rngs, (e, cfg.d_model, hk * k), ("expert", "embed", "kv_heads"),
+                       std=cfg.init_std, dtype=DTYPES[cfg.param_dtype])
+        self.shape, self.dtype = (e, hk, k), DTYPES[cfg.dtype]
+
+    def __call__(self, x_NxD, weights_NxHxE):
+        e, hk, k = self.shape
+        w = self.w[...].astype(self.dtype)
+        out_NxExHK = jnp.einsum("nd,edo->neo", x_NxD.astype(self.dtype), w)
+        out_NxExHxK = out_NxExHK.reshape(-1, e, hk, k)
+        return jnp.einsum("nhe,nehk->nhk", weights_NxHxE.astype(self.dtype), out_NxExHxK)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, hq, hk, k = cfg.d_model, cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        pd, std = DTYPES[cfg.param_dtype], cfg.init_std
+        self.dtype = DTYPES[cfg.dtype]
+        self.wq = param(rngs, (d, hq * k), ("embed", "heads"), std=std, dtype=pd)
+        sw = cfg.switch_heads
+        if sw is None or sw.targets == "v":
+            self.wk = param(rngs, (d, hk * k), ("embed", "kv_heads"), std=std, dtype=pd)
+        if sw is None:
+            self.wv = param(rngs, (d, hk * k), ("embed", "kv_heads"), std=std, dtype=pd)
+        else:
+            self.router = param(rngs, (d, hk * sw.num_experts), ("embed", "kv_heads"), std=std, dtype=pd)
+            self.v_experts = SwitchProjection(cfg, rngs=rngs)
+            if sw.targets == "kv":
+                self.k_experts = SwitchProjection(cfg, rngs=rngs)
+        self.wo = param(rngs, (hq * k, d), ("heads", "embed"), std=std, dtype=pd)
+        if cfg.qk_norm:
+            self.q_norm = param(None, (k,), ("head_dim",), value=1.0, dtype=pd)
+            self.k_norm = param(None, (k,), ("head_dim",), value=1.0, dtype=pd)
+        if cfg.sdpa_nonlinearity == "rmsnorm":
+            self.sdpa_norm = param(None, (k,), ("head_dim",), value=1.0, dtype=pd)
+        self.gate = Gate(cfg.gate, cfg, rngs=rngs) if cfg.gate is not None else None
+        self.collect_intermediates = False
+
+    def _gate_at(self, position: str, y_NxHxW, x_NxD):
+        if self.gate is not None and self.gate.spec.position == position:
+            return self.gate(y_NxHxW, x_NxD)
+        return y_NxHxW
+
+    def _switch_weights(self, x_NxD):
+        sw, hk = self.cfg.switch_heads, self.cfg.kv_heads
+        s_NxHxE = jax.nn.sigmoid(dense(x_NxD, self.router, jnp.float32).reshape(-1, hk, sw.num_experts))
+        _, top = jax.lax.top_k(s_NxHxE, sw.top_k)
+        keep = jax.nn.one_hot(top, sw.num_experts, dtype=s_NxHxE.dtype).sum(axis=-2)
+        return s_NxHxE * keep
+
+    def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch: tuple[int, int]):
+        cfg, n = self.cfg, x_NxD.shape[0]
+        b, s = batch
+        hq, hk, k = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        q = dense(x_NxD, self.wq, self.dtype).reshape(n, hq, k)
+        if cfg.switch_heads is None:
+            kk = dense(x_NxD, self.wk, self.dtype).reshape(n, hk, k)
+            v = dense(x_NxD, self.wv, self.dtype).reshape(n, hk, k)
+        else:
+            weights = self._switch_weights(x_NxD)
+            v = self.v_experts(x_NxD, weights)
+            kk = (self.k_experts(x_NxD, weights) if cfg.switch_heads.targets == "kv"
+                  else dense(x_NxD, self.wk, self.dtype).reshape(n, hk, k))
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
+            kk = rms_norm(kk, self.k_norm[...], cfg.norm_eps)
+        q = self._gate_at("query", q, x_NxD)
+        kk = self._gate_at("key", kk, x_NxD)
+        v = self._gate_at("value", v, x_NxD)
+        q = apply_rope(q, positions_N, cfg.rope_base)
+        kk = apply_rope(kk, positions_N, cfg.rope_base)
+
+        out = kernels.attention(
+            q.reshape(b, s, hq, k), kk.reshape(b, s, hk, k), v.reshape(b, s, hk, k),
+            impl=cfg.attention_impl, causal=True, segment_ids=segment_ids_BxS,
+            block_q=cfg.attention_block_q, return_probs=self.collect_intermediates)
+        if self.collect_intermediates:
+            out, probs_BxHxSxS = out
+            self.sow(nnx.Intermediate, "attn_probs", probs_BxHxSxS)
+        y = out.reshape(n, hq, k)
+        if self.collect_intermediates:
+            self.sow(nnx.Intermediate, "sdpa_out", y)
+        y = sdpa_nonlinearity(cfg.sdpa_nonlinearity, y,
+                              self.sdpa_norm[...] if cfg.sdpa_nonlinearity == "rmsnorm" else None,
+                              cfg.norm_eps)
+        y = self._gate_at("sdpa", y, x_NxD)
+        o_NxD = dense(y.reshape(n, hq * k), self.wo, self.dtype)
+        return self._gate_at("dense", o_NxD[:, None, :], x_NxD)[:, 0, :]

@@ -1,0 +1,298 @@
+"""Typed, frozen configuration: the gate design space, the model, and command-line overrides.
+
+Configs are plain frozen dataclasses. Every value is checked when the object is built, before any
+JAX work, and a bad value raises `ConfigError` naming the field, the value and what is allowed.
+This module imports no JAX so that checking a config is instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The paper's gate positions (Fig. 1 left). Both the descriptive name and G1..G5 are accepted.
+POSITIONS = {"sdpa": "G1", "value": "G2", "key": "G3", "query": "G4", "dense": "G5"}
+GRANULARITIES = ("elementwise", "headwise")
+SHARINGS = ("head_specific", "head_shared")
+FORMS = ("multiplicative", "additive")
+GATE_ACTIVATIONS = ("sigmoid", "silu", "ns_sigmoid", "identity")
+SDPA_NONLINEARITIES = ("none", "rmsnorm", "silu")
+SWITCH_TARGETS = ("v", "kv")
+FFN_ACTIVATIONS = ("silu", "gelu", "relu")
+DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("xla",)  # "pallas" joins with the kernel issue
+
+
+class ConfigError(ValueError):
+    """A config value that is not allowed; names the field, the value and what is allowed."""
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"config field {field!r} = {value!r} is not allowed: {allowed}")
+
+    def under(self, prefix: str) -> "ConfigError":
+        return ConfigError(f"{prefix}.{self.field}" if prefix else self.field, self.value, self.allowed)
+
+
+def _choice(name: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise ConfigError(name, value, f"expected one of {', '.join(map(repr, choices))}")
+
+
+def _positive(name: str, value: Any, *, zero_ok: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(name, value, "expected a number >= 0" if zero_ok else "expected a number > 0")
+
+
+def _integer(name: str, value: Any, *, zero_ok: bool = False) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(name, value, "expected an integer")
+    _positive(name, value, zero_ok=zero_ok)
+
+
+@dataclass(frozen=True)
+class GateSpec:
+    """One point of the paper's gate design space (Sec. 2.2; SPEC section 1).
+
+    position:     where the gate acts: sdpa (G1), value (G2), key (G3), query (G4), dense (G5).
+    granularity:  elementwise (a score per dimension) or headwise (one scalar per head).
+    sharing:      head_specific, or head_shared (score averaged over the head axis).
+    form:         multiplicative (Y * act(XW)) or additive (Y + act(XW)).
+    activation:   sigmoid, silu, ns_sigmoid (0.5 + 0.5 * sigmoid), identity.
+    input_dependent: True for act(X W_theta); False for a learnable, zero-initialised tensor.
+    """
+
+    position: str = "sdpa"
+    granularity: str = "elementwise"
+    sharing: str = "head_specific"
+    form: str = "multiplicative"
+    activation: str = "sigmoid"
+    input_dependent: bool = True
+
+    def __post_init__(self):
+        by_g = {g: name for name, g in POSITIONS.items()}
+        if self.position in by_g:
+            object.__setattr__(self, "position", by_g[self.position])
+        _choice("position", self.position, tuple(POSITIONS) + tuple(by_g))
+        _choice("granularity", self.granularity, GRANULARITIES)
+        _choice("sharing", self.sharing, SHARINGS)
+        _choice("form", self.form, FORMS)
+        _choice("activation", self.activation, GATE_ACTIVATIONS)
+        _choice("input_dependent", self.input_dependent, (True, False))
+        if self.position == "dense" and self.granularity == "headwise":
+            raise ConfigError("granularity", self.granularity,
+                              "position 'dense' (G5) has no heads; use 'elementwise'")
+        if self.position == "dense" and self.sharing == "head_shared":
+            raise ConfigError("sharing", self.sharing,
+                              "position 'dense' (G5) has no heads; use 'head_specific'")
+
+    @property
+    def g(self) -> str:
+        """The paper's name of the position, G1..G5."""
+        return POSITIONS[self.position]
+
+
+@dataclass(frozen=True)
+class SwitchHeadsSpec:
+    """Switch Heads (Csordas et al. 2024; the paper's Table 6): per kv head, `num_experts` value (or
+    key and value) projections mixed by a sigmoid router that keeps the `top_k` best per token."""
+
+    targets: str = "v"
+    num_experts: int = 1
+    top_k: int = 1
+
+    def __post_init__(self):
+        _choice("targets", self.targets, SWITCH_TARGETS)
+        _integer("num_experts", self.num_experts)
+        _integer("top_k", self.top_k)
+        if self.top_k > self.num_experts:
+            raise ConfigError("top_k", self.top_k, f"expected 1..num_experts ({self.num_experts})")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only LM: pre-RMSNorm blocks of GQA attention (with an optional gate) and SwiGLU."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 2
+    q_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    d_ff: int = 352
+    ffn_activation: str = "silu"
+    tie_embeddings: bool = False
+    rope_base: float = 10_000.0
+    qk_norm: bool = False
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    # The paper's variant space.
+    gate: GateSpec | None = None
+    sdpa_nonlinearity: str = "none"        # Table 3 rows 5-6: per-head RMSNorm or SiLU at G1.
+    switch_heads: SwitchHeadsSpec | None = None  # Table 6.
+    sandwich_norm: bool = False            # Table 2 row 7: RMSNorm on attn/FFN outputs.
+    output_clip: float | None = None       # Appendix A.5: clip attn/FFN outputs to (-c, c).
+    match_ffn_params: bool = False         # Table 2: shrink d_ff so params equal the baseline's.
+    # Numerics and compilation.
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    scan_layers: bool = False
+    remat: str = "none"
+    attention_impl: str = "xla"
+    attention_block_q: int = 128           # causal query block of the xla path (0 = no blocking).
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "q_heads", "kv_heads", "head_dim", "d_ff"):
+            _integer(name, getattr(self, name))
+        _integer("attention_block_q", self.attention_block_q, zero_ok=True)
+        _positive("rope_base", self.rope_base)
+        _positive("norm_eps", self.norm_eps)
+        _positive("init_std", self.init_std)
+        if self.q_heads % self.kv_heads:
+            raise ConfigError("q_heads", self.q_heads,
+                              f"must be a multiple of kv_heads ({self.kv_heads}) for GQA")
+        if self.rope_base <= 1:
+            raise ConfigError("rope_base", self.rope_base, "expected a number > 1")
+        if self.head_dim % 2:
+            raise ConfigError("head_dim", self.head_dim, "RoPE needs an even head_dim")
+        _choice("ffn_activation", self.ffn_activation, FFN_ACTIVATIONS)
+        _choice("sdpa_nonlinearity", self.sdpa_nonlinearity, SDPA_NONLINEARITIES)
+        _choice("param_dtype", self.param_dtype, DTYPES)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("remat", self.remat, REMAT_POLICIES)
+        _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        for name in ("tie_embeddings", "qk_norm", "sandwich_norm", "match_ffn_params", "scan_layers"):
+            _choice(name, getattr(self, name), (True, False))
+        if self.output_clip is not None:
+            _positive("output_clip", self.output_clip)
+        if self.gate is not None and not isinstance(self.gate, GateSpec):
+            raise ConfigError("gate", self.gate, "expected a GateSpec or None")
+        if self.switch_heads is not None and not isinstance(self.switch_heads, SwitchHeadsSpec):
+            raise ConfigError("switch_heads", self.switch_heads, "expected a SwitchHeadsSpec or None")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head."""
+        return self.q_heads // self.kv_heads
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What a run needs beyond the model. The training issue extends this (data, optimizer, ckpt)."""
+
+    seed: int = 0
+    batch_size: int = 8
+    seq_len: int = 128
+    steps: int = 200
+    learning_rate: float = 3e-3
+
+    def __post_init__(self):
+        _integer("seed", self.seed, zero_ok=True)
+        for name in ("batch_size", "seq_len", "steps"):
+            _integer(name, getattr(self, name))
+        _positive("learning_rate", self.learning_rate)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    variant: str = "baseline"  # the registered variant name (gattn.variants) applied to `model`.
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def _coerce(path: str, text: str, hint: Any) -> Any:
+    """Turns the text of a command-line override into the field's declared type."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if text.lower() in ("none", "null"):
+            return None
+        return _coerce(path, text, args[0])
+    if hint is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise ConfigError(path, text, "expected true or false")
+    if hint in (int, float):
+        try:
+            return hint(float(text)) if hint is int and float(text).is_integer() else hint(text)
+        except ValueError:
+            raise ConfigError(path, text, f"expected {'an integer' if hint is int else 'a number'}") from None
+    if dataclasses.is_dataclass(hint):
+        if text.lower() == "default":
+            return hint()
+        raise ConfigError(path, text, f"set its fields ({path}.FIELD=VALUE), 'default' or 'none'")
+    return text
+
+
+def replace(cfg: Any, path: str, text: str, _prefix: str = "") -> Any:
+    """Returns `cfg` with the dotted field `path` set from the override text `text`."""
+    name, _, rest = path.partition(".")
+    full = f"{_prefix}.{name}" if _prefix else name
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    if name not in fields:
+        raise ConfigError(full, text, f"unknown field; {type(cfg).__name__} has {', '.join(fields)}")
+    hint = typing.get_type_hints(type(cfg))[name]
+    try:
+        if rest:
+            child = getattr(cfg, name)
+            if child is None:  # setting a field of an absent sub-config creates it with defaults
+                base = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+                if not base:
+                    raise ConfigError(full, text, "not a nested config")
+                child = base[0]()
+            value = replace(child, rest, text, full)
+        else:
+            value = _coerce(full, text, hint)
+        return dataclasses.replace(cfg, **{name: value})
+    except ConfigError as e:
+        if e.field.startswith(full):
+            raise
+        raise e.under(_prefix) from None
+
+
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    """Applies overrides like `model.num_layers=2` (a leading `--config.` is accepted too)."""
+    for item in overrides:
+        item = item.removeprefix("--").removeprefix("config.")
+        if "=" not in item:
+            raise ConfigError(item, None, "expected FIELD=VALUE, e.g. --config.model.num_layers=2")
+        path, _, text = item.partition("=")
+        cfg = replace(cfg, path.strip(), text.strip())
+    return cfg
+
+
+def load(path: str | Path, overrides: list[str] = (), variant: str | None = None) -> Config:
+    """Loads `get_config()` from a Python config file, applies a variant, then the overrides."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--config", str(path), "expected the path of a Python file under configs/")
+    spec = importlib.util.spec_from_file_location(f"gattn_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError("--config", str(path), "the file must define get_config() -> Config")
+    cfg = module.get_config()
+    if variant is not None:
+        from gattn import variants  # noqa: PLC0415 (variants imports this module)
+
+        cfg = dataclasses.replace(cfg, model=variants.apply(variant, cfg.model), variant=variant)
+    return apply_overrides(cfg, list(overrides))
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separates `--config.FIELD=VALUE` overrides from the other command-line arguments."""
+    overrides = [a for a in argv if a.startswith("--config.")]
+    return [a for a in argv if not a.startswith("--config.")], overrides

@@ -1,0 +1,96 @@
+"""The gate of the paper (Eq. 5) at any position, and the non-gate non-linearities at G1.
+
+A gate is data (`GateSpec`); this module turns it into parameters and an operation on the tensor
+at its position. All positions view their tensor as [N, heads, width]:
+
+    position      tensor                 heads   width (elementwise / headwise)
+    sdpa  (G1)    SDPA output Y          q       head_dim / 1
+    value (G2)    X W_V                  k       head_dim / 1
+    key   (G3)    X W_K                  k       head_dim / 1
+    query (G4)    X W_Q                  q       head_dim / 1
+    dense (G5)    O = Y W_O              1       d_model
+
+The gate reads X, the block's input after its pre-attention RMSNorm, of the *current* token.
+Head-shared gates compute the head-specific score and average it over the head axis (Sec. 3.2.1),
+so they keep the head-specific parameter count (Table 1 rows 12-13). Input-independent gates
+(Table 4 row 6) replace X W_theta with a learnable [heads, width] tensor, zero-initialised.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gattn.config import GateSpec, ModelConfig
+from gattn.layers import DTYPES, dense, param, rms_norm
+
+
+def ns_sigmoid(x):
+    """Non-sparse sigmoid (Sec. 4.2): 0.5 + 0.5 * sigmoid(x), in [0.5, 1]."""
+    return 0.5 + 0.5 * jax.nn.sigmoid(x)
+
+
+ACTIVATIONS = {"sigmoid": jax.nn.sigmoid, "silu": jax.nn.silu, "ns_sigmoid": ns_sigmoid,
+               "identity": lambda x: x}
+
+
+def gate_shape(spec: GateSpec, cfg: ModelConfig) -> tuple[int, int]:
+    """(heads, width) of the score before any head sharing; see the module docstring."""
+    if spec.position == "dense":
+        return 1, cfg.d_model
+    heads = cfg.q_heads if spec.position in ("sdpa", "query") else cfg.kv_heads
+    return heads, cfg.head_dim if spec.granularity == "elementwise" else 1
+
+
+def gate_params(spec: GateSpec, cfg: ModelConfig) -> int:
+    """Parameters one gate adds to one layer (the paper's 'Added Param' is this x num_layers)."""
+    heads, width = gate_shape(spec, cfg)
+    return heads * width * (cfg.d_model if spec.input_dependent else 1)
+
+
+class Gate(nnx.Module):
+    """Y' = Y * act(X W_theta) (multiplicative) or Y + act(X W_theta) (additive)."""
+
+    def __init__(self, spec: GateSpec, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.spec = spec
+        self.heads, self.width = gate_shape(spec, cfg)
+        axis = {"sdpa": "heads", "query": "heads", "dense": "mlp"}.get(spec.position, "kv_heads")
+        pd = DTYPES[cfg.param_dtype]
+        if spec.input_dependent:
+            self.w = param(rngs, (cfg.d_model, self.heads * self.width), ("embed", axis),
+                           std=cfg.init_std, dtype=pd)
+        else:
+            self.theta = param(None, (self.heads, self.width), (axis, None), value=0.0, dtype=pd)
+        self.act = ACTIVATIONS[spec.activation]
+        self.dtype = DTYPES[cfg.dtype]
+        self.collect_intermediates = False
+
+    def scores(self, x_NxD: jax.Array) -> jax.Array:
+        """act(X W_theta) as [N, heads, width] (or [1, heads, width] when input-independent),
+        with the head axis averaged to 1 when head-shared. Computed in float32."""
+        if self.spec.input_dependent:
+            logits = dense(x_NxD, self.w, self.dtype).reshape(-1, self.heads, self.width)
+        else:
+            logits = self.theta[...][None]
+        s = self.act(logits.astype(jnp.float32))
+        if self.spec.sharing == "head_shared":
+            s = jnp.mean(s, axis=1, keepdims=True)
+        return s
+
+    def __call__(self, y_NxHxW: jax.Array, x_NxD: jax.Array) -> jax.Array:
+        s = self.scores(x_NxD)
+        if self.collect_intermediates:
+            self.sow(nnx.Intermediate, "gate_scores", jnp.broadcast_to(s, (y_NxHxW.shape[0],) + s.shape[1:]))
+        y = y_NxHxW.astype(jnp.float32)
+        out = y * s if self.spec.form == "multiplicative" else y + s
+        return out.astype(y_NxHxW.dtype)
+
+
+def sdpa_nonlinearity(kind: str, y_NxHxK: jax.Array, scale_K: jax.Array | None, eps: float):
+    """Table 3: per-head RMSNorm ('SDPA GroupNorm', row 5) or parameter-free SiLU (row 6) on Y."""
+    if kind == "rmsnorm":
+        return rms_norm(y_NxHxK, scale_K, eps)
+    if kind == "silu":
+        return jax.nn.silu(y_NxHxK)
+    return y_NxHxK

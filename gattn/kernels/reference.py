@@ -1,0 +1,78 @@
+"""Scaled dot-product attention in plain jnp: the `xla` implementation and the reference.
+
+Inputs follow the kernel convention q [B, S, Hq, K], k/v [B, T, Hk, K] (GQA: query head h uses
+kv head h // (Hq // Hk)). Internally the computation runs in [B, Hk, G, S, K] with an additive
+mask; for causal self-attention the queries are split into blocks and block i only multiplies
+the keys it can see, which skips the fully masked upper triangle (on CPU this is what keeps the
+attention core near the matmul floor; see PERFORMANCE.md).
+
+Segment ids [B, S] (int): a query attends only to keys with the same id. Id 0 marks padding:
+padding queries attend to nothing and their output (and attention row) is exactly zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30  # finite, so a fully masked row never produces inf - inf = NaN
+
+
+def _check(q, k, v, segment_ids):
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"expected q [B,S,Hq,K], k/v [B,T,Hk,K]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"incompatible q {q.shape} and k {k.shape}: batch and head_dim must match "
+                         "and q_heads must be a multiple of kv_heads")
+    if segment_ids is not None and (segment_ids.shape != q.shape[:2] or q.shape[1] != k.shape[1]):
+        raise ValueError(f"segment_ids {segment_ids.shape} must be [B, S] = {q.shape[:2]} "
+                         "for self-attention")
+
+
+def _block(q_BHGQK, k_BHTK, v_BHTK, bias, scale):
+    s = jnp.einsum("bhgqd,bhtd->bhgqt", q_BHGQK, k_BHTK, preferred_element_type=jnp.float32)
+    p = jax.nn.softmax(s * scale + bias, axis=-1)
+    o = jnp.einsum("bhgqt,bhtd->bhgqd", p.astype(v_BHTK.dtype), v_BHTK)
+    return o, p
+
+
+def attention_xla(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: float | None = None,
+                  block_q: int = 128, return_probs: bool = False):
+    """softmax(q k^T * sm_scale + mask) v. Returns o [B, S, Hq, K] (and probs [B, Hq, S, T] in
+    float32 if `return_probs`)."""
+    _check(q, k, v, segment_ids)
+    b, s, hq, d = q.shape
+    t, hk = k.shape[1], k.shape[2]
+    g = hq // hk
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    q5 = q.reshape(b, s, hk, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, G, S, K]
+    k4, v4 = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hk, T, K]
+
+    blocked = causal and block_q and s == t and s > block_q and s % block_q == 0
+    bq = block_q if blocked else s
+    outs, probs = [], []
+    for i in range(s // bq):
+        q0, kv_end = i * bq, ((i + 1) * bq if blocked else t)
+        bias = jnp.zeros((bq, kv_end), jnp.float32)
+        if causal:  # query at absolute position q0 + r sees keys at <= q0 + r (+ t - s offset)
+            rows = jnp.arange(bq)[:, None] + q0 + (t - s)
+            bias = jnp.where(jnp.arange(kv_end)[None, :] <= rows, bias, _NEG)
+        bias = bias[None, None, None]
+        if segment_ids is not None:
+            same = segment_ids[:, q0:q0 + bq, None] == segment_ids[:, None, :kv_end]
+            bias = jnp.where(same[:, None, None], bias, _NEG)
+        o, p = _block(q5[:, :, :, q0:q0 + bq], k4[:, :, :kv_end], v4[:, :, :kv_end], bias, scale)
+        outs.append(o)
+        if return_probs:
+            probs.append(jnp.pad(p, ((0, 0),) * 4 + ((0, t - kv_end),)))
+    o = jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]
+    o = o.transpose(0, 3, 1, 2, 4).reshape(b, s, hq, d)
+    p = None
+    if return_probs:
+        p = (jnp.concatenate(probs, axis=3) if len(probs) > 1 else probs[0]).reshape(b, hq, s, t)
+    if segment_ids is not None:  # padding queries: zero output, zero attention row
+        valid = segment_ids != 0
+        o = jnp.where(valid[:, :, None, None], o, 0).astype(o.dtype)
+        if p is not None:
+            p = jnp.where(valid[:, None, :, None], p, 0.0)
+    return (o, p) if return_probs else o

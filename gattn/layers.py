@@ -1,0 +1,87 @@
+"""Small building blocks: parameters with logical axis names, dense, RMSNorm, RoPE, SwiGLU.
+
+Shapes are carried in names: N = tokens (batch * sequence, the residual stream is 2-D), D =
+d_model, H = heads, K = head_dim, F = FFN width, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gattn.config import ModelConfig
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def param(rngs: nnx.Rngs | None, shape, axes: tuple[str, ...], *, std: float = 0.0,
+          value: float = 0.0, dtype=jnp.float32) -> nnx.Param:
+    """A parameter annotated with logical axis names only (the sharding table maps them to mesh
+    axes). Normal(0, std) when `std` > 0, otherwise filled with `value`."""
+    if len(axes) != len(shape):
+        raise ValueError(f"axes {axes} do not match shape {shape}")
+    if std > 0:
+        init = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+    else:
+        init = jnp.full(shape, value, jnp.float32)
+    return nnx.Param(init.astype(dtype), out_sharding=axes, eager_sharding=False)
+
+
+def dense(x_NxI: jax.Array, w_IxO: nnx.Param | jax.Array, dtype) -> jax.Array:
+    """x @ w in the compute dtype. The one matmul every projection goes through."""
+    return jnp.dot(x_NxI.astype(dtype), jnp.asarray(w_IxO[...]).astype(dtype))
+
+
+def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 and returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, axis_name: str = "embed", *, param_dtype=jnp.float32):
+        self.scale = param(None, (dim,), (axis_name,), value=1.0, dtype=param_dtype)
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rope_frequencies(head_dim: int, base: float) -> jax.Array:
+    """theta_i = base^(-2i/head_dim) for i < head_dim/2."""
+    return base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+
+
+def apply_rope(x_NxHxK: jax.Array, positions_N: jax.Array, base: float) -> jax.Array:
+    """Rotary embedding in the rotate-half layout (pairs dimension i with i + K/2), the layout of
+    Qwen/Llama checkpoints, so converted weights need no permutation."""
+    k = x_NxHxK.shape[-1]
+    angles_NxK2 = positions_N.astype(jnp.float32)[:, None] * rope_frequencies(k, base)[None, :]
+    cos, sin = jnp.cos(angles_NxK2)[:, None, :], jnp.sin(angles_NxK2)[:, None, :]
+    x = x_NxHxK.astype(jnp.float32)
+    x1, x2 = x[..., : k // 2], x[..., k // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_NxHxK.dtype)
+
+
+FFN_ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu}
+
+
+class SwiGLU(nnx.Module):
+    """out = (act(x W1) * (x W3)) W2 (Shazeer 2020), the FFN of Qwen-style models."""
+
+    def __init__(self, cfg: ModelConfig, d_ff: int, *, rngs: nnx.Rngs):
+        pd, std = DTYPES[cfg.param_dtype], cfg.init_std
+        self.w1 = param(rngs, (cfg.d_model, d_ff), ("embed", "mlp"), std=std, dtype=pd)
+        self.w3 = param(rngs, (cfg.d_model, d_ff), ("embed", "mlp"), std=std, dtype=pd)
+        self.w2 = param(rngs, (d_ff, cfg.d_model), ("mlp", "embed"), std=std, dtype=pd)
+        self.act = FFN_ACTIVATIONS[cfg.ffn_activation]
+        self.dtype = DTYPES[cfg.dtype]
+
+    def __call__(self, x_NxD):
+        h_NxF = self.act(dense(x_NxD, self.w1, self.dtype)) * dense(x_NxD, self.w3, self.dtype)
+        return dense(h_NxF, self.w2, self.dtype)

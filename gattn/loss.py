@@ -1,0 +1,30 @@
+"""Next-token cross-entropy on 2-D logits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
+                  weights_BxS: jax.Array | None = None) -> jax.Array:
+    """Mean token cross-entropy (float32); `weights` (e.g. 0 for padding) weight each token."""
+    v = logits_BxSxV.shape[-1]
+    logits_NxV = logits_BxSxV.reshape(-1, v).astype(jnp.float32)
+    targets_N = targets_BxS.reshape(-1)
+    logz_N = jax.nn.logsumexp(logits_NxV, axis=-1)
+    picked_N = jnp.take_along_axis(logits_NxV, targets_N[:, None], axis=-1)[:, 0]
+    nll_N = logz_N - picked_N
+    if weights_BxS is None:
+        return jnp.mean(nll_N)
+    w_N = weights_BxS.reshape(-1).astype(jnp.float32)
+    return jnp.sum(nll_N * w_N) / jnp.maximum(jnp.sum(w_N), 1.0)
+
+
+def lm_loss(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+    """Loss of predicting tokens[:, 1:] from tokens[:, :-1] (padding, segment id 0, is ignored)."""
+    inputs, targets = tokens_BxS[:, :-1], tokens_BxS[:, 1:]
+    seg = None if segment_ids_BxS is None else segment_ids_BxS[:, :-1]
+    logits = model(inputs, segment_ids_BxS=seg)
+    weights = None if segment_ids_BxS is None else (segment_ids_BxS[:, 1:] != 0)
+    return cross_entropy(logits, targets, weights)

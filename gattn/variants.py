@@ -1,0 +1,151 @@
+"""Every variant of the paper as a named change to a baseline `ModelConfig`.
+
+`python -m gattn.variants` lists them with their paper table and row. A variant is data: a
+function from the baseline config to the variant's config; adding one is adding an entry here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from gattn.config import ConfigError, GateSpec, ModelConfig, SwitchHeadsSpec
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    rows: tuple[str, ...]      # the paper's rows, e.g. ("Table 1 (5)", "Table 3 (2)")
+    description: str
+    change: Callable[[ModelConfig], ModelConfig] | None  # None: belongs to a later issue
+    pending: str = ""
+
+
+def _gate(**kw) -> Callable[[ModelConfig], ModelConfig]:
+    return lambda m: dataclasses.replace(m, gate=GateSpec(**kw))
+
+
+def _set(**kw) -> Callable[[ModelConfig], ModelConfig]:
+    return lambda m: dataclasses.replace(m, **kw)
+
+
+def _switch(targets: str, experts: int, top_k: int) -> Callable[[ModelConfig], ModelConfig]:
+    return _set(switch_heads=SwitchHeadsSpec(targets=targets, num_experts=experts, top_k=top_k))
+
+
+def _then(*changes):
+    def change(m):
+        for c in changes:
+            m = c(m)
+        return m
+    return change
+
+
+_MATCHED = _set(match_ffn_params=True)
+
+REGISTRY: dict[str, Variant] = {v.name: v for v in [
+    # Table 1: the MoE 15A2B gating variants and parameter-matched baselines.
+    Variant("baseline", ("Table 1 (1)", "Table 2 (1,3,5,6,11,12)", "Table 3 (1)", "Table 4 (1)",
+                         "Table 6 (1)"), "no gate", lambda m: m),
+    Variant("more_kv_heads", ("Table 1 (2)",), "twice the kv heads (k=4 -> 8)",
+            lambda m: dataclasses.replace(m, kv_heads=2 * m.kv_heads)),
+    Variant("more_q_heads", ("Table 1 (3)",), "1.5x the query heads (q=32 -> 48)",
+            lambda m: dataclasses.replace(m, q_heads=m.q_heads * 3 // 2)),
+    Variant("more_experts", ("Table 1 (4)",), "4 more experts, total and activated", None,
+            pending="needs the MoE layer (MoE/mesh issue)"),
+    Variant("sdpa_elementwise", ("Table 1 (5)", "Table 3 (2)", "Table 4 (2)"),
+            "G1 elementwise sigmoid gate on the SDPA output", _gate()),
+    Variant("v_elementwise", ("Table 1 (6)", "Table 3 (3)", "Table 4 (5)"),
+            "G2 elementwise sigmoid gate on the value projection", _gate(position="value")),
+    Variant("k_elementwise", ("Table 1 (7)",), "G3 elementwise sigmoid gate on the key projection",
+            _gate(position="key")),
+    Variant("q_elementwise", ("Table 1 (8)",), "G4 elementwise sigmoid gate on the query projection",
+            _gate(position="query")),
+    Variant("dense_output", ("Table 1 (9)",), "G5 elementwise sigmoid gate after W_O",
+            _gate(position="dense")),
+    Variant("sdpa_headwise", ("Table 1 (10)", "Table 4 (3)"), "G1 headwise sigmoid gate",
+            _gate(granularity="headwise")),
+    Variant("v_headwise", ("Table 1 (11)",), "G2 headwise sigmoid gate (one scalar per kv head)",
+            _gate(position="value", granularity="headwise")),
+    Variant("sdpa_head_shared", ("Table 1 (12)", "Table 4 (4)"),
+            "G1 elementwise gate, score averaged over heads", _gate(sharing="head_shared")),
+    Variant("v_head_shared", ("Table 1 (13)",), "G2 elementwise gate, score averaged over kv heads",
+            _gate(position="value", sharing="head_shared")),
+    Variant("sdpa_additive_silu", ("Table 1 (14)", "Table 3 (4)"), "G1 additive gate, Y + SiLU(XW)",
+            _gate(form="additive", activation="silu")),
+    Variant("sdpa_elementwise_silu", ("Table 1 (15)",), "G1 multiplicative gate, Y * SiLU(XW)",
+            _gate(activation="silu")),
+    # Table 3: non-linearity without (or with a linear) gate.
+    Variant("sdpa_rmsnorm", ("Table 3 (5)",), "per-head RMSNorm on the SDPA output ('GroupNorm')",
+            _set(sdpa_nonlinearity="rmsnorm")),
+    Variant("sdpa_silu", ("Table 3 (6)",), "SiLU on the SDPA output, no parameters",
+            _set(sdpa_nonlinearity="silu")),
+    Variant("sdpa_additive_identity", ("Table 3 (7)",), "G1 additive gate, Y + XW",
+            _gate(form="additive", activation="identity")),
+    # Table 4: sparsity ablations.
+    Variant("sdpa_input_independent", ("Table 4 (6)",),
+            "G1 gate sigmoid(theta), theta a zero-initialised q x d_k tensor",
+            _gate(input_dependent=False)),
+    Variant("sdpa_ns_sigmoid", ("Table 4 (7)",), "G1 gate with NS-sigmoid = 0.5 + 0.5 sigmoid",
+            _gate(activation="ns_sigmoid")),
+    # Table 6 (Appendix A.1): Switch Heads.
+    Variant("switch_kv_8top8", ("Table 6 (2)",), "8 key+value experts per kv head, top-8",
+            _switch("kv", 8, 8)),
+    Variant("switch_kv_4top4", ("Table 6 (3)",), "4 key+value experts per kv head, top-4",
+            _switch("kv", 4, 4)),
+    Variant("switch_v_4top4", ("Table 6 (4)",), "4 value experts per kv head, top-4", _switch("v", 4, 4)),
+    Variant("switch_v_8top2", ("Table 6 (5)",), "8 value experts per kv head, top-2", _switch("v", 8, 2)),
+    Variant("switch_v_1top1", ("Table 6 (6)",), "1 value expert, sigmoid-weighted (= v_headwise)",
+            _switch("v", 1, 1)),
+    # Table 2: dense 1.7B models; gated variants shrink the FFN to keep the parameter count.
+    Variant("sdpa_elementwise_ffn_matched", ("Table 2 (2,4,8,10,13,14)",),
+            "G1 elementwise gate, FFN narrowed to the baseline's parameter count",
+            _then(_gate(), _MATCHED)),
+    Variant("sdpa_headwise_ffn_matched", ("Table 2 (9)",),
+            "G1 headwise gate, FFN narrowed to the baseline's parameter count",
+            _then(_gate(granularity="headwise"), _MATCHED)),
+    Variant("sandwich_norm", ("Table 2 (7)",), "RMSNorm on attention/FFN outputs before the residual",
+            _set(sandwich_norm=True)),
+    # Appendix A.5: clipping branch outputs.
+    Variant("output_clip_100", ("Appendix A.5",), "attention/FFN outputs clipped to (-100, 100)",
+            _set(output_clip=100.0)),
+    Variant("output_clip_300", ("Appendix A.5",), "attention/FFN outputs clipped to (-300, 300)",
+            _set(output_clip=300.0)),
+]}
+
+
+def apply(name: str, base: ModelConfig) -> ModelConfig:
+    """The config of variant `name` built on `base` (a baseline: no gate, no switch heads)."""
+    if name not in REGISTRY:
+        raise ConfigError("variant", name, f"expected one of {', '.join(REGISTRY)}")
+    variant = REGISTRY[name]
+    if variant.change is None:
+        raise ConfigError("variant", name, f"not available yet: {variant.pending}")
+    return variant.change(base)
+
+
+def table(name: str) -> dict:
+    v = REGISTRY[name]
+    return {"name": v.name, "rows": list(v.rows), "description": v.description,
+            "available": v.change is not None, **({"pending": v.pending} if v.pending else {})}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="List the paper's variants with their table and row.")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = ap.parse_args(argv)
+    rows = [table(n) for n in REGISTRY]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    width = max(len(n) for n in REGISTRY)
+    for r in rows:
+        note = "" if r["available"] else f"  [pending: {r['pending']}]"
+        print(f"{r['name']:<{width}}  {', '.join(r['rows']):<34}  {r['description']}{note}")
+
+
+if __name__ == "__main__":
+    main()
