@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import functools
 import json
 import math
 
@@ -35,6 +35,7 @@ TABLE6 = {2: ("switch_kv_8top8", "38"), 3: ("switch_kv_4top4", "13"), 4: ("switc
           5: ("switch_v_8top2", "25"), 6: ("switch_v_1top1", "3")}
 
 
+@functools.lru_cache(maxsize=None)
 def count_params(cfg: ModelConfig) -> int:
     """Number of parameters of the model `cfg` describes; no weight is allocated."""
     from gattn.model import Transformer  # noqa: PLC0415 (keeps `--help` free of model imports)

@@ -1,0 +1,122 @@
+"""Configs are typed and frozen; bad values fail fast with the field, the value and what is allowed."""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gattn import config as C
+from gattn.config import ConfigError, GateSpec, ModelConfig, SwitchHeadsSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _raises(fn, field, value, allowed_part):
+    with pytest.raises(ConfigError) as e:
+        fn()
+    assert e.value.field == field
+    assert e.value.value == value
+    assert allowed_part in e.value.allowed
+    assert field in str(e.value) and repr(value) in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, field, value, allowed", [
+    (dict(position="G7"), "position", "G7", "'sdpa'"),
+    (dict(granularity="rowwise"), "granularity", "rowwise", "'headwise'"),
+    (dict(sharing="all"), "sharing", "all", "'head_shared'"),
+    (dict(form="subtractive"), "form", "subtractive", "'additive'"),
+    (dict(activation="tanh"), "activation", "tanh", "'ns_sigmoid'"),
+    (dict(position="dense", granularity="headwise"), "granularity", "headwise", "no heads"),
+    (dict(position="G5", sharing="head_shared"), "sharing", "head_shared", "no heads"),
+])
+def test_bad_gate_spec_names_field_value_and_choices(kwargs, field, value, allowed):
+    _raises(lambda: GateSpec(**kwargs), field, value, allowed)
+
+
+def test_gate_positions_accept_paper_names():
+    assert [GateSpec(position=g).position for g in ("G1", "G2", "G3", "G4", "G5")] == \
+        ["sdpa", "value", "key", "query", "dense"]
+    assert GateSpec(position="value").g == "G2"
+
+
+@pytest.mark.parametrize("kwargs, field, value, allowed", [
+    (dict(q_heads=6, kv_heads=4), "q_heads", 6, "multiple of kv_heads (4)"),
+    (dict(num_layers=-2), "num_layers", -2, "> 0"),
+    (dict(d_model=0), "d_model", 0, "> 0"),
+    (dict(head_dim=2.5), "head_dim", 2.5, "integer"),
+    (dict(head_dim=7), "head_dim", 7, "even"),
+    (dict(ffn_activation="swish2"), "ffn_activation", "swish2", "'silu'"),
+    (dict(sdpa_nonlinearity="layernorm"), "sdpa_nonlinearity", "layernorm", "'rmsnorm'"),
+    (dict(dtype="float16"), "dtype", "float16", "'bfloat16'"),
+    (dict(remat="some"), "remat", "some", "'dots'"),
+    (dict(attention_impl="cuda"), "attention_impl", "cuda", "'xla'"),
+    (dict(rope_base=-1.0), "rope_base", -1.0, "> 0"),
+    (dict(output_clip=-5.0), "output_clip", -5.0, "> 0"),
+    (dict(gate="sdpa"), "gate", "sdpa", "GateSpec"),
+])
+def test_bad_model_config_names_field_value_and_choices(kwargs, field, value, allowed):
+    _raises(lambda: ModelConfig(**kwargs), field, value, allowed)
+
+
+def test_bad_switch_heads():
+    _raises(lambda: SwitchHeadsSpec(targets="q"), "targets", "q", "'kv'")
+    _raises(lambda: SwitchHeadsSpec(num_experts=2, top_k=3), "top_k", 3, "1..num_experts (2)")
+
+
+def test_configs_are_frozen():
+    cfg = ModelConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.num_layers = 3
+
+
+def test_overrides_coerce_types_and_create_nested_gate():
+    cfg = C.Config()
+    cfg = C.apply_overrides(cfg, ["--config.model.num_layers=3", "model.rope_base=1e6",
+                                  "model.tie_embeddings=true", "model.gate.position=G2",
+                                  "model.gate.granularity=headwise", "train.learning_rate=0.01"])
+    assert cfg.model.num_layers == 3 and isinstance(cfg.model.num_layers, int)
+    assert cfg.model.rope_base == 1e6 and cfg.model.tie_embeddings is True
+    assert cfg.model.gate == GateSpec(position="value", granularity="headwise")
+    assert cfg.train.learning_rate == 0.01
+    assert C.apply_overrides(cfg, ["model.gate=none"]).model.gate is None
+    assert C.apply_overrides(cfg, ["model.output_clip=100"]).model.output_clip == 100.0
+
+
+@pytest.mark.parametrize("override, field, value", [
+    ("model.num_layers=two", "model.num_layers", "two"),
+    ("model.q_heads=5", "model.q_heads", 5),
+    ("model.gate.position=G9", "model.gate.position", "G9"),
+    ("model.nonexistent=1", "model.nonexistent", "1"),
+    ("model.qk_norm=maybe", "model.qk_norm", "maybe"),
+    ("model.num_layers", "model.num_layers", None),
+])
+def test_bad_overrides_name_the_full_path(override, field, value):
+    with pytest.raises(ConfigError) as e:
+        C.apply_overrides(C.Config(), [override])
+    assert e.value.field == field and e.value.value == value
+
+
+def test_load_config_file_with_variant_and_overrides():
+    cfg = C.load(ROOT / "configs/tiny.py", ["--config.model.num_layers=2"], variant="sdpa_headwise")
+    assert cfg.variant == "sdpa_headwise"
+    assert cfg.model.gate == GateSpec(granularity="headwise") and cfg.model.num_layers == 2
+    with pytest.raises(ConfigError) as e:
+        C.load(ROOT / "configs/tiny.py", variant="no_such_variant")
+    assert e.value.field == "variant"
+    with pytest.raises(ConfigError) as e:
+        C.load(ROOT / "configs/missing.py")
+    assert e.value.field == "--config"
+
+
+def test_bad_config_fails_before_any_jax_work():
+    """Checking a config must not even import JAX (so errors come instantly)."""
+    code = ("import sys\nfrom gattn import config as C\n"
+            "try:\n    C.apply_overrides(C.Config(), ['model.kv_heads=3'])\n"
+            "except C.ConfigError as e:\n    print(e)\n"
+            "print('jax' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert "'model.q_heads' = 4" in lines[0] and "multiple of kv_heads (3)" in lines[0], lines
+    assert lines[-1] == "False"
