@@ -1,0 +1,109 @@
+"""CPU training-step speed of variants, as a fraction of this machine's fp32 matmul peak.
+
+    python bench/step_time.py [--config configs/peer.py] [--variants baseline,sdpa_elementwise]
+
+Prints JSON: per variant the AdamW step time, tokens/s, GFLOP per step (6 * N_nonemb * B * T +
+12 * L * B * T^2 * Hq * K, as in shared/PERFORMANCE.md) and the fraction of the 2048x2048 fp32
+matmul peak measured in the same process (before and after the steps; host load moves it), plus
+the step-time ratio of each variant to the first one and that variant's share of extra FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gattn.runtime import ensure_malloc_tunables  # noqa: E402
+
+ensure_malloc_tunables()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from gattn import config as config_lib  # noqa: E402
+from gattn import variants  # noqa: E402
+from gattn.loss import lm_loss  # noqa: E402
+from gattn.model import Transformer  # noqa: E402
+from gattn.params import count_params  # noqa: E402
+
+
+def matmul_peak_gflops(n: int = 2048, reps: int = 10) -> float:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def step_gflop(cfg, batch: int, seq: int) -> float:
+    n_nonemb = count_params(cfg) - cfg.vocab_size * cfg.d_model
+    attn = 12 * cfg.num_layers * batch * seq**2 * cfg.q_heads * cfg.head_dim
+    return (6 * n_nonemb * batch * seq + attn) / 1e9
+
+
+def time_step(cfg, batch: int, seq: int, steps: int, lr: float) -> float:
+    """Median seconds of one jitted AdamW step (after two warm-up steps)."""
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
+    graphdef, state = nnx.split((model, opt))
+
+    def step(state, tokens):
+        model, opt = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lm_loss)(model, tokens)
+        opt.update(model, grads)
+        return nnx.state((model, opt)), loss
+
+    step = jax.jit(step, donate_argnums=0)
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size)
+    for _ in range(2):
+        state, loss = step(state, tokens)
+    loss.block_until_ready()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, loss = step(state, tokens)
+        loss.block_until_ready()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config", default="configs/peer.py")
+    ap.add_argument("--variants", default="baseline,sdpa_elementwise")
+    ap.add_argument("--steps", type=int, default=10)
+    args, rest = ap.parse_known_args(argv)
+    _, overrides = config_lib.split_argv(rest)
+    base = config_lib.load(args.config, overrides)
+    b, t = base.train.batch_size, base.train.seq_len
+
+    peak_before = matmul_peak_gflops()
+    results = {}
+    for name in args.variants.split(","):
+        cfg = variants.apply(name, base.model)
+        sec = time_step(cfg, b, t, args.steps, base.train.learning_rate)
+        gflop = step_gflop(cfg, b, t)
+        results[name] = {"step_s": round(sec, 4), "tokens_per_s": round(b * t / sec, 1),
+                         "gflop_per_step": round(gflop, 2), "achieved_gflops": round(gflop / sec, 1)}
+    peak = max(peak_before, matmul_peak_gflops())
+    first = next(iter(results))
+    for r in results.values():
+        r["fraction_of_peak"] = round(r["achieved_gflops"] / peak, 3)
+        r["time_vs_" + first] = round(r["step_s"] / results[first]["step_s"], 3)
+        r["extra_flops_vs_" + first] = round(r["gflop_per_step"] / results[first]["gflop_per_step"] - 1, 4)
+    print(json.dumps({"config": args.config, "batch": b, "seq": t, "matmul_peak_gflops": round(peak, 1),
+                      "jax": jax.__version__, "devices": str(jax.devices()), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""A first look at every variant on the embedded corpus, until train.py lands.
+
+    python -m gattn.demo [--config configs/tiny.py] [--variants a,b,...] [--steps 40] [--json]
+
+For each variant: parameters (and those added to the baseline), a short AdamW run on the bytes of
+CPython's own documentation (`pydoc_data/topics.py`, present on any Python), the held-out loss,
+and the paper's gate statistics from the real forward pass: mean gate score, F-Attn (attention
+on the first token) and M-Act (max hidden activation). Identical data and seed for all variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from gattn.runtime import ensure_malloc_tunables
+
+ensure_malloc_tunables()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pydoc_data.topics  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from gattn import analysis, variants  # noqa: E402
+from gattn import config as config_lib  # noqa: E402
+from gattn.loss import lm_loss  # noqa: E402
+from gattn.model import Transformer  # noqa: E402
+from gattn.params import count_params  # noqa: E402
+
+
+def embedded_bytes() -> tuple[np.ndarray, np.ndarray]:
+    """The documentation text of this Python as bytes, split 90% train / 10% held out."""
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+    cut = int(0.9 * len(data))
+    return data[:cut], data[cut:]
+
+
+def batches(data: np.ndarray, batch: int, seq: int, seed: int):
+    rng = np.random.default_rng(seed)
+    while True:
+        starts = rng.integers(0, len(data) - seq - 1, size=batch)
+        yield np.stack([data[s:s + seq + 1] for s in starts])
+
+
+def run_variant(name: str, cfg, train, held_out, steps: int) -> dict:
+    model_cfg = variants.apply(name, cfg.model)
+    t = cfg.train
+    model = Transformer(model_cfg, rngs=nnx.Rngs(t.seed))
+    opt = nnx.Optimizer(model, optax.adamw(t.learning_rate), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, tokens):
+        loss, grads = nnx.value_and_grad(lm_loss)(model, tokens)
+        opt.update(model, grads)
+        return loss
+
+    start = time.perf_counter()
+    data = batches(train, t.batch_size, t.seq_len, t.seed)
+    losses = [float(step(model, opt, next(data))) for _ in range(steps)]
+    eval_batch = next(batches(held_out, t.batch_size, t.seq_len, t.seed + 1))
+    held_out_loss = float(nnx.jit(lm_loss)(model, eval_batch))
+    stats = analysis.summarize(analysis.collect(model, eval_batch[:, :-1]))["overall"]
+    params = count_params(model_cfg)
+    return {"variant": name, "params": params, "added_params": params - count_params(cfg.model),
+            "first_loss": losses[0],
+            "last_loss": losses[-1], "held_out_loss": held_out_loss, **stats,
+            "seconds": time.perf_counter() - start}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.py")
+    ap.add_argument("--variants", default="all", help="comma-separated names, or 'all'")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--json", action="store_true")
+    args, rest = ap.parse_known_args(argv)
+    rest, overrides = config_lib.split_argv(rest)
+    if rest:
+        ap.error(f"unrecognised arguments: {' '.join(rest)}")
+    cfg = config_lib.load(args.config, overrides)
+    names = ([n for n, v in variants.REGISTRY.items() if v.change is not None]
+             if args.variants == "all" else args.variants.split(","))
+    for n in names:  # fail on a bad name before any training
+        variants.apply(n, cfg.model)
+    train, held_out = embedded_bytes()
+    print(f"embedded corpus: {len(train):,} train / {len(held_out):,} held-out bytes; "
+          f"{args.steps} AdamW steps of {cfg.train.batch_size}x{cfg.train.seq_len} per variant "
+          f"on {jax.devices()[0].platform}", flush=True)
+    rows = []
+    for name in names:
+        rows.append(run_variant(name, cfg, train, held_out, args.steps))
+        r = rows[-1]
+        if not args.json:
+            gate = f"{r['gate_score']:.3f}" if "gate_score" in r else "-"
+            if len(rows) == 1:
+                print(f"{'variant':<30}{'params':>10}{'added':>9}{'loss@0':>8}{'loss@N':>8}"
+                      f"{'held-out':>9}{'gate':>7}{'F-Attn':>8}{'M-Act':>8}")
+            print(f"{name:<30}{r['params']:>10,}{r['added_params']:>+9,}"
+                  f"{r['first_loss']:>8.3f}{r['last_loss']:>8.3f}{r['held_out_loss']:>9.3f}"
+                  f"{gate:>7}{r['f_attn']:>8.3f}{r['m_act']:>8.2f}", flush=True)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
