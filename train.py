@@ -29,4 +29,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(config_lib.run_cli(main))

@@ -296,3 +296,14 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """Separates `--config.FIELD=VALUE` overrides from the other command-line arguments."""
     overrides = [a for a in argv if a.startswith("--config.")]
     return [a for a in argv if not a.startswith("--config.")], overrides
+
+
+def run_cli(main, argv=None) -> int:
+    """Runs an entry point's `main`, turning a ConfigError into one line on stderr and exit 2."""
+    import sys  # noqa: PLC0415
+
+    try:
+        return main(argv) or 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -107,4 +107,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(config_lib.run_cli(main))
