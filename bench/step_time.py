@@ -2,9 +2,9 @@
 
     python bench/step_time.py [--config configs/peer.py] [--variants baseline,sdpa_elementwise]
 
-Prints JSON: per variant the AdamW step time, tokens/s, GFLOP per step (6 * N_nonemb * B * T +
+Prints JSON: per variant the median AdamW step time (variants interleaved round by round), tokens/s, GFLOP per step (6 * N_nonemb * B * T +
 12 * L * B * T^2 * Hq * K, as in shared/PERFORMANCE.md) and the fraction of the 2048x2048 fp32
-matmul peak measured in the same process (before and after the steps; host load moves it), plus
+matmul peak measured in the same process (median over the rounds; host load moves it), plus
 the step-time ratio of each variant to the first one and that variant's share of extra FLOPs.
 """
 
@@ -51,8 +51,8 @@ def step_gflop(cfg, batch: int, seq: int) -> float:
     return (6 * n_nonemb * batch * seq + attn) / 1e9
 
 
-def time_step(cfg, batch: int, seq: int, steps: int, lr: float) -> float:
-    """Median seconds of one jitted AdamW step (after two warm-up steps)."""
+def make_step(cfg, batch: int, seq: int, lr: float):
+    """A jitted AdamW step on a fixed batch, warmed up; returns a callable that times one step."""
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
     graphdef, state = nnx.split((model, opt))
@@ -65,43 +65,54 @@ def time_step(cfg, batch: int, seq: int, steps: int, lr: float) -> float:
 
     step = jax.jit(step, donate_argnums=0)
     tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size)
-    for _ in range(2):
-        state, loss = step(state, tokens)
-    loss.block_until_ready()
-    times = []
-    for _ in range(steps):
+    box = [state]
+
+    def timed() -> float:
         t = time.perf_counter()
-        state, loss = step(state, tokens)
+        box[0], loss = step(box[0], tokens)
         loss.block_until_ready()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+        return time.perf_counter() - t
+
+    for _ in range(2):
+        timed()
+    return timed
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--config", default="configs/peer.py")
     ap.add_argument("--variants", default="baseline,sdpa_elementwise")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=8, help="rounds of interleaved steps")
+    ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
     args, rest = ap.parse_known_args(argv)
     _, overrides = config_lib.split_argv(rest)
     base = config_lib.load(args.config, overrides)
     b, t = base.train.batch_size, base.train.seq_len
 
-    peak_before = matmul_peak_gflops()
+    names = args.variants.split(",")
+    cfgs = {n: variants.apply(n, base.model) for n in names}
+    steps = {n: make_step(cfgs[n], b, t, base.train.learning_rate) for n in names}
+    # Interleave the variants round by round so that drifts in host speed hit them all alike.
+    times, peaks = {n: [] for n in names}, []
+    for _ in range(args.rounds):
+        peaks.append(matmul_peak_gflops(reps=3))
+        for n in names:
+            times[n] += [steps[n]() for _ in range(args.steps)]
+    peak = sorted(peaks)[len(peaks) // 2]
     results = {}
-    for name in args.variants.split(","):
-        cfg = variants.apply(name, base.model)
-        sec = time_step(cfg, b, t, args.steps, base.train.learning_rate)
-        gflop = step_gflop(cfg, b, t)
-        results[name] = {"step_s": round(sec, 4), "tokens_per_s": round(b * t / sec, 1),
-                         "gflop_per_step": round(gflop, 2), "achieved_gflops": round(gflop / sec, 1)}
-    peak = max(peak_before, matmul_peak_gflops())
+    for n in names:
+        sec = sorted(times[n])[len(times[n]) // 2]
+        gflop = step_gflop(cfgs[n], b, t)
+        results[n] = {"step_s": round(sec, 4), "step_s_min": round(min(times[n]), 4),
+                      "tokens_per_s": round(b * t / sec, 1), "gflop_per_step": round(gflop, 2),
+                      "achieved_gflops": round(gflop / sec, 1)}
     first = next(iter(results))
     for r in results.values():
         r["fraction_of_peak"] = round(r["achieved_gflops"] / peak, 3)
         r["time_vs_" + first] = round(r["step_s"] / results[first]["step_s"], 3)
         r["extra_flops_vs_" + first] = round(r["gflop_per_step"] / results[first]["gflop_per_step"] - 1, 4)
     print(json.dumps({"config": args.config, "batch": b, "seq": t, "matmul_peak_gflops": round(peak, 1),
+                      "matmul_peak_gflops_range": [round(min(peaks), 1), round(max(peaks), 1)],
                       "jax": jax.__version__, "devices": str(jax.devices()), "results": results}, indent=2))
 
 
