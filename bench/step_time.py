@@ -2,8 +2,9 @@
 
     python bench/step_time.py [--config configs/peer.py] [--variants baseline,sdpa_elementwise]
 
-Prints JSON: per variant the median AdamW step time (variants interleaved round by round), tokens/s, GFLOP per step (6 * N_nonemb * B * T +
-12 * L * B * T^2 * Hq * K, as in shared/PERFORMANCE.md) and the fraction of the 2048x2048 fp32
+Prints JSON: per variant the median AdamW step time (variants interleaved round by round),
+tokens/s, GFLOP per step (6 * N_nonemb * B * T + 12 * L * B * T^2 * Hq * K, as in
+shared/PERFORMANCE.md) and the fraction of the 2048x2048 fp32
 matmul peak measured in the same process (median over the rounds; host load moves it), plus
 the step-time ratio of each variant to the first one and that variant's share of extra FLOPs.
 """
@@ -27,7 +28,6 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from gattn import config as config_lib  # noqa: E402
-from gattn import variants  # noqa: E402
 from gattn.loss import lm_loss  # noqa: E402
 from gattn.model import Transformer  # noqa: E402
 from gattn.params import count_params  # noqa: E402
@@ -85,13 +85,15 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=8, help="rounds of interleaved steps")
     ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
     args, rest = ap.parse_known_args(argv)
-    _, overrides = config_lib.split_argv(rest)
-    base = config_lib.load(args.config, overrides)
+    rest, overrides = config_lib.split_argv(rest)
+    if rest:
+        ap.error(f"unrecognised arguments: {' '.join(rest)}")
+    names = args.variants.split(",")
+    cfgs = {n: config_lib.load(args.config, overrides, variant=n) for n in names}
+    base = cfgs[names[0]]
     b, t = base.train.batch_size, base.train.seq_len
 
-    names = args.variants.split(",")
-    cfgs = {n: variants.apply(n, base.model) for n in names}
-    steps = {n: make_step(cfgs[n], b, t, base.train.learning_rate) for n in names}
+    steps = {n: make_step(cfgs[n].model, b, t, base.train.learning_rate) for n in names}
     # Interleave the variants round by round so that drifts in host speed hit them all alike.
     times, peaks = {n: [] for n in names}, []
     for _ in range(args.rounds):
@@ -102,7 +104,7 @@ def main(argv=None):
     results = {}
     for n in names:
         sec = sorted(times[n])[len(times[n]) // 2]
-        gflop = step_gflop(cfgs[n], b, t)
+        gflop = step_gflop(cfgs[n].model, b, t)
         results[n] = {"step_s": round(sec, 4), "step_s_min": round(min(times[n]), 4),
                       "tokens_per_s": round(b * t / sec, 1), "gflop_per_step": round(gflop, 2),
                       "achieved_gflops": round(gflop / sec, 1)}

@@ -17,19 +17,8 @@ from flax import nnx
 
 from gattn import kernels
 from gattn.config import ModelConfig
-from gattn.gates import Gate, gate_params, sdpa_nonlinearity
+from gattn.gates import Gate, sdpa_nonlinearity
 from gattn.layers import DTYPES, apply_rope, dense, param, rms_norm
-
-
-def added_params(cfg: ModelConfig) -> int:
-    """Parameters one attention layer has beyond the baseline's W_Q, W_K, W_V, W_O (and QK-norm)."""
-    n = gate_params(cfg.gate, cfg) if cfg.gate is not None else 0
-    if cfg.sdpa_nonlinearity == "rmsnorm":
-        n += cfg.head_dim
-    if (sw := cfg.switch_heads) is not None:
-        per_expert = cfg.d_model * cfg.kv_heads * cfg.head_dim * (2 if sw.targets == "kv" else 1)
-        n += cfg.d_model * cfg.kv_heads * sw.num_experts + (sw.num_experts - 1) * per_expert
-    return n
 
 
 class SwitchProjection(nnx.Module):
@@ -72,7 +61,7 @@ class Attention(nnx.Module):
             self.q_norm = param(None, (k,), ("head_dim",), value=1.0, dtype=pd)
             self.k_norm = param(None, (k,), ("head_dim",), value=1.0, dtype=pd)
         if cfg.sdpa_nonlinearity == "rmsnorm":
-            self.sdpa_norm = param(None, (k,), ("head_dim",), value=1.0, dtype=pd)
+            self.sdpa_norm = param(None, (hq, k), ("heads", "head_dim"), value=1.0, dtype=pd)
         self.gate = Gate(cfg.gate, cfg, rngs=rngs) if cfg.gate is not None else None
         self.collect_intermediates = False
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -41,12 +43,17 @@ class ConfigError(ValueError):
 
 
 def _choice(name: str, value: Any, choices) -> None:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise ConfigError(name, value, f"expected one of {', '.join(map(repr, choices))}")
 
 
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(name, value, "expected True or False")
+
+
 def _positive(name: str, value: Any, *, zero_ok: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not zero_ok):
         raise ConfigError(name, value, "expected a number >= 0" if zero_ok else "expected a number > 0")
 
@@ -85,7 +92,7 @@ class GateSpec:
         _choice("sharing", self.sharing, SHARINGS)
         _choice("form", self.form, FORMS)
         _choice("activation", self.activation, GATE_ACTIVATIONS)
-        _choice("input_dependent", self.input_dependent, (True, False))
+        _bool("input_dependent", self.input_dependent)
         if self.position == "dense" and self.granularity == "headwise":
             raise ConfigError("granularity", self.granularity,
                               "position 'dense' (G5) has no heads; use 'elementwise'")
@@ -97,6 +104,18 @@ class GateSpec:
     def g(self) -> str:
         """The paper's name of the position, G1..G5."""
         return POSITIONS[self.position]
+
+    def shape(self, cfg: "ModelConfig") -> tuple[int, int]:
+        """(heads, width) of the score before any head sharing (see gattn/gates.py)."""
+        if self.position == "dense":
+            return 1, cfg.d_model
+        heads = cfg.q_heads if self.position in ("sdpa", "query") else cfg.kv_heads
+        return heads, cfg.head_dim if self.granularity == "elementwise" else 1
+
+    def num_params(self, cfg: "ModelConfig") -> int:
+        """Parameters this gate adds to one layer (Table 1's 'Added Param' / num_layers)."""
+        heads, width = self.shape(cfg)
+        return heads * width * (cfg.d_model if self.input_dependent else 1)
 
 
 @dataclass(frozen=True)
@@ -169,18 +188,46 @@ class ModelConfig:
         _choice("remat", self.remat, REMAT_POLICIES)
         _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         for name in ("tie_embeddings", "qk_norm", "sandwich_norm", "match_ffn_params", "scan_layers"):
-            _choice(name, getattr(self, name), (True, False))
+            _bool(name, getattr(self, name))
         if self.output_clip is not None:
             _positive("output_clip", self.output_clip)
         if self.gate is not None and not isinstance(self.gate, GateSpec):
             raise ConfigError("gate", self.gate, "expected a GateSpec or None")
         if self.switch_heads is not None and not isinstance(self.switch_heads, SwitchHeadsSpec):
             raise ConfigError("switch_heads", self.switch_heads, "expected a SwitchHeadsSpec or None")
+        if self.ffn_width <= 0:
+            raise ConfigError("match_ffn_params", True,
+                              f"the block adds {self.block_added_params} parameters, more than the "
+                              f"FFN (d_ff={self.d_ff}) has; use a larger d_ff or match_ffn_params=False")
 
     @property
     def group_size(self) -> int:
         """Query heads per key/value head."""
         return self.q_heads // self.kv_heads
+
+    @property
+    def attention_added_params(self) -> int:
+        """Parameters one attention layer has beyond the baseline's W_Q, W_K, W_V, W_O, QK-norm."""
+        n = self.gate.num_params(self) if self.gate is not None else 0
+        if self.sdpa_nonlinearity == "rmsnorm":
+            n += self.q_heads * self.head_dim  # one RMSNorm scale per head
+        if (sw := self.switch_heads) is not None:
+            per_expert = self.d_model * self.kv_heads * self.head_dim * (2 if sw.targets == "kv" else 1)
+            n += self.d_model * self.kv_heads * sw.num_experts + (sw.num_experts - 1) * per_expert
+        return n
+
+    @property
+    def block_added_params(self) -> int:
+        """Parameters one block has beyond the baseline block (attention extras, sandwich norms)."""
+        return self.attention_added_params + (2 * self.d_model if self.sandwich_norm else 0)
+
+    @property
+    def ffn_width(self) -> int:
+        """d_ff, or with `match_ffn_params` the width that gives the block the baseline's parameter
+        count: every extra parameter of the block is paid for by FFN columns (3 * d_model each)."""
+        if not self.match_ffn_params:
+            return self.d_ff
+        return self.d_ff - round(self.block_added_params / (3 * self.d_model))
 
 
 @dataclass(frozen=True)
@@ -204,7 +251,14 @@ class TrainConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    variant: str = "baseline"  # the registered variant name (gattn.variants) applied to `model`.
+    # The registered variant (gattn.variants) that `load` applied to the config file's model. It is
+    # a record, not a switch: choose a variant with `--variant NAME` (or `--config.variant=NAME`).
+    variant: str = "baseline"
+
+    def __post_init__(self):
+        from gattn.variants import REGISTRY  # noqa: PLC0415 (variants imports this module)
+
+        _choice("variant", self.variant, tuple(REGISTRY))
 
 
 # --------------------------------------------------------------------------- overrides
@@ -227,51 +281,61 @@ def _coerce(path: str, text: str, hint: Any) -> Any:
         raise ConfigError(path, text, "expected true or false")
     if hint in (int, float):
         try:
-            return hint(float(text)) if hint is int and float(text).is_integer() else hint(text)
+            number = float(text)
+            return int(number) if hint is int and number.is_integer() else hint(text)
         except ValueError:
             raise ConfigError(path, text, f"expected {'an integer' if hint is int else 'a number'}") from None
     if dataclasses.is_dataclass(hint):
         if text.lower() == "default":
             return hint()
-        raise ConfigError(path, text, f"set its fields ({path}.FIELD=VALUE), 'default' or 'none'")
+        raise ConfigError(path, text, f"set its fields ({path}.FIELD=VALUE) or 'default'")
     return text
 
 
-def replace(cfg: Any, path: str, text: str, _prefix: str = "") -> Any:
-    """Returns `cfg` with the dotted field `path` set from the override text `text`."""
-    name, _, rest = path.partition(".")
-    full = f"{_prefix}.{name}" if _prefix else name
-    fields = {f.name: f for f in dataclasses.fields(cfg)}
-    if name not in fields:
-        raise ConfigError(full, text, f"unknown field; {type(cfg).__name__} has {', '.join(fields)}")
-    hint = typing.get_type_hints(type(cfg))[name]
+def _build(cfg: Any, tree: dict, prefix: str) -> Any:
+    """Returns `cfg` with every override in `tree` ({field: text or subtree}) applied at once, so
+    that cross-field checks see the final values whatever the order on the command line."""
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    hints = typing.get_type_hints(type(cfg))
+    changes = {}
+    for name, value in tree.items():
+        path = f"{prefix}.{name}" if prefix else name
+        if name not in fields:
+            raise ConfigError(path, value if isinstance(value, str) else None,
+                              f"unknown field; {type(cfg).__name__} has {', '.join(sorted(fields))}")
+        if isinstance(value, str):
+            changes[name] = _coerce(path, value, hints[name])
+            continue
+        child = getattr(cfg, name)
+        if child is None:  # setting a field of an absent sub-config creates it with defaults
+            child = next((a for a in typing.get_args(hints[name]) if dataclasses.is_dataclass(a)), None)()
+        if not dataclasses.is_dataclass(child):
+            raise ConfigError(path, None, f"{path} is a value, not a nested config")
+        changes[name] = _build(child, value, path)
     try:
-        if rest:
-            child = getattr(cfg, name)
-            if child is None:  # setting a field of an absent sub-config creates it with defaults
-                base = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
-                if not base:
-                    raise ConfigError(full, text, "not a nested config")
-                child = base[0]()
-            value = replace(child, rest, text, full)
-        else:
-            value = _coerce(full, text, hint)
-        return dataclasses.replace(cfg, **{name: value})
+        return dataclasses.replace(cfg, **changes)
     except ConfigError as e:
-        if e.field.startswith(full):
-            raise
-        raise e.under(_prefix) from None
+        raise e.under(prefix) from None
 
 
 def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
     """Applies overrides like `model.num_layers=2` (a leading `--config.` is accepted too)."""
+    tree: dict = {}
     for item in overrides:
         item = item.removeprefix("--").removeprefix("config.")
         if "=" not in item:
             raise ConfigError(item, None, "expected FIELD=VALUE, e.g. --config.model.num_layers=2")
         path, _, text = item.partition("=")
-        cfg = replace(cfg, path.strip(), text.strip())
-    return cfg
+        *parents, leaf = path.strip().split(".")
+        node = tree
+        for i, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if isinstance(node, str):
+                raise ConfigError(".".join(parents[:i + 1]), node, "set either the value or its fields, not both")
+        if isinstance(node.get(leaf), dict):
+            raise ConfigError(path.strip(), text.strip(), "set either the value or its fields, not both")
+        node[leaf] = text.strip()
+    return _build(cfg, tree, "")
 
 
 def load(path: str | Path, overrides: list[str] = (), variant: str | None = None) -> Config:
@@ -285,6 +349,10 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
     if not hasattr(module, "get_config"):
         raise ConfigError("--config", str(path), "the file must define get_config() -> Config")
     cfg = module.get_config()
+    # `--config.variant=NAME` is the same as `--variant NAME`: the variant is applied, not relabelled.
+    named = [o for o in overrides if o.removeprefix("--").removeprefix("config.").startswith("variant=")]
+    overrides = [o for o in overrides if o not in named]
+    variant = named[-1].partition("=")[2].strip() if named else variant
     if variant is not None:
         from gattn import variants  # noqa: PLC0415 (variants imports this module)
 
@@ -300,8 +368,6 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def run_cli(main, argv=None) -> int:
     """Runs an entry point's `main`, turning a ConfigError into one line on stderr and exit 2."""
-    import sys  # noqa: PLC0415
-
     try:
         return main(argv) or 0
     except ConfigError as e:

@@ -14,21 +14,18 @@ import argparse
 import json
 import time
 
+import jax
+import numpy as np
+import optax
+import pydoc_data.topics
+from flax import nnx
+
+from gattn import analysis, variants
+from gattn import config as config_lib
+from gattn.loss import lm_loss
+from gattn.model import Transformer
+from gattn.params import count_params
 from gattn.runtime import ensure_malloc_tunables
-
-ensure_malloc_tunables()
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pydoc_data.topics  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from gattn import analysis, variants  # noqa: E402
-from gattn import config as config_lib  # noqa: E402
-from gattn.loss import lm_loss  # noqa: E402
-from gattn.model import Transformer  # noqa: E402
-from gattn.params import count_params  # noqa: E402
 
 
 def embedded_bytes() -> tuple[np.ndarray, np.ndarray]:
@@ -46,9 +43,8 @@ def batches(data: np.ndarray, batch: int, seq: int, seed: int):
         yield np.stack([data[s:s + seq + 1] for s in starts])
 
 
-def run_variant(name: str, cfg, train, held_out, steps: int) -> dict:
-    model_cfg = variants.apply(name, cfg.model)
-    t = cfg.train
+def run_variant(cfg, baseline_params: int, train, held_out, steps: int) -> dict:
+    model_cfg, t = cfg.model, cfg.train
     model = Transformer(model_cfg, rngs=nnx.Rngs(t.seed))
     opt = nnx.Optimizer(model, optax.adamw(t.learning_rate), wrt=nnx.Param)
 
@@ -65,7 +61,7 @@ def run_variant(name: str, cfg, train, held_out, steps: int) -> dict:
     held_out_loss = float(nnx.jit(lm_loss)(model, eval_batch))
     stats = analysis.summarize(analysis.collect(model, eval_batch[:, :-1]))["overall"]
     params = count_params(model_cfg)
-    return {"variant": name, "params": params, "added_params": params - count_params(cfg.model),
+    return {"variant": cfg.variant, "params": params, "added_params": params - baseline_params,
             "first_loss": losses[0],
             "last_loss": losses[-1], "held_out_loss": held_out_loss, **stats,
             "seconds": time.perf_counter() - start}
@@ -75,24 +71,27 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--config", default="configs/tiny.py")
     ap.add_argument("--variants", default="all", help="comma-separated names, or 'all'")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=40, help="AdamW steps per variant (a short look; "
+                    "train.steps is train.py's budget)")
     ap.add_argument("--json", action="store_true")
     args, rest = ap.parse_known_args(argv)
     rest, overrides = config_lib.split_argv(rest)
     if rest:
         ap.error(f"unrecognised arguments: {' '.join(rest)}")
-    cfg = config_lib.load(args.config, overrides)
     names = ([n for n, v in variants.REGISTRY.items() if v.change is not None]
              if args.variants == "all" else args.variants.split(","))
-    for n in names:  # fail on a bad name before any training
-        variants.apply(n, cfg.model)
+    # Each variant is applied to the config file's model, then the overrides (as in train.py);
+    # every config is built, and so checked, before any training.
+    cfgs = [config_lib.load(args.config, overrides, variant=n) for n in names]
+    baseline_params = count_params(config_lib.load(args.config, overrides, variant="baseline").model)
+    cfg = cfgs[0]
     train, held_out = embedded_bytes()
     print(f"embedded corpus: {len(train):,} train / {len(held_out):,} held-out bytes; "
           f"{args.steps} AdamW steps of {cfg.train.batch_size}x{cfg.train.seq_len} per variant "
           f"on {jax.devices()[0].platform}", flush=True)
     rows = []
-    for name in names:
-        rows.append(run_variant(name, cfg, train, held_out, args.steps))
+    for name, variant_cfg in zip(names, cfgs):
+        rows.append(run_variant(variant_cfg, baseline_params, train, held_out, args.steps))
         r = rows[-1]
         if not args.json:
             gate = f"{r['gate_score']:.3f}" if "gate_score" in r else "-"
@@ -107,4 +106,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    ensure_malloc_tunables()
     raise SystemExit(config_lib.run_cli(main))

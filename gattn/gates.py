@@ -25,6 +25,9 @@ from flax import nnx
 from gattn.config import GateSpec, ModelConfig
 from gattn.layers import DTYPES, dense, param, rms_norm
 
+# Logical axis of the gate's head axis at each position (the dense position has none).
+HEAD_AXIS = {"sdpa": "heads", "query": "heads", "value": "kv_heads", "key": "kv_heads", "dense": None}
+
 
 def ns_sigmoid(x):
     """Non-sparse sigmoid (Sec. 4.2): 0.5 + 0.5 * sigmoid(x), in [0.5, 1]."""
@@ -35,30 +38,16 @@ ACTIVATIONS = {"sigmoid": jax.nn.sigmoid, "silu": jax.nn.silu, "ns_sigmoid": ns_
                "identity": lambda x: x}
 
 
-def gate_shape(spec: GateSpec, cfg: ModelConfig) -> tuple[int, int]:
-    """(heads, width) of the score before any head sharing; see the module docstring."""
-    if spec.position == "dense":
-        return 1, cfg.d_model
-    heads = cfg.q_heads if spec.position in ("sdpa", "query") else cfg.kv_heads
-    return heads, cfg.head_dim if spec.granularity == "elementwise" else 1
-
-
-def gate_params(spec: GateSpec, cfg: ModelConfig) -> int:
-    """Parameters one gate adds to one layer (the paper's 'Added Param' is this x num_layers)."""
-    heads, width = gate_shape(spec, cfg)
-    return heads * width * (cfg.d_model if spec.input_dependent else 1)
-
-
 class Gate(nnx.Module):
     """Y' = Y * act(X W_theta) (multiplicative) or Y + act(X W_theta) (additive)."""
 
     def __init__(self, spec: GateSpec, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.spec = spec
-        self.heads, self.width = gate_shape(spec, cfg)
-        axis = {"sdpa": "heads", "query": "heads", "dense": "mlp"}.get(spec.position, "kv_heads")
+        self.heads, self.width = spec.shape(cfg)  # see the table in the module docstring
+        axis = HEAD_AXIS[spec.position]
         pd = DTYPES[cfg.param_dtype]
         if spec.input_dependent:
-            self.w = param(rngs, (cfg.d_model, self.heads * self.width), ("embed", axis),
+            self.w = param(rngs, (cfg.d_model, self.heads * self.width), ("embed", axis or "mlp"),
                            std=cfg.init_std, dtype=pd)
         else:
             self.theta = param(None, (self.heads, self.width), (axis, None), value=0.0, dtype=pd)
@@ -88,7 +77,8 @@ class Gate(nnx.Module):
 
 
 def sdpa_nonlinearity(kind: str, y_NxHxK: jax.Array, scale_K: jax.Array | None, eps: float):
-    """Table 3: per-head RMSNorm ('SDPA GroupNorm', row 5) or parameter-free SiLU (row 6) on Y."""
+    """Table 3: RMSNorm applied to each head independently, with its own [head_dim] scale per head
+    ('SDPA GroupNorm', row 5; scale_K is [heads, head_dim]), or parameter-free SiLU (row 6) on Y."""
     if kind == "rmsnorm":
         return rms_norm(y_NxHxK, scale_K, eps)
     if kind == "silu":

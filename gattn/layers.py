@@ -28,9 +28,12 @@ def param(rngs: nnx.Rngs | None, shape, axes: tuple[str, ...], *, std: float = 0
     return nnx.Param(init.astype(dtype), out_sharding=axes, eager_sharding=False)
 
 
-def dense(x_NxI: jax.Array, w_IxO: nnx.Param | jax.Array, dtype) -> jax.Array:
-    """x @ w in the compute dtype. The one matmul every projection goes through."""
-    return jnp.dot(x_NxI.astype(dtype), jnp.asarray(w_IxO[...]).astype(dtype))
+def dense(x_NxI: jax.Array, w_IxO: nnx.Param | jax.Array, dtype, out_dtype=None) -> jax.Array:
+    """x @ w with inputs in the compute dtype; the result in `out_dtype` (default: the compute
+    dtype; the LM head asks for float32 so bf16 logits are not rounded). The one matmul every
+    projection goes through."""
+    return jnp.dot(x_NxI.astype(dtype), jnp.asarray(w_IxO[...]).astype(dtype),
+                   preferred_element_type=out_dtype or dtype)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:

@@ -21,10 +21,16 @@ def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
     return jnp.sum(nll_N * w_N) / jnp.maximum(jnp.sum(w_N), 1.0)
 
 
-def lm_loss(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None) -> jax.Array:
-    """Loss of predicting tokens[:, 1:] from tokens[:, :-1] (padding, segment id 0, is ignored)."""
+def lm_loss(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None,
+            positions_BxS: jax.Array | None = None) -> jax.Array:
+    """Loss of predicting tokens[:, 1:] from tokens[:, :-1]. With packed documents (segment ids,
+    0 = padding; positions restarting at each document) a target counts only if it is in the same
+    document as its input token, so no document is predicted from the one before it and padding
+    is ignored."""
     inputs, targets = tokens_BxS[:, :-1], tokens_BxS[:, 1:]
-    seg = None if segment_ids_BxS is None else segment_ids_BxS[:, :-1]
-    logits = model(inputs, segment_ids_BxS=seg)
-    weights = None if segment_ids_BxS is None else (segment_ids_BxS[:, 1:] != 0)
-    return cross_entropy(logits, targets, weights)
+    pos = None if positions_BxS is None else positions_BxS[:, :-1]
+    if segment_ids_BxS is None:
+        return cross_entropy(model(inputs, positions_BxS=pos), targets)
+    seg_in, seg_out = segment_ids_BxS[:, :-1], segment_ids_BxS[:, 1:]
+    logits = model(inputs, positions_BxS=pos, segment_ids_BxS=seg_in)
+    return cross_entropy(logits, targets, (seg_out != 0) & (seg_out == seg_in))

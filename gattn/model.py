@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gattn.attention import Attention, added_params
-from gattn.config import ConfigError, ModelConfig
+from gattn.attention import Attention
+from gattn.config import ModelConfig
 from gattn.layers import DTYPES, RMSNorm, SwiGLU, dense, param
 
 REMAT_POLICIES = {
@@ -19,19 +19,6 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
-
-
-def ffn_width(cfg: ModelConfig) -> int:
-    """d_ff, or with `match_ffn_params` the width that gives the block the baseline's parameter
-    count: every extra parameter of the block is paid for by FFN columns (3 * d_model each)."""
-    if not cfg.match_ffn_params:
-        return cfg.d_ff
-    extra = added_params(cfg) + (2 * cfg.d_model if cfg.sandwich_norm else 0)
-    width = cfg.d_ff - round(extra / (3 * cfg.d_model))
-    if width <= 0:
-        raise ConfigError("match_ffn_params", True,
-                          f"the block adds {extra} parameters, more than the FFN (d_ff={cfg.d_ff}) has")
-    return width
 
 
 class Block(nnx.Module):
@@ -42,7 +29,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
         self.attn = Attention(cfg, rngs=rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
-        self.ffn = SwiGLU(cfg, ffn_width(cfg), rngs=rngs)
+        self.ffn = SwiGLU(cfg, cfg.ffn_width, rngs=rngs)
         if cfg.sandwich_norm:
             self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
             self.ffn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
@@ -114,5 +101,5 @@ class Transformer(nnx.Module):
                 x_NxD = run(block, x_NxD)
         x_NxD = self.final_norm(x_NxD)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits_NxV = dense(x_NxD, head, self.dtype).astype(jnp.float32)
+        logits_NxV = dense(x_NxD, head, self.dtype, out_dtype=jnp.float32)
         return logits_NxV.reshape(b, s, cfg.vocab_size)

@@ -17,9 +17,10 @@ def _raises(fn, field, value, allowed_part):
     with pytest.raises(ConfigError) as e:
         fn()
     assert e.value.field == field
-    assert e.value.value == value
+    if value is not None:  # None: NaN, which equals nothing
+        assert e.value.value == value
     assert allowed_part in e.value.allowed
-    assert field in str(e.value) and repr(value) in str(e.value)
+    assert field in str(e.value) and repr(e.value.value) in str(e.value)
 
 
 @pytest.mark.parametrize("kwargs, field, value, allowed", [
@@ -55,6 +56,12 @@ def test_gate_positions_accept_paper_names():
     (dict(rope_base=-1.0), "rope_base", -1.0, "> 0"),
     (dict(output_clip=-5.0), "output_clip", -5.0, "> 0"),
     (dict(gate="sdpa"), "gate", "sdpa", "GateSpec"),
+    (dict(norm_eps=float("nan")), "norm_eps", None, "> 0"),
+    (dict(rope_base=float("inf")), "rope_base", float("inf"), "> 0"),
+    (dict(output_clip=float("inf")), "output_clip", float("inf"), "> 0"),
+    (dict(qk_norm=1), "qk_norm", 1, "True or False"),
+    (dict(scan_layers="yes"), "scan_layers", "yes", "True or False"),
+    (dict(d_ff=8, match_ffn_params=True, gate=GateSpec()), "match_ffn_params", True, "larger d_ff"),
 ])
 def test_bad_model_config_names_field_value_and_choices(kwargs, field, value, allowed):
     _raises(lambda: ModelConfig(**kwargs), field, value, allowed)
@@ -63,6 +70,11 @@ def test_bad_model_config_names_field_value_and_choices(kwargs, field, value, al
 def test_bad_switch_heads():
     _raises(lambda: SwitchHeadsSpec(targets="q"), "targets", "q", "'kv'")
     _raises(lambda: SwitchHeadsSpec(num_experts=2, top_k=3), "top_k", 3, "1..num_experts (2)")
+    _raises(lambda: GateSpec(input_dependent=0), "input_dependent", 0, "True or False")
+
+
+def test_unknown_variant_label_is_rejected():
+    _raises(lambda: C.Config(variant="sdpa_gate_typo"), "variant", "sdpa_gate_typo", "'sdpa_elementwise'")
 
 
 def test_configs_are_frozen():
@@ -84,18 +96,47 @@ def test_overrides_coerce_types_and_create_nested_gate():
     assert C.apply_overrides(cfg, ["model.output_clip=100"]).model.output_clip == 100.0
 
 
-@pytest.mark.parametrize("override, field, value", [
-    ("model.num_layers=two", "model.num_layers", "two"),
-    ("model.q_heads=5", "model.q_heads", 5),
-    ("model.gate.position=G9", "model.gate.position", "G9"),
-    ("model.nonexistent=1", "model.nonexistent", "1"),
-    ("model.qk_norm=maybe", "model.qk_norm", "maybe"),
-    ("model.num_layers", "model.num_layers", None),
+@pytest.mark.parametrize("override, field, value, allowed", [
+    ("model.num_layers=two", "model.num_layers", "two", ""),
+    ("model.q_heads=5", "model.q_heads", 5, ""),
+    ("model.gate.position=G9", "model.gate.position", "G9", ""),
+    ("model.nonexistent=1", "model.nonexistent", "1", ""),
+    ("model.qk_norm=maybe", "model.qk_norm", "maybe", ""),
+    ("model.num_layers", "model.num_layers", None, ""),
+    ("model.num_layers.x=1", "model.num_layers", None, ""),
+    ("model=none", "model", "none", "'default'"),
+    ("train.learning_rate=nan", "train.learning_rate", None, ""),
 ])
-def test_bad_overrides_name_the_full_path(override, field, value):
+def test_bad_overrides_name_the_full_path(override, field, value, allowed):
     with pytest.raises(ConfigError) as e:
         C.apply_overrides(C.Config(), [override])
-    assert e.value.field == field and e.value.value == value
+    assert e.value.field == field
+    if value is not None:
+        assert e.value.value == value
+    assert allowed in e.value.allowed and "'none'" not in e.value.allowed
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_overrides_do_not_depend_on_their_order(order):
+    """Cross-field checks see all overrides at once (each order alone would be invalid midway)."""
+    items = ["model.kv_heads=3", "model.q_heads=6",
+             "model.switch_heads.num_experts=4", "model.switch_heads.top_k=3"]
+    cfg = C.apply_overrides(C.Config(), items[::order])
+    assert (cfg.model.q_heads, cfg.model.kv_heads) == (6, 3)
+    assert cfg.model.switch_heads == SwitchHeadsSpec(num_experts=4, top_k=3)
+
+
+def test_value_and_fields_of_the_same_config_conflict():
+    with pytest.raises(ConfigError) as e:
+        C.apply_overrides(C.Config(), ["model.gate=none", "model.gate.position=G2"])
+    assert e.value.field == "model.gate" and "not both" in e.value.allowed
+
+
+def test_config_variant_override_applies_the_variant():
+    """--config.variant=NAME is --variant NAME: the model changes, not only the label."""
+    cfg = C.load(ROOT / "configs/tiny.py", ["--config.variant=v_headwise"])
+    assert cfg.variant == "v_headwise"
+    assert cfg.model.gate == GateSpec(position="value", granularity="headwise")
 
 
 def test_load_config_file_with_variant_and_overrides():

@@ -11,9 +11,8 @@ import pytest
 from flax import nnx
 
 from gattn import params, variants
-from gattn.attention import added_params
 from gattn.config import ModelConfig
-from gattn.model import Transformer, ffn_width
+from gattn.model import Transformer
 
 SMALL = ModelConfig(vocab_size=64, d_model=48, num_layers=2, q_heads=4, kv_heads=2, head_dim=8, d_ff=96)
 AVAILABLE = [n for n, v in variants.REGISTRY.items() if v.change is not None]
@@ -63,9 +62,10 @@ def test_variant_lists_cover_the_paper_rows():
 
 @pytest.mark.parametrize("name", ATTENTION_ONLY)
 def test_analytic_added_params_match_the_built_model(name):
-    """attention.added_params (used for FFN matching) agrees with what the model really builds."""
+    """The config's analytic count (used for FFN matching) agrees with what the model builds."""
     cfg = variants.apply(name, SMALL)
-    assert params.count_params(cfg) - params.count_params(SMALL) == added_params(cfg) * SMALL.num_layers
+    assert params.count_params(cfg) - params.count_params(SMALL) == \
+        cfg.attention_added_params * SMALL.num_layers
 
 
 def test_ffn_matching_gives_equal_counts_when_divisible():
@@ -74,7 +74,7 @@ def test_ffn_matching_gives_equal_counts_when_divisible():
     base = dataclasses.replace(SMALL, q_heads=6, kv_heads=3, head_dim=8)
     for name in ("sdpa_elementwise_ffn_matched",):
         cfg = variants.apply(name, base)
-        assert ffn_width(cfg) < base.d_ff
+        assert cfg.ffn_width < base.d_ff
         assert params.count_params(cfg) == params.count_params(base)
 
 

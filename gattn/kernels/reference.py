@@ -7,7 +7,8 @@ the keys it can see, which skips the fully masked upper triangle (on CPU this is
 attention core near the matmul floor; see PERFORMANCE.md).
 
 Segment ids [B, S] (int): a query attends only to keys with the same id. Id 0 marks padding:
-padding queries attend to nothing and their output (and attention row) is exactly zero.
+the output (and attention row) of a padding query is set to exactly zero, and no real token
+attends to padding.
 """
 
 from __future__ import annotations
