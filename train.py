@@ -1,32 +1,39 @@
-"""Training entry point: python train.py --config configs/NAME.py --workdir DIR [--steps N] [--config.FIELD=VALUE ...]
+"""Train a model: python train.py --config configs/NAME.py --workdir DIR [--steps N] [--variant NAME]
+                                  [--config.FIELD=VALUE ...]
 
-Not there yet: the data pipeline (Grain + TFDS), the optimizer schedules and Orbax checkpoints land
-with the training issue. Until then this script checks the config and says so; `python -m
-gattn.demo` trains every variant briefly on the embedded corpus.
+Rerunning the same command in the same DIR resumes from the latest complete checkpoint. Writes
+DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/ and DIR/summary.json.
 """
 
 import argparse
 import sys
 
 from gattn import config as config_lib
+from gattn.runtime import ensure_malloc_tunables
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--steps", type=int)
-    ap.add_argument("--variant")
+    ap.add_argument("--config", required=True, help="a Python file under configs/")
+    ap.add_argument("--workdir", required=True, help="run directory (created; resumed if it exists)")
+    ap.add_argument("--steps", type=int, help="total training steps (sets train.steps)")
+    ap.add_argument("--variant", help="a registered variant (python -m gattn.variants)")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args, rest = ap.parse_known_args(argv)
     rest, overrides = config_lib.split_argv(rest)
     if rest:
         ap.error(f"unrecognised arguments: {' '.join(rest)}")
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
     cfg = config_lib.load(args.config, overrides, variant=args.variant)
-    print(f"config OK (variant {cfg.variant}, {cfg.model.num_layers} layers, d_model {cfg.model.d_model}).\n"
-          "train.py is not implemented yet: it arrives with the training issue. "
-          "Meanwhile run `python -m gattn.demo`.", file=sys.stderr)
-    return 2
+
+    from gattn import trainer  # noqa: PLC0415 (config errors come before any JAX import)
+
+    summary = trainer.train(cfg, args.workdir, progress=not args.quiet)
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    return 0
 
 
 if __name__ == "__main__":
+    ensure_malloc_tunables()
     sys.exit(config_lib.run_cli(main))

@@ -230,27 +230,89 @@ class ModelConfig:
         return self.d_ff - round(self.block_added_params / (3 * self.d_model))
 
 
+# The paper's learning-rate recipes (Sec. 3.2): name -> (max LR, final LR, warmup steps). The
+# paper gives the floor only for the MoE recipe; the dense presets decay to 1% of their peak.
+LR_PRESETS = {
+    "moe_15a2b": (2e-3, 3e-5, 1000),          # Table 1: 1k warmup, 2e-3 -> 3e-5, bsz 1024
+    "dense_400b": (4e-3, 4e-5, 1000),         # Table 2 rows 1-2, 5, 8-9 (bsz 1024)
+    "dense_3.5t": (4.5e-3, 4.5e-5, 1000),     # Table 2 rows 3-4 (bsz 2048)
+    "dense_1t": (5.3e-3, 5.3e-5, 1000),       # Table 2 rows 11, 13 (bsz 4096)
+    "dense_high_lr": (8e-3, 8e-5, 1000),      # Table 2 rows 6-7, 10, 12, 14: the baseline diverges
+}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from and how it becomes tokens (gattn/data)."""
+
+    source: str = "embedded"        # "embedded" (CPython docs + stdlib sources) or a folder path
+    code_max_bytes: int = 1_500_000  # how much stdlib source the embedded corpus takes
+    tokenizer: str = ""             # a SentencePiece .model file; "" trains one of model.vocab_size
+    eval_batches: int = 4           # held-out batches per domain for validation
+    eval_batch_size: int = 8
+
+    def __post_init__(self):
+        if not isinstance(self.source, str) or not self.source:
+            raise ConfigError("source", self.source, "expected 'embedded' or a folder path")
+        if not isinstance(self.tokenizer, str):
+            raise ConfigError("tokenizer", self.tokenizer, "expected a path or ''")
+        for name in ("code_max_bytes", "eval_batches", "eval_batch_size"):
+            _integer(name, getattr(self, name))
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    """What a run needs beyond the model. The training issue extends this (data, optimizer, ckpt)."""
+    """Optimisation, checkpointing and logging of a run (gattn/optim.py, gattn/trainer.py)."""
 
     seed: int = 0
-    batch_size: int = 8
+    batch_size: int = 8             # global batch (sequences)
     seq_len: int = 128
-    steps: int = 200
-    learning_rate: float = 3e-3
+    steps: int = 200                # total training steps
+    learning_rate: float = 3e-3     # max LR, after linear warmup
+    min_learning_rate: float = 3e-5  # cosine floor at the last step
+    warmup_steps: int = 20
+    lr_preset: str = ""             # a key of LR_PRESETS; sets the three values above
+    weight_decay: float = 0.01      # AdamW's defaults otherwise (the paper keeps them)
+    grad_clip: float = 1.0          # global-norm clipping (0 = off)
+    log_every: int = 10
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    max_bad_steps: int = 10         # consecutive non-finite steps before the run stops
+    spike_window: int = 50          # loss spike: loss > median of the last `window` + margin
+    spike_margin: float = 0.5
 
     def __post_init__(self):
         _integer("seed", self.seed, zero_ok=True)
-        for name in ("batch_size", "seq_len", "steps"):
+        for name in ("batch_size", "seq_len", "steps", "log_every", "eval_every", "checkpoint_every",
+                     "keep_checkpoints", "max_bad_steps", "spike_window"):
             _integer(name, getattr(self, name))
-        _positive("learning_rate", self.learning_rate)
+        _integer("warmup_steps", self.warmup_steps, zero_ok=True)
+        for name in ("learning_rate", "spike_margin"):
+            _positive(name, getattr(self, name))
+        for name in ("min_learning_rate", "weight_decay", "grad_clip"):
+            _positive(name, getattr(self, name), zero_ok=True)
+        if self.lr_preset:
+            _choice("lr_preset", self.lr_preset, tuple(LR_PRESETS))
+        peak, floor, warmup = self.schedule
+        if floor > peak:
+            raise ConfigError("min_learning_rate", floor, f"expected <= the max LR ({peak})")
+        if warmup >= self.steps:
+            raise ConfigError("warmup_steps", warmup, f"expected fewer than steps ({self.steps})")
+
+    @property
+    def schedule(self) -> tuple[float, float, int]:
+        """(max LR, final LR, warmup steps), from the preset when one is named."""
+        if self.lr_preset:
+            return LR_PRESETS[self.lr_preset]
+        return self.learning_rate, self.min_learning_rate, self.warmup_steps
 
 
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     # The registered variant (gattn.variants) that `load` applied to the config file's model. It is
     # a record, not a switch: choose a variant with `--variant NAME` (or `--config.variant=NAME`).
     variant: str = "baseline"

@@ -1,0 +1,54 @@
+"""Orbax checkpoints of a run: model parameters, optimizer state, step and data-iterator state,
+saved together (asynchronously) under WORKDIR/checkpoints, the last K kept.
+
+Only complete checkpoints are ever restored (Orbax writes to a temporary folder and renames it
+when the save has finished). Restoring takes an abstract target whose leaves may carry shardings
+for the devices present now, so a run saved on one mesh resumes on another.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+
+def manager(workdir: Path, keep: int, every: int) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=every,
+                                           enable_async_checkpointing=True, create=True)
+    return ocp.CheckpointManager(Path(workdir).absolute() / "checkpoints", options=options,
+                                 item_names=("state", "data", "meta"))
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, meta: dict,
+         force: bool = False) -> bool:
+    """Saves (asynchronously) when `step` is on the save interval, or always with `force`."""
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                              data=ocp.args.JsonSave(json.loads(json.dumps(data_state))),
+                              meta=ocp.args.JsonSave(meta))
+    return mngr.save(step, args=args, force=force)
+
+
+def restore(mngr: ocp.CheckpointManager, abstract_state, step: int | None = None):
+    """(state, data_state, meta) of `step` (default: the latest complete one), or None if the
+    directory holds no checkpoint. `abstract_state`: jax.ShapeDtypeStruct leaves (with
+    shardings to restore onto a particular mesh)."""
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        return None
+    out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                     data=ocp.args.JsonRestore(),
+                                                     meta=ocp.args.JsonRestore()))
+    return out.state, out.data, out.meta
+
+
+def abstract(tree, sharding=None):
+    """ShapeDtypeStructs of `tree`, placed on `sharding` (a Sharding, a tree of them, or None for
+    each leaf's current sharding)."""
+    if sharding is None or isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=sharding or getattr(x, "sharding", None)),
+                            tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding)

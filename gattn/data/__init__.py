@@ -1,0 +1,2 @@
+"""Data: the embedded corpus (or a user's folder), a local tokenizer, a TFDS ArrayRecord dataset and
+the Grain pipeline that packs it into training batches. Knows tokens and batches, never the model."""

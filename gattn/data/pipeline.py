@@ -1,0 +1,68 @@
+"""The Grain pipeline: shuffle (seeded) -> shard per process -> tokenize -> pack -> batch.
+
+Batches are dicts of int32 numpy arrays of shape [batch, seq_len + 1] (inputs and shifted targets
+come from one row): "tokens", "segment_ids" (1, 2, ... per document in the row, 0 = padding) and
+"positions" (restarting at 0 with each document; a document split across rows continues its
+positions). The training iterator is a Grain `DatasetIterator`: `get_state()` / `set_state()`
+make the data order part of a checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grain
+import jax
+import numpy as np
+
+from gattn.data import tfds_text
+from gattn.data.tokenizer import EOS
+
+
+def _tokenize(tokenizer):
+    def fn(example) -> dict:
+        ids = tokenizer.encode(example["text"].decode("utf-8") if isinstance(example["text"], bytes)
+                               else example["text"])
+        return {"tokens": np.asarray(ids + [EOS], np.int32)}
+    return fn
+
+
+def _pack_and_batch(ds: grain.IterDataset, seq_len: int, batch_size: int) -> grain.IterDataset:
+    ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={"tokens": seq_len + 1})
+    ds = ds.map(lambda ex: {"tokens": ex["tokens"], "segment_ids": ex["tokens_segment_ids"],
+                            "positions": ex["tokens_positions"]})
+    return ds.batch(batch_size, drop_remainder=True)
+
+
+def train_iterator(cfg, tokenizer, workdir: Path) -> grain.DatasetIterator:
+    """An endless, deterministic iterator over packed training batches of this process's shard
+    (the global batch divided over processes)."""
+    n_proc, index = jax.process_count(), jax.process_index()
+    if cfg.train.batch_size % n_proc:
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} must divide over {n_proc} processes")
+    source = tfds_text.data_source(cfg.data, workdir, "train")
+    ds = grain.MapDataset.source(source).shuffle(seed=cfg.train.seed).repeat()
+    ds = ds[index::n_proc].map(_tokenize(tokenizer))
+    ds = _pack_and_batch(ds.to_iter_dataset(), cfg.train.seq_len, cfg.train.batch_size // n_proc)
+    return iter(ds)
+
+
+def validation_batches(cfg, tokenizer, workdir: Path) -> dict[str, list[dict]]:
+    """Per held-out domain, up to `data.eval_batches` packed batches in a fixed order."""
+    source = tfds_text.data_source(cfg.data, workdir, "validation")
+    domains = sorted({(source[i]["domain"]).decode() for i in range(len(source))})
+    out = {}
+    for domain in domains:
+        ds = grain.MapDataset.source(source).filter(lambda ex, d=domain: ex["domain"].decode() == d)
+        ds = _pack_and_batch(ds.map(_tokenize(tokenizer)).to_iter_dataset(), cfg.train.seq_len,
+                             cfg.data.eval_batch_size)
+        batches = []
+        for batch in ds:
+            batches.append(batch)
+            if len(batches) == cfg.data.eval_batches:
+                break
+        if not batches:
+            raise ValueError(f"held-out domain {domain!r} has too little text for one batch of "
+                             f"{cfg.data.eval_batch_size}x{cfg.train.seq_len + 1} tokens")
+        out[domain] = batches
+    return out

@@ -1,0 +1,230 @@
+"""The training loop: data, AdamW, NaN guard, loss-spike counter, validation, metrics, checkpoints.
+
+A run lives in its work directory: `checkpoints/` (Orbax), `metrics.jsonl` (one JSON object per
+logged step), `tensorboard/`, `tokenizer/`, `tfds/` and, at the end, `summary.json`. Starting a
+run in a directory that holds a checkpoint resumes from the latest complete one: same data order,
+same numbers as an uninterrupted run. SIGTERM saves a checkpoint and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from gattn import checkpoint, optim
+from gattn.config import Config
+from gattn.data import pipeline
+from gattn.data.tokenizer import load_tokenizer
+from gattn.loss import cross_entropy, lm_loss
+from gattn.model import Transformer
+
+
+class TrainingStopped(RuntimeError):
+    """Too many consecutive non-finite steps: the run stops; the last checkpoint stays good."""
+
+
+def init_state(cfg: Config):
+    """(graphdef, state): state = {step, params, opt_state} as a pytree of arrays."""
+    model = Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optim.optimizer(cfg.train)
+    return graphdef, {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+
+def make_train_step(cfg: Config, graphdef):
+    """A jitted step. A non-finite loss or gradient leaves params and optimizer state unchanged
+    (the step is skipped and reported), so it never reaches a checkpoint."""
+    tx, lr = optim.optimizer(cfg.train), optim.schedule(cfg.train)
+
+    def step(state, batch):
+        def loss_fn(params):
+            model = nnx.merge(graphdef, params)
+            return lm_loss(model, batch["tokens"], batch["segment_ids"], batch["positions"])
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        ok = jnp.isfinite(loss) & optim.all_finite(grads)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = jax.tree.map(lambda p, u: p + u, state["params"], updates)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
+        new_state = {"step": state["step"] + 1, "params": keep(params, state["params"]),
+                     "opt_state": keep(opt_state, state["opt_state"])}
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "finite": ok,
+                   "lr": lr(state["step"])}
+        return new_state, metrics
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def make_eval_step(graphdef):
+    @jax.jit
+    def eval_step(params, batch):
+        model = nnx.merge(graphdef, params)
+        tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
+        logits = model(tokens[:, :-1], positions_BxS=pos[:, :-1], segment_ids_BxS=seg[:, :-1])
+        weights = (seg[:, 1:] != 0) & (seg[:, 1:] == seg[:, :-1])
+        count = jnp.sum(weights)
+        return cross_entropy(logits, tokens[:, 1:], weights) * count, count
+    return eval_step
+
+
+def validate(eval_step, params, batches: dict[str, list]) -> dict[str, float]:
+    """Held-out loss and perplexity per domain."""
+    out = {}
+    for domain, domain_batches in batches.items():
+        total = count = 0.0
+        for b in domain_batches:
+            s, c = eval_step(params, b)
+            total, count = total + float(s), count + float(c)
+        out[f"val_loss/{domain}"] = total / count
+        out[f"val_ppl/{domain}"] = math.exp(min(total / count, 50.0))
+    return out
+
+
+class SpikeCounter:
+    """A loss spike: a loss above the median of the previous `window` losses by `margin` (nats)."""
+
+    def __init__(self, window: int, margin: float):
+        self.recent, self.margin, self.count = collections.deque(maxlen=window), margin, 0
+
+    def __call__(self, loss: float) -> bool:
+        spike = len(self.recent) == self.recent.maxlen and loss > np.median(self.recent) + self.margin
+        self.count += spike
+        self.recent.append(loss)
+        return bool(spike)
+
+
+class MetricsLog:
+    """WORKDIR/metrics.jsonl (and TensorBoard). On resume, entries past the restored step (written
+    by the interrupted run after its last checkpoint) are dropped, so each step appears once."""
+
+    def __init__(self, workdir: Path, resumed_step: int):
+        self.path = workdir / "metrics.jsonl"
+        if self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resumed_step]
+            self.path.write_text("".join(k + "\n" for k in kept))
+        try:
+            from tensorboardX import SummaryWriter  # noqa: PLC0415
+
+            self.tb = SummaryWriter(str(workdir / "tensorboard"))
+        except ImportError:  # TensorBoard is optional; metrics.jsonl is always written
+            self.tb = None
+
+    def write(self, step: int, metrics: dict):
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+
+
+def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
+    """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the summary."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    t = cfg.train
+    tokenizer = load_tokenizer(cfg, workdir)
+    data = pipeline.train_iterator(cfg, tokenizer, workdir)
+    val_batches = pipeline.validation_batches(cfg, tokenizer, workdir)
+
+    graphdef, state = init_state(cfg)
+    mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every)
+    restored = checkpoint.restore(mngr, checkpoint.abstract(state))
+    meta = {"skipped_steps": 0, "loss_spikes": 0}
+    if restored is not None:
+        state, data_state, meta = restored
+        data.set_state(data_state)
+    start = int(state["step"])
+    log = MetricsLog(workdir, start)
+    train_step, eval_step = make_train_step(cfg, graphdef), make_eval_step(graphdef)
+    spikes = SpikeCounter(t.spike_window, t.spike_margin)
+    spikes.count = meta["loss_spikes"]
+
+    stop = {"signal": None}
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
+    bar = _progress(progress, start, t.steps)
+    bad_in_a_row, skipped, val, loss = 0, meta["skipped_steps"], {}, None
+    tokens_per_step, clock, timed_steps = t.batch_size * t.seq_len, time.perf_counter(), 0
+    try:
+        for step in range(start + 1, t.steps + 1):
+            state, m = train_step(state, next(data))
+            loss, finite = float(m["loss"]), bool(m["finite"])
+            bad_in_a_row = 0 if finite else bad_in_a_row + 1
+            skipped += not finite
+            if finite:
+                spikes(loss)
+            if bad_in_a_row >= t.max_bad_steps:
+                raise TrainingStopped(
+                    f"{bad_in_a_row} consecutive steps had a non-finite loss or gradient (last: step "
+                    f"{step}, loss {loss}); stopping. The latest checkpoint (step {mngr.latest_step()}) "
+                    "holds finite weights: lower train.learning_rate or check the data, then rerun.")
+            timed_steps += step > start + 1  # the first step includes compilation
+            if step == start + 1:
+                clock = time.perf_counter()
+            if step % t.eval_every == 0 or step == t.steps:
+                val = validate(eval_step, state["params"], val_batches)
+            if step % t.log_every == 0 or step == t.steps:
+                elapsed = time.perf_counter() - clock
+                record = {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+                          "tokens_per_sec": tokens_per_step * timed_steps / elapsed if timed_steps else 0.0,
+                          "skipped_steps": skipped, "loss_spikes": spikes.count}
+                if step % t.eval_every == 0 or step == t.steps:
+                    record.update(val)
+                log.write(step, record)
+            bar.update(step, loss, tokens_per_step * timed_steps / max(time.perf_counter() - clock, 1e-9))
+            meta = {"skipped_steps": skipped, "loss_spikes": spikes.count}
+            checkpoint.save(mngr, step, state, data.get_state(), meta, force=step == t.steps)
+            if stop["signal"] is not None:
+                checkpoint.save(mngr, step, state, data.get_state(), meta, force=True)
+                mngr.wait_until_finished()
+                print(f"\nSIGTERM: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
+                break
+    finally:
+        mngr.wait_until_finished()
+        mngr.close()
+        log.close()
+        bar.close()
+        signal.signal(signal.SIGTERM, previous)
+    summary = {"step": int(state["step"]), "final_loss": loss, "skipped_steps": skipped,
+               "loss_spikes": spikes.count, **val}
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+class _progress:
+    """A tqdm bar with step, loss, tokens/s and ETA (or nothing, for tests)."""
+
+    def __init__(self, enabled: bool, start: int, total: int):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+        self.last = start
+
+    def update(self, step: int, loss: float, tokens_per_sec: float):
+        if self.bar is not None:
+            self.bar.update(step - self.last)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
+        self.last = step
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
