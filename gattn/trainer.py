@@ -98,10 +98,11 @@ class SpikeCounter:
         self.recent, self.margin, self.count = collections.deque(maxlen=window), margin, 0
 
     def __call__(self, loss: float) -> bool:
-        spike = len(self.recent) == self.recent.maxlen and loss > np.median(self.recent) + self.margin
-        self.count += spike
+        spike = bool(len(self.recent) == self.recent.maxlen
+                     and loss > float(np.median(self.recent)) + self.margin)
+        self.count += int(spike)
         self.recent.append(loss)
-        return bool(spike)
+        return spike
 
 
 class MetricsLog:
@@ -206,6 +207,19 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
                "loss_spikes": spikes.count, **val}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def load_model(cfg: Config, workdir: str | Path, step: int | None = None) -> Transformer:
+    """The model of `workdir`'s checkpoint `step` (default: the latest), on the present devices."""
+    graphdef, state = init_state(cfg)
+    mngr = checkpoint.manager(Path(workdir), cfg.train.keep_checkpoints, cfg.train.checkpoint_every)
+    try:
+        restored = checkpoint.restore(mngr, checkpoint.abstract(state), step)
+    finally:
+        mngr.close()
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint in {Path(workdir) / 'checkpoints'}")
+    return nnx.merge(graphdef, restored[0]["params"])
 
 
 class _progress:
