@@ -44,6 +44,19 @@ def restore(mngr: ocp.CheckpointManager, abstract_state, step: int | None = None
     return out.state, out.data, out.meta
 
 
+def restore_params(mngr: ocp.CheckpointManager, abstract_params, step: int | None = None):
+    """Only the model parameters of `step` (default: the latest), whatever optimizer the run used;
+    None if there is no checkpoint. For evaluation and analysis."""
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        return None
+    item = {"params": abstract_params}
+    restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), item)
+    out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=item, restore_args=restore_args, partial_restore=True)))
+    return out.state["params"]
+
+
 def abstract(tree, sharding=None):
     """ShapeDtypeStructs of `tree`, placed on `sharding` (a Sharding, a tree of them, or None for
     each leaf's current sharding)."""

@@ -210,16 +210,19 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
 
 
 def load_model(cfg: Config, workdir: str | Path, step: int | None = None) -> Transformer:
-    """The model of `workdir`'s checkpoint `step` (default: the latest), on the present devices."""
-    graphdef, state = init_state(cfg)
+    """The model of `workdir`'s checkpoint `step` (default: the latest), on the present devices.
+    Only parameters are read, so the optimizer settings of `cfg` need not match the run's."""
+    abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     mngr = checkpoint.manager(Path(workdir), cfg.train.keep_checkpoints, cfg.train.checkpoint_every)
     try:
-        restored = checkpoint.restore(mngr, checkpoint.abstract(state), step)
+        params = checkpoint.restore_params(mngr, checkpoint.abstract(abstract_params, device), step)
     finally:
         mngr.close()
-    if restored is None:
+    if params is None:
         raise FileNotFoundError(f"no checkpoint in {Path(workdir) / 'checkpoints'}")
-    return nnx.merge(graphdef, restored[0]["params"])
+    return nnx.merge(graphdef, params)
 
 
 class _progress:
@@ -230,7 +233,7 @@ class _progress:
         if enabled:
             from tqdm import tqdm  # noqa: PLC0415
 
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=2.0)
         self.last = start
 
     def update(self, step: int, loss: float, tokens_per_sec: float):

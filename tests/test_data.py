@@ -1,0 +1,138 @@
+"""The embedded corpus, the local tokenizer, the TFDS dataset and the Grain packing pipeline."""
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from gattn.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
+from gattn.data import corpus, pipeline, tfds_text
+from gattn.data.tokenizer import EOS, load_tokenizer
+from gattn.model import Transformer
+
+CFG = Config(model=ModelConfig(vocab_size=512, d_model=32, num_layers=1, q_heads=2, kv_heads=1,
+                               head_dim=16, d_ff=64),
+             train=TrainConfig(batch_size=4, seq_len=32, steps=10, warmup_steps=1),
+             data=DataConfig(eval_batches=2, eval_batch_size=2, code_max_bytes=300_000))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(workdir):
+    return load_tokenizer(CFG, workdir)
+
+
+def test_embedded_corpus_has_two_domains_and_stable_held_out_splits():
+    docs = list(corpus.documents("embedded", 300_000))
+    seen = {(d.domain, d.split) for d in docs}
+    assert seen == {("docs", "train"), ("docs", "validation"), ("code", "train"), ("code", "validation")}
+    assert sum(len(d.text) for d in docs if d.domain == "code") <= 300_000
+    assert [d.split for d in docs] == [d.split for d in corpus.documents("embedded", 300_000)]
+    assert corpus.fingerprint("embedded", 300_000) != corpus.fingerprint("embedded", 200_000)
+
+
+def test_user_folder_of_txt_and_jsonl(tmp_path):
+    (tmp_path / "law").mkdir()
+    (tmp_path / "law" / "a.txt").write_text("Article one.")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "x = 1", "domain": "code"}) + "\n\n" +
+                                      json.dumps({"text": "plain"}) + "\n")
+    docs = {d.id: d for d in corpus.documents(str(tmp_path), 0)}
+    assert {(d.domain, d.text) for d in docs.values()} == \
+        {("law", "Article one."), ("code", "x = 1"), ("text", "plain")}
+    (tmp_path / "c.jsonl").write_text(json.dumps({"body": "no text"}) + "\n")
+    with pytest.raises(ValueError, match=r"c.jsonl:1: .*'text'"):
+        list(corpus.documents(str(tmp_path), 0))
+    with pytest.raises(FileNotFoundError, match="data.source"):
+        list(corpus.documents(str(tmp_path / "law" / "empty"), 0))
+
+
+def test_tokenizer_round_trips_code_and_unicode_and_is_cached(workdir, tokenizer):
+    text = "def f(x):\n\treturn x  # über ≥ 漢字\n\n"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert tokenizer.get_piece_size() == CFG.model.vocab_size
+    cached = list((workdir / "tokenizer").glob("*.model"))
+    assert len(cached) == 1
+    mtime = cached[0].stat().st_mtime_ns
+    load_tokenizer(CFG, workdir)
+    assert cached[0].stat().st_mtime_ns == mtime      # reused, not retrained
+
+
+def test_user_tokenizer_file(workdir, tmp_path):
+    own = next((workdir / "tokenizer").glob("*.model"))
+    cfg = Config(model=CFG.model, train=CFG.train, data=DataConfig(tokenizer=str(own)))
+    assert load_tokenizer(cfg, tmp_path).get_piece_size() == 512
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(Config(model=CFG.model, data=DataConfig(tokenizer=str(tmp_path / "no.model"))), tmp_path)
+    assert e.value.field == "data.tokenizer"
+    small = Config(model=ModelConfig(vocab_size=300), data=DataConfig(tokenizer=str(own)))
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(small, tmp_path)
+    assert e.value.field == "model.vocab_size" and "512" in e.value.allowed
+
+
+def test_tfds_dataset_matches_the_corpus_split(workdir):
+    source = tfds_text.data_source(CFG.data, workdir, "validation")
+    expected = [d for d in corpus.documents("embedded", 300_000) if d.split == "validation"]
+    assert len(source) == len(expected)
+    assert sorted(source[i]["text"].decode() for i in range(len(source))) == sorted(d.text for d in expected)
+
+
+def test_batches_are_packed_rows_with_segments_and_positions(workdir, tokenizer):
+    it = pipeline.train_iterator(CFG, tokenizer, workdir)
+    for _ in range(5):
+        batch = next(it)
+        assert set(batch) == {"tokens", "segment_ids", "positions"}
+        assert all(v.shape == (4, 33) and v.dtype == np.int32 for v in batch.values())
+        for seg, pos, tok in zip(batch["segment_ids"], batch["positions"], batch["tokens"]):
+            starts = np.flatnonzero(np.diff(seg) != 0) + 1
+            assert seg[0] == 1 and np.all(np.diff(seg) >= 0)
+            for s in starts:                     # a new document starts at position 0 ...
+                if seg[s] != 0:
+                    assert pos[s] == 0 and tok[s - 1] == EOS   # ... after the previous one's EOS
+            inner = np.diff(seg) == 0
+            assert np.all(np.diff(pos)[inner & (seg[1:] != 0)] == 1)
+
+
+def test_pipeline_is_deterministic_and_its_state_resumes_exactly(workdir, tokenizer):
+    a, b = pipeline.train_iterator(CFG, tokenizer, workdir), pipeline.train_iterator(CFG, tokenizer, workdir)
+    first = [next(a)["tokens"] for _ in range(3)]
+    assert all(np.array_equal(x, next(b)["tokens"]) for x in first)
+    state = json.loads(json.dumps(a.get_state()))   # as stored in a checkpoint
+    expected = [next(a)["tokens"] for _ in range(3)]
+    c = pipeline.train_iterator(CFG, tokenizer, workdir)
+    c.set_state(state)
+    assert all(np.array_equal(x, next(c)["tokens"]) for x in expected)
+    other = Config(model=CFG.model, train=TrainConfig(batch_size=4, seq_len=32, steps=10,
+                                                      warmup_steps=1, seed=1), data=CFG.data)
+    d = pipeline.train_iterator(other, tokenizer, workdir)
+    assert not all(np.array_equal(x, next(d)["tokens"]) for x in first)
+
+
+def test_packed_documents_do_not_attend_across_boundaries(workdir, tokenizer):
+    """Logits of each document inside a packed row equal the logits of that document alone."""
+    model = Transformer(CFG.model, rngs=nnx.Rngs(0))
+    it = pipeline.train_iterator(CFG, tokenizer, workdir)
+    row = None
+    while row is None:                                # find a row holding several documents
+        batch = next(it)
+        for i in range(4):
+            if len(set(batch["segment_ids"][i]) - {0}) >= 2:
+                row = {k: v[i:i + 1, :-1] for k, v in batch.items()}
+                break
+    packed = model(row["tokens"], positions_BxS=row["positions"], segment_ids_BxS=row["segment_ids"])
+    for seg_id in set(row["segment_ids"][0]) - {0}:
+        idx = np.flatnonzero(row["segment_ids"][0] == seg_id)
+        alone = model(row["tokens"][:, idx], positions_BxS=row["positions"][:, idx])
+        np.testing.assert_allclose(packed[0, idx], alone[0], rtol=1e-4, atol=1e-4)
+
+
+def test_validation_batches_per_domain(workdir, tokenizer):
+    val = pipeline.validation_batches(CFG, tokenizer, workdir)
+    assert set(val) == {"code", "docs"}
+    for batches in val.values():
+        assert 1 <= len(batches) <= 2 and batches[0]["tokens"].shape == (2, 33)

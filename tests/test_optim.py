@@ -1,0 +1,88 @@
+"""AdamW with the paper's schedule, the weight-decay mask and the non-finite step guard."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from gattn import optim, trainer
+from gattn.config import LR_PRESETS, Config, ConfigError, GateSpec, ModelConfig, TrainConfig
+
+TRAIN = TrainConfig(steps=1000, learning_rate=4e-3, min_learning_rate=4e-5, warmup_steps=100)
+
+
+def test_schedule_warmup_midpoint_and_end():
+    lr = optim.schedule(TRAIN)
+    assert float(lr(0)) == 0.0
+    assert float(lr(50)) == pytest.approx(2e-3)                  # linear warmup
+    assert float(lr(100)) == pytest.approx(4e-3)                 # max LR at the end of warmup
+    assert float(lr(550)) == pytest.approx((4e-3 + 4e-5) / 2)    # cosine midpoint
+    assert float(lr(1000)) == pytest.approx(4e-5)                # the floor
+    assert all(float(lr(s)) >= float(lr(s + 10)) for s in range(100, 990, 10))
+
+
+def test_paper_presets():
+    assert LR_PRESETS["moe_15a2b"] == (2e-3, 3e-5, 1000)        # Sec. 3.2.1
+    t = dataclasses.replace(TRAIN, lr_preset="moe_15a2b", steps=100_000)
+    lr = optim.schedule(t)
+    assert float(lr(1000)) == pytest.approx(2e-3) and float(lr(100_000)) == pytest.approx(3e-5)
+    assert {p[0] for p in LR_PRESETS.values()} >= {4e-3, 4.5e-3, 5.3e-3, 8e-3}
+    with pytest.raises(ConfigError) as e:
+        dataclasses.replace(TRAIN, lr_preset="moe_15a2b")       # 1000 warmup >= 1000 steps
+    assert e.value.field == "warmup_steps"
+    with pytest.raises(ConfigError):
+        dataclasses.replace(TRAIN, lr_preset="dense_9000")
+
+
+def _params(gate=None):
+    cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=1, q_heads=2, kv_heads=1, head_dim=8,
+                      d_ff=32, gate=gate)
+    return nnx.split(trainer.Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)[1]
+
+
+def test_weight_decay_mask_skips_norms_and_the_gate_tensor():
+    params = _params(GateSpec(input_dependent=False))
+    flat = {tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)): v
+            for path, v in jax.tree_util.tree_leaves_with_path(optim.decay_mask(params))}
+    assert flat[("blocks", 0, "attn", "wq")] and flat[("embed",)] and flat[("lm_head",)]
+    assert flat[("blocks", 0, "ffn", "w2")]
+    assert not flat[("blocks", 0, "attn_norm", "scale")] and not flat[("final_norm", "scale")]
+    assert not flat[("blocks", 0, "attn", "gate", "theta")]
+
+
+def test_weight_decay_acts_only_where_the_mask_says():
+    params = _params()
+    tx = optim.optimizer(dataclasses.replace(TRAIN, weight_decay=0.5, warmup_steps=0))
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    state = tx.init(params)
+    for _ in range(3):
+        updates, state = tx.update(zeros, state, params)
+        params = optax.apply_updates(params, updates)
+    fresh = _params()
+    assert float(jnp.abs(params["blocks"][0]["attn"]["wq"][...]).sum()) < \
+        float(jnp.abs(fresh["blocks"][0]["attn"]["wq"][...]).sum())
+    np.testing.assert_array_equal(params["final_norm"]["scale"][...], fresh["final_norm"]["scale"][...])
+
+
+def test_non_finite_step_is_skipped_and_reported():
+    cfg = Config(model=ModelConfig(vocab_size=32, d_model=16, num_layers=1, q_heads=2, kv_heads=1,
+                                   head_dim=8, d_ff=32),
+                 train=TrainConfig(batch_size=2, seq_len=8, steps=10, warmup_steps=1))
+    graphdef, state = trainer.init_state(cfg)
+    step = trainer.make_train_step(cfg, graphdef)
+    batch = {"tokens": jnp.ones((2, 9), jnp.int32), "segment_ids": jnp.ones((2, 9), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(9), (2, 9))}
+    state, m = step(state, batch)
+    assert bool(m["finite"]) and int(state["step"]) == 1
+    poisoned = jax.tree.map(lambda x: x, state)
+    poisoned["params"]["embed"][...] = poisoned["params"]["embed"][...].at[1, 0].set(jnp.nan)
+    before = jax.tree.map(np.asarray, poisoned)
+    after, m = step(poisoned, batch)
+    assert not bool(m["finite"]) and int(after["step"]) == 2
+    for a, b in zip(jax.tree.leaves(after["opt_state"]), jax.tree.leaves(before["opt_state"])):
+        np.testing.assert_array_equal(a, b)   # nothing learned from the bad step
+    np.testing.assert_array_equal(after["params"]["lm_head"][...], before["params"]["lm_head"][...])
