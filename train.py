@@ -29,7 +29,11 @@ def main(argv=None):
 
     from gattn import trainer  # noqa: PLC0415 (config errors come before any JAX import)
 
-    summary = trainer.train(cfg, args.workdir, progress=not args.quiet)
+    try:
+        summary = trainer.train(cfg, args.workdir, progress=not args.quiet)
+    except trainer.TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     return 0
 

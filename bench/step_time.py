@@ -1,12 +1,15 @@
 """CPU training-step speed of variants, as a fraction of this machine's fp32 matmul peak.
 
-    python bench/step_time.py [--config configs/peer.py] [--variants baseline,sdpa_elementwise]
+    python bench/step_time.py [--configs configs/tiny.py,configs/small.py,configs/peer.py]
+                              [--variants baseline,sdpa_elementwise]
 
 Prints JSON: per variant the median AdamW step time (variants interleaved round by round),
 tokens/s, GFLOP per step (6 * N_nonemb * B * T + 12 * L * B * T^2 * Hq * K, as in
 shared/PERFORMANCE.md) and the fraction of the 2048x2048 fp32
 matmul peak measured in the same process (median over the rounds; host load moves it), plus
-the step-time ratio of each variant to the first one and that variant's share of extra FLOPs.
+the step-time ratio of each variant to the first one and that variant's share of extra FLOPs,
+and tokens/s relative to the PyTorch peer's ~3,600 on the peer shapes. The step is the trainer's
+(AdamW, the non-finite guard, packed-batch inputs).
 """
 
 from __future__ import annotations
@@ -24,13 +27,13 @@ ensure_malloc_tunables()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from gattn import config as config_lib  # noqa: E402
-from gattn.loss import lm_loss  # noqa: E402
-from gattn.model import Transformer  # noqa: E402
+from gattn import trainer  # noqa: E402
 from gattn.params import count_params  # noqa: E402
+
+# PyTorch 2.13 + transformers Qwen3 on the peer shapes (configs/peer.py), shared/PERFORMANCE.md.
+PEER_TOKENS_PER_S = 3600.0
 
 
 def matmul_peak_gflops(n: int = 2048, reps: int = 10) -> float:
@@ -51,26 +54,20 @@ def step_gflop(cfg, batch: int, seq: int) -> float:
     return (6 * n_nonemb * batch * seq + attn) / 1e9
 
 
-def make_step(cfg, batch: int, seq: int, lr: float):
-    """A jitted AdamW step on a fixed batch, warmed up; returns a callable that times one step."""
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    opt = nnx.Optimizer(model, optax.adamw(lr), wrt=nnx.Param)
-    graphdef, state = nnx.split((model, opt))
-
-    def step(state, tokens):
-        model, opt = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(lm_loss)(model, tokens)
-        opt.update(model, grads)
-        return nnx.state((model, opt)), loss
-
-    step = jax.jit(step, donate_argnums=0)
-    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.vocab_size)
+def make_step(cfg, batch: int, seq: int):
+    """The trainer's jitted step (AdamW, NaN guard, packed-batch inputs) on a fixed batch, warmed
+    up; returns a callable that times one step."""
+    graphdef, state = trainer.init_state(cfg)
+    step = trainer.make_train_step(cfg, graphdef)
+    tokens = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, cfg.model.vocab_size)
+    data = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens),
+            "positions": jnp.broadcast_to(jnp.arange(seq + 1), tokens.shape)}
     box = [state]
 
     def timed() -> float:
         t = time.perf_counter()
-        box[0], loss = step(box[0], tokens)
-        loss.block_until_ready()
+        box[0], metrics = step(box[0], data)
+        metrics["loss"].block_until_ready()
         return time.perf_counter() - t
 
     for _ in range(2):
@@ -78,9 +75,38 @@ def make_step(cfg, batch: int, seq: int, lr: float):
     return timed
 
 
+def bench_config(path: str, names: list[str], overrides: list[str], rounds: int, steps: int) -> dict:
+    cfgs = {n: config_lib.load(path, overrides, variant=n) for n in names}
+    b, t = cfgs[names[0]].train.batch_size, cfgs[names[0]].train.seq_len
+    timers = {n: make_step(cfgs[n], b, t) for n in names}
+    # Interleave the variants round by round so that drifts in host speed hit them all alike.
+    times, peaks = {n: [] for n in names}, []
+    for _ in range(rounds):
+        peaks.append(matmul_peak_gflops(reps=3))
+        for n in names:
+            times[n] += [timers[n]() for _ in range(steps)]
+    peak = sorted(peaks)[len(peaks) // 2]
+    results = {}
+    for n in names:
+        sec = sorted(times[n])[len(times[n]) // 2]
+        gflop = step_gflop(cfgs[n].model, b, t)
+        results[n] = {"params": count_params(cfgs[n].model), "step_s": round(sec, 4),
+                      "step_s_min": round(min(times[n]), 4), "tokens_per_s": round(b * t / sec, 1),
+                      "gflop_per_step": round(gflop, 2), "achieved_gflops": round(gflop / sec, 1),
+                      "fraction_of_peak": round(gflop / sec / peak, 3),
+                      "fraction_of_peak_best_step": round(gflop / min(times[n]) / peak, 3)}
+    first = results[names[0]]
+    for r in results.values():
+        r["time_vs_" + names[0]] = round(r["step_s"] / first["step_s"], 3)
+        r["extra_flops_vs_" + names[0]] = round(r["gflop_per_step"] / first["gflop_per_step"] - 1, 4)
+    return {"batch": b, "seq": t, "matmul_peak_gflops": round(peak, 1),
+            "matmul_peak_gflops_range": [round(min(peaks), 1), round(max(peaks), 1)],
+            "results": results}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--config", default="configs/peer.py")
+    ap.add_argument("--configs", default="configs/peer.py", help="comma-separated config files")
     ap.add_argument("--variants", default="baseline,sdpa_elementwise")
     ap.add_argument("--rounds", type=int, default=8, help="rounds of interleaved steps")
     ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
@@ -89,33 +115,13 @@ def main(argv=None):
     if rest:
         ap.error(f"unrecognised arguments: {' '.join(rest)}")
     names = args.variants.split(",")
-    cfgs = {n: config_lib.load(args.config, overrides, variant=n) for n in names}
-    base = cfgs[names[0]]
-    b, t = base.train.batch_size, base.train.seq_len
-
-    steps = {n: make_step(cfgs[n].model, b, t, base.train.learning_rate) for n in names}
-    # Interleave the variants round by round so that drifts in host speed hit them all alike.
-    times, peaks = {n: [] for n in names}, []
-    for _ in range(args.rounds):
-        peaks.append(matmul_peak_gflops(reps=3))
-        for n in names:
-            times[n] += [steps[n]() for _ in range(args.steps)]
-    peak = sorted(peaks)[len(peaks) // 2]
-    results = {}
-    for n in names:
-        sec = sorted(times[n])[len(times[n]) // 2]
-        gflop = step_gflop(cfgs[n].model, b, t)
-        results[n] = {"step_s": round(sec, 4), "step_s_min": round(min(times[n]), 4),
-                      "tokens_per_s": round(b * t / sec, 1), "gflop_per_step": round(gflop, 2),
-                      "achieved_gflops": round(gflop / sec, 1)}
-    first = next(iter(results))
-    for r in results.values():
-        r["fraction_of_peak"] = round(r["achieved_gflops"] / peak, 3)
-        r["time_vs_" + first] = round(r["step_s"] / results[first]["step_s"], 3)
-        r["extra_flops_vs_" + first] = round(r["gflop_per_step"] / results[first]["gflop_per_step"] - 1, 4)
-    print(json.dumps({"config": args.config, "batch": b, "seq": t, "matmul_peak_gflops": round(peak, 1),
-                      "matmul_peak_gflops_range": [round(min(peaks), 1), round(max(peaks), 1)],
-                      "jax": jax.__version__, "devices": str(jax.devices()), "results": results}, indent=2))
+    out = {"jax": jax.__version__, "devices": str(jax.devices()),
+           "peer_tokens_per_s": PEER_TOKENS_PER_S, "configs": {}}
+    for path in args.configs.split(","):
+        out["configs"][path] = r = bench_config(path, names, overrides, args.rounds, args.steps)
+        for v in r["results"].values():
+            v["vs_peer"] = round(v["tokens_per_s"] / PEER_TOKENS_PER_S, 3)
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -248,6 +248,7 @@ class DataConfig:
     source: str = "embedded"        # "embedded" (CPython docs + stdlib sources) or a folder path
     code_max_bytes: int = 1_500_000  # how much stdlib source the embedded corpus takes
     tokenizer: str = ""             # a SentencePiece .model file; "" trains one of model.vocab_size
+    shuffle_window: int = 256       # packed rows shuffled together (decorrelates batches)
     eval_batches: int = 4           # held-out batches per domain for validation
     eval_batch_size: int = 8
 
@@ -256,7 +257,7 @@ class DataConfig:
             raise ConfigError("source", self.source, "expected 'embedded' or a folder path")
         if not isinstance(self.tokenizer, str):
             raise ConfigError("tokenizer", self.tokenizer, "expected a path or ''")
-        for name in ("code_max_bytes", "eval_batches", "eval_batch_size"):
+        for name in ("code_max_bytes", "shuffle_window", "eval_batches", "eval_batch_size"):
             _integer(name, getattr(self, name))
 
 

@@ -151,7 +151,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     meta = {"skipped_steps": 0, "loss_spikes": 0}
     if restored is not None:
         state, data_state, meta = restored
-        data.set_state(data_state)
+        pipeline.set_state(data, data_state)
     start = int(state["step"])
     log = MetricsLog(workdir, start)
     train_step, eval_step = make_train_step(cfg, graphdef), make_eval_step(graphdef)

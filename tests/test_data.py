@@ -105,7 +105,7 @@ def test_pipeline_is_deterministic_and_its_state_resumes_exactly(workdir, tokeni
     state = json.loads(json.dumps(a.get_state()))   # as stored in a checkpoint
     expected = [next(a)["tokens"] for _ in range(3)]
     c = pipeline.train_iterator(CFG, tokenizer, workdir)
-    c.set_state(state)
+    pipeline.set_state(c, state)
     assert all(np.array_equal(x, next(c)["tokens"]) for x in expected)
     other = Config(model=CFG.model, train=TrainConfig(batch_size=4, seq_len=32, steps=10,
                                                       warmup_steps=1, seed=1), data=CFG.data)

@@ -44,6 +44,18 @@ def test_bad_config_on_the_command_line_is_a_clear_error():
     assert out.returncode == 2 and "Traceback" not in out.stderr and "'nope'" in out.stderr and "sdpa_elementwise" in out.stderr
 
 
-def test_train_placeholder_says_what_is_missing():
-    out = run("train.py", "--config", "configs/tiny.py", "--workdir", "/tmp/x", check=False)
-    assert out.returncode == 2 and "training issue" in out.stderr
+def test_main_job_trains_both_variants_and_prints_the_comparison(tmp_path):
+    out = run("-m", "gattn.main_job", "--workdir", str(tmp_path), "--steps", "6", "--quiet",
+              "--config.train.warmup_steps=1", "--config.model.num_layers=1",
+              "--config.train.seq_len=64", "--config.train.batch_size=4",
+              "--config.data.code_max_bytes=200000", "--config.data.eval_batches=1").stdout
+    assert "| | baseline | sdpa_elementwise |" in out
+    rows = json.loads((tmp_path / "results.json").read_text())
+    base, gated = rows
+    assert base["step"] == gated["step"] == 6
+    assert "gate_score" not in base and 0 < gated["gate_score"] < 1
+    for r in rows:
+        assert {"val_ppl/code", "val_ppl/docs", "loss_spikes", "f_attn", "m_act"} <= set(r)
+        assert (tmp_path / r["variant"] / "metrics.jsonl").is_file()
+    gate_line = next(line for line in out.splitlines() if line.startswith("| gate score"))
+    assert gate_line.split("|")[2].strip() == "-"

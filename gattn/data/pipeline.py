@@ -1,4 +1,5 @@
-"""The Grain pipeline: shuffle (seeded) -> shard per process -> tokenize -> pack -> batch.
+"""The Grain pipeline: shuffle documents (seeded) -> shard per process -> tokenize -> pack ->
+shuffle packed rows in a window -> batch.
 
 Batches are dicts of int32 numpy arrays of shape [batch, seq_len + 1] (inputs and shifted targets
 come from one row): "tokens", "segment_ids" (1, 2, ... per document in the row, 0 = padding) and
@@ -27,10 +28,14 @@ def _tokenize(tokenizer):
     return fn
 
 
-def _pack_and_batch(ds: grain.IterDataset, seq_len: int, batch_size: int) -> grain.IterDataset:
+def _pack_and_batch(ds: grain.IterDataset, seq_len: int, batch_size: int,
+                    shuffle: tuple[int, int] | None = None) -> grain.IterDataset:
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={"tokens": seq_len + 1})
     ds = ds.map(lambda ex: {"tokens": ex["tokens"], "segment_ids": ex["tokens_segment_ids"],
                             "positions": ex["tokens_positions"]})
+    if shuffle is not None:  # a long document fills many consecutive rows: spread them out
+        window, seed = shuffle
+        ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=window, seed=seed)
     return ds.batch(batch_size, drop_remainder=True)
 
 
@@ -43,8 +48,20 @@ def train_iterator(cfg, tokenizer, workdir: Path) -> grain.DatasetIterator:
     source = tfds_text.data_source(cfg.data, workdir, "train")
     ds = grain.MapDataset.source(source).shuffle(seed=cfg.train.seed).repeat()
     ds = ds[index::n_proc].map(_tokenize(tokenizer))
-    ds = _pack_and_batch(ds.to_iter_dataset(), cfg.train.seq_len, cfg.train.batch_size // n_proc)
+    ds = _pack_and_batch(ds.to_iter_dataset(), cfg.train.seq_len, cfg.train.batch_size // n_proc,
+                         shuffle=(cfg.data.shuffle_window, cfg.train.seed))
     return iter(ds)
+
+
+def set_state(iterator: grain.DatasetIterator, state: dict) -> None:
+    """Restores an iterator state that went through JSON (as checkpoints store it). JSON turns
+    the tuples of Grain's packing state into lists, which the packer then misreads; this pipeline's
+    states hold no lists of their own, so every list becomes a tuple again."""
+    def tuples(x):
+        if isinstance(x, dict):
+            return {k: tuples(v) for k, v in x.items()}
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+    iterator.set_state(tuples(state))
 
 
 def validation_batches(cfg, tokenizer, workdir: Path) -> dict[str, list[dict]]:

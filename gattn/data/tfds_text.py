@@ -42,10 +42,12 @@ class GattnText(tfds.core.GeneratorBasedBuilder):
 
 
 def data_source(data_cfg, workdir: Path, split: str):
-    """The ArrayRecord data source of `split`, built under WORKDIR/tfds on first use."""
+    """The ArrayRecord data source of `split`, built under WORKDIR/tfds on first use and read
+    with `tfds.data_source` (random access, no TensorFlow)."""
     tfds.display_progress_bar(False)
     absl_logging.set_verbosity(absl_logging.ERROR)  # "Using custom data configuration ..." etc.
     builder = GattnText(source=data_cfg.source, code_max_bytes=data_cfg.code_max_bytes,
                         data_dir=str(workdir / "tfds"), file_format="array_record")
     builder.download_and_prepare()
-    return builder.as_data_source(split=split)
+    return tfds.data_source(f"{builder.name}/{builder.builder_config.name}",
+                            data_dir=str(workdir / "tfds"), split=split)
