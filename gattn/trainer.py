@@ -148,7 +148,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     graphdef, state = init_state(cfg)
     mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every)
     restored = checkpoint.restore(mngr, checkpoint.abstract(state))
-    meta = {"skipped_steps": 0, "loss_spikes": 0}
+    meta = {"skipped_steps": 0, "loss_spikes": 0, "recent_losses": []}
     if restored is not None:
         state, data_state, meta = restored
         pipeline.set_state(data, data_state)
@@ -157,12 +157,17 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     train_step, eval_step = make_train_step(cfg, graphdef), make_eval_step(graphdef)
     spikes = SpikeCounter(t.spike_window, t.spike_margin)
     spikes.count = meta["loss_spikes"]
+    spikes.recent.extend(meta["recent_losses"])  # the spike window continues across a resume
 
     stop = {"signal": None}
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
     bar = _progress(progress, start, t.steps)
     bad_in_a_row, skipped, val, loss = 0, meta["skipped_steps"], {}, None
-    tokens_per_step, clock, timed_steps = t.batch_size * t.seq_len, time.perf_counter(), 0
+    tokens_per_step, clock, timed_steps, eval_seconds = t.batch_size * t.seq_len, time.perf_counter(), 0, 0.0
+
+    def tokens_per_sec():  # training throughput: compilation and validation time left out
+        return tokens_per_step * timed_steps / max(time.perf_counter() - clock - eval_seconds, 1e-9)
+
     try:
         for step in range(start + 1, t.steps + 1):
             state, m = train_step(state, next(data))
@@ -180,17 +185,19 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
             if step == start + 1:
                 clock = time.perf_counter()
             if step % t.eval_every == 0 or step == t.steps:
+                t0 = time.perf_counter()
                 val = validate(eval_step, state["params"], val_batches)
+                eval_seconds += time.perf_counter() - t0
             if step % t.log_every == 0 or step == t.steps:
-                elapsed = time.perf_counter() - clock
                 record = {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
-                          "tokens_per_sec": tokens_per_step * timed_steps / elapsed if timed_steps else 0.0,
+                          "tokens_per_sec": tokens_per_sec() if timed_steps else 0.0,
                           "skipped_steps": skipped, "loss_spikes": spikes.count}
                 if step % t.eval_every == 0 or step == t.steps:
                     record.update(val)
                 log.write(step, record)
-            bar.update(step, loss, tokens_per_step * timed_steps / max(time.perf_counter() - clock, 1e-9))
-            meta = {"skipped_steps": skipped, "loss_spikes": spikes.count}
+            bar.update(step, loss, tokens_per_sec())
+            meta = {"skipped_steps": skipped, "loss_spikes": spikes.count,
+                    "recent_losses": list(spikes.recent)}
             checkpoint.save(mngr, step, state, data.get_state(), meta, force=step == t.steps)
             if stop["signal"] is not None:
                 checkpoint.save(mngr, step, state, data.get_state(), meta, force=True)
@@ -203,6 +210,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
         log.close()
         bar.close()
         signal.signal(signal.SIGTERM, previous)
+    if not val:  # nothing left to train (a finished run rerun): validate what is there
+        val = validate(eval_step, state["params"], val_batches)
     summary = {"step": int(state["step"]), "final_loss": loss, "skipped_steps": skipped,
                "loss_spikes": spikes.count, **val}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
