@@ -19,12 +19,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, help="total training steps (sets train.steps)")
     ap.add_argument("--variant", help="a registered variant (python -m gattn.variants)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    args, rest = ap.parse_known_args(argv)
-    rest, overrides = config_lib.split_argv(rest)
-    if rest:
-        ap.error(f"unrecognised arguments: {' '.join(rest)}")
-    if args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
+    args, overrides = config_lib.parse_args(ap, argv, steps_set_train_steps=True)
     cfg = config_lib.load(args.config, overrides, variant=args.variant)
 
     from gattn import trainer  # noqa: PLC0415 (config errors come before any JAX import)

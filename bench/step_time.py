@@ -110,10 +110,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="baseline,sdpa_elementwise")
     ap.add_argument("--rounds", type=int, default=8, help="rounds of interleaved steps")
     ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
-    args, rest = ap.parse_known_args(argv)
-    rest, overrides = config_lib.split_argv(rest)
-    if rest:
-        ap.error(f"unrecognised arguments: {' '.join(rest)}")
+    args, overrides = config_lib.parse_args(ap, argv)
     names = args.variants.split(",")
     out = {"jax": jax.__version__, "devices": str(jax.devices()),
            "peer_tokens_per_s": PEER_TOKENS_PER_S, "configs": {}}

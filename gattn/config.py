@@ -423,6 +423,18 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
     return apply_overrides(cfg, list(overrides))
 
 
+def parse_args(parser, argv=None, *, steps_set_train_steps: bool = False):
+    """(args, overrides): the parser's own arguments and the `--config.FIELD=VALUE` overrides;
+    anything else is an error. With `steps_set_train_steps`, `--steps N` becomes train.steps=N."""
+    args, rest = parser.parse_known_args(argv)
+    rest, overrides = split_argv(rest)
+    if rest:
+        parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    if steps_set_train_steps and args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    return args, overrides
+
+
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """Separates `--config.FIELD=VALUE` overrides from the other command-line arguments."""
     overrides = [a for a in argv if a.startswith("--config.")]

@@ -74,10 +74,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=40, help="AdamW steps per variant (a short look; "
                     "train.steps is train.py's budget)")
     ap.add_argument("--json", action="store_true")
-    args, rest = ap.parse_known_args(argv)
-    rest, overrides = config_lib.split_argv(rest)
-    if rest:
-        ap.error(f"unrecognised arguments: {' '.join(rest)}")
+    args, overrides = config_lib.parse_args(ap, argv)
     names = ([n for n, v in variants.REGISTRY.items() if v.change is not None]
              if args.variants == "all" else args.variants.split(","))
     # Each variant is applied to the config file's model, then the overrides (as in train.py);

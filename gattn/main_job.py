@@ -40,12 +40,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="baseline,sdpa_elementwise")
     ap.add_argument("--steps", type=int, help="training steps per variant (sets train.steps)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    args, rest = ap.parse_known_args(argv)
-    rest, overrides = config_lib.split_argv(rest)
-    if rest:
-        ap.error(f"unrecognised arguments: {' '.join(rest)}")
-    if args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
+    args, overrides = config_lib.parse_args(ap, argv, steps_set_train_steps=True)
     names = args.variants.split(",")
     cfgs = {n: config_lib.load(args.config, overrides, variant=n) for n in names}  # all checked first
     rows = []

@@ -77,10 +77,7 @@ def main(argv=None):
     ap.add_argument("--config", help="a config file: count its model's parameters")
     ap.add_argument("--variant", help="a registered variant applied to the config's model")
     ap.add_argument("--json", action="store_true", help="print JSON")
-    args, rest = ap.parse_known_args(argv)
-    rest, overrides = config_lib.split_argv(rest)
-    if rest:
-        ap.error(f"unrecognised arguments: {' '.join(rest)}")
+    args, overrides = config_lib.parse_args(ap, argv)
     if not (args.table1 or args.table6 or args.config):
         ap.error("give --table1, --table6 or --config")
 
