@@ -48,8 +48,16 @@ def main(argv=None):
         workdir = Path(args.workdir) / name
         print(f"== {name}: {count_params(cfg.model):,} parameters, {cfg.train.steps} steps of "
               f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens -> {workdir}", flush=True)
-        summary = trainer.train(cfg, workdir, progress=not args.quiet)
-        tok_s = [json.loads(line).get("tokens_per_sec", 0) for line in
+        try:
+            summary = trainer.train(cfg, workdir, progress=not args.quiet)
+        except trainer.TrainingStopped as e:  # the paper's high-LR baselines do this
+            print(f"{name} diverged: {e}", flush=True)
+            rows.append({"variant": name, "params": count_params(cfg.model), "diverged": True})
+            continue
+        if not summary["completed"]:  # SIGTERM: the checkpoint is saved; a rerun resumes
+            print(f"{name} stopped at step {summary['step']}; rerun the same command to resume.")
+            return 1
+        tok_s = [json.loads(line).get("tokens_per_sec") for line in
                  (workdir / "metrics.jsonl").read_text().splitlines()]
         rows.append({"variant": name, "params": count_params(cfg.model), **summary,
                      "tokens_per_sec": tok_s[-1] if tok_s else None, **measure(cfg, workdir)})
@@ -60,8 +68,8 @@ def main(argv=None):
 
 
 def table(rows: list[dict]) -> str:
-    """A markdown table, one column per variant."""
-    domains = sorted(k.split("/", 1)[1] for k in rows[0] if k.startswith("val_ppl/"))
+    """A markdown table, one column per variant ('diverged' where a run stopped on NaNs)."""
+    domains = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("val_ppl/")})
     lines = [("params", lambda r: f"{r['params']:,}")]
     lines += [(f"val PPL {d}", lambda r, d=d: f"{r[f'val_ppl/{d}']:.2f}") for d in domains]
     lines += [("final train loss", lambda r: f"{r['final_loss']:.3f}"),
@@ -73,7 +81,15 @@ def table(rows: list[dict]) -> str:
               ("tokens/s", lambda r: f"{r['tokens_per_sec']:,.0f}" if r["tokens_per_sec"] else "-")]
     out = ["| | " + " | ".join(r["variant"] for r in rows) + " |",
            "|---|" + "---|" * len(rows)]
-    out += [f"| {label} | " + " | ".join(fmt(r) for r in rows) + " |" for label, fmt in lines]
+    def cell(fmt, r):
+        if r.get("diverged"):
+            return "diverged"
+        try:
+            return fmt(r)
+        except (KeyError, TypeError):
+            return "-"
+    out += [f"| {label} | " + " | ".join(cell(fmt, r) if label != "params" else fmt(r) for r in rows) + " |"
+            for label, fmt in lines]
     return "\n".join(out)
 
 

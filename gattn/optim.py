@@ -16,12 +16,16 @@ def schedule(cfg: TrainConfig) -> optax.Schedule:
                                               decay_steps=cfg.steps, end_value=floor)
 
 
+# Parameters left out of weight decay, by name: norm scales (also when stacked by scan_layers or
+# per head), biases, and the input-independent gate tensor, whose decay would pull the gate to 0.5.
+NO_DECAY = ("scale", "q_norm", "k_norm", "sdpa_norm", "theta", "bias")
+
+
 def decay_mask(params: nnx.State) -> nnx.State:
-    """Weight decay on weight matrices only: not on norm scales (1-D), biases (1-D) or the
-    input-independent gate tensor `theta`, whose decay would pull the gate toward 0.5."""
+    """True for the weight matrices that AdamW decays, False for the parameters in NO_DECAY."""
     def keep(path, x):
         names = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
-        return x.ndim >= 2 and names[-1] != "theta"
+        return names[-1] not in NO_DECAY
     return jax.tree_util.tree_map_with_path(keep, params)
 
 

@@ -53,9 +53,11 @@ def make_train_step(cfg: Config, graphdef):
             return lm_loss(model, batch["tokens"], batch["segment_ids"], batch["positions"])
 
         loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-        ok = jnp.isfinite(loss) & optim.all_finite(grads)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = jax.tree.map(lambda p, u: p + u, state["params"], updates)
+        # Finite loss and gradients are not enough: a huge step can overflow the new weights.
+        ok = (jnp.isfinite(loss) & optim.all_finite(grads) & optim.all_finite(params)
+              & optim.all_finite(opt_state))
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)  # noqa: E731
         new_state = {"step": state["step"] + 1, "params": keep(params, state["params"]),
                      "opt_state": keep(opt_state, state["opt_state"])}
@@ -112,8 +114,13 @@ class MetricsLog:
     def __init__(self, workdir: Path, resumed_step: int):
         self.path = workdir / "metrics.jsonl"
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resumed_step]
+            kept = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resumed_step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError):
+                    pass  # a line cut short when the previous run was killed
             self.path.write_text("".join(k + "\n" for k in kept))
         try:
             from tensorboardX import SummaryWriter  # noqa: PLC0415
@@ -123,11 +130,14 @@ class MetricsLog:
             self.tb = None
 
     def write(self, step: int, metrics: dict):
+        # Non-finite values (a skipped step's loss) are written as null: NaN is not JSON.
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                 for k, v in metrics.items()}
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+            f.write(json.dumps({"step": step, **clean}) + "\n")
         if self.tb is not None:
             for k, v in metrics.items():
-                if isinstance(v, (int, float)):
+                if isinstance(v, (int, float)) and v == v:
                     self.tb.add_scalar(k, v, step)
 
     def close(self):
@@ -148,7 +158,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     graphdef, state = init_state(cfg)
     mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every)
     restored = checkpoint.restore(mngr, checkpoint.abstract(state))
-    meta = {"skipped_steps": 0, "loss_spikes": 0, "recent_losses": []}
+    meta = {"skipped_steps": 0, "loss_spikes": 0, "recent_losses": [], "final_loss": None}
     if restored is not None:
         state, data_state, meta = restored
         pipeline.set_state(data, data_state)
@@ -162,7 +172,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     stop = {"signal": None}
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
     bar = _progress(progress, start, t.steps)
-    bad_in_a_row, skipped, val, loss = 0, meta["skipped_steps"], {}, None
+    bad_in_a_row, skipped, val, loss = 0, meta["skipped_steps"], {}, meta["final_loss"]
     tokens_per_step, clock, timed_steps, eval_seconds = t.batch_size * t.seq_len, time.perf_counter(), 0, 0.0
 
     def tokens_per_sec():  # training throughput: compilation and validation time left out
@@ -188,7 +198,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
                 t0 = time.perf_counter()
                 val = validate(eval_step, state["params"], val_batches)
                 eval_seconds += time.perf_counter() - t0
-            if step % t.log_every == 0 or step == t.steps:
+            if step % t.log_every == 0 or step % t.eval_every == 0 or step == t.steps:
                 record = {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
                           "tokens_per_sec": tokens_per_sec() if timed_steps else 0.0,
                           "skipped_steps": skipped, "loss_spikes": spikes.count}
@@ -197,10 +207,11 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
                 log.write(step, record)
             bar.update(step, loss, tokens_per_sec())
             meta = {"skipped_steps": skipped, "loss_spikes": spikes.count,
-                    "recent_losses": list(spikes.recent)}
-            checkpoint.save(mngr, step, state, data.get_state(), meta, force=step == t.steps)
-            if stop["signal"] is not None:
-                checkpoint.save(mngr, step, state, data.get_state(), meta, force=True)
+                    "recent_losses": list(spikes.recent), "final_loss": loss if finite else None}
+            stopping = stop["signal"] is not None
+            checkpoint.save(mngr, step, state, data.get_state(), meta,
+                            force=step == t.steps or stopping)
+            if stopping:
                 mngr.wait_until_finished()
                 print(f"\nSIGTERM: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
                 break
@@ -212,8 +223,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
         signal.signal(signal.SIGTERM, previous)
     if not val:  # nothing left to train (a finished run rerun): validate what is there
         val = validate(eval_step, state["params"], val_batches)
-    summary = {"step": int(state["step"]), "final_loss": loss, "skipped_steps": skipped,
-               "loss_spikes": spikes.count, **val}
+    summary = {"step": int(state["step"]), "completed": int(state["step"]) >= t.steps,
+               "final_loss": loss, "skipped_steps": skipped, "loss_spikes": spikes.count, **val}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -45,10 +45,11 @@ def test_bad_config_on_the_command_line_is_a_clear_error():
 
 
 def test_main_job_trains_both_variants_and_prints_the_comparison(tmp_path):
-    out = run("-m", "gattn.main_job", "--workdir", str(tmp_path), "--steps", "6", "--quiet",
-              "--config.train.warmup_steps=1", "--config.model.num_layers=1",
-              "--config.train.seq_len=64", "--config.train.batch_size=4",
-              "--config.data.code_max_bytes=200000", "--config.data.eval_batches=1").stdout
+    args = ("-m", "gattn.main_job", "--workdir", str(tmp_path), "--steps", "6", "--quiet",
+            "--config.train.warmup_steps=1", "--config.model.num_layers=1",
+            "--config.train.seq_len=64", "--config.train.batch_size=4",
+            "--config.data.code_max_bytes=200000", "--config.data.eval_batches=1")
+    out = run(*args).stdout
     assert "| | baseline | sdpa_elementwise |" in out
     rows = json.loads((tmp_path / "results.json").read_text())
     base, gated = rows
@@ -59,3 +60,7 @@ def test_main_job_trains_both_variants_and_prints_the_comparison(tmp_path):
         assert (tmp_path / r["variant"] / "metrics.jsonl").is_file()
     gate_line = next(line for line in out.splitlines() if line.startswith("| gate score"))
     assert gate_line.split("|")[2].strip() == "-"
+    # Rerunning finds both runs finished: nothing is retrained and the same table comes back.
+    again = run(*args).stdout
+    assert again[again.index("| |"):] == out[out.index("| |"):]
+    assert json.loads((tmp_path / "results.json").read_text())[1]["final_loss"] == gated["final_loss"]

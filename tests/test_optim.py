@@ -86,3 +86,34 @@ def test_non_finite_step_is_skipped_and_reported():
     for a, b in zip(jax.tree.leaves(after["opt_state"]), jax.tree.leaves(before["opt_state"])):
         np.testing.assert_array_equal(a, b)   # nothing learned from the bad step
     np.testing.assert_array_equal(after["params"]["lm_head"][...], before["params"]["lm_head"][...])
+
+
+def test_decay_mask_with_scanned_layers_and_per_head_norms():
+    """Stacked (scan_layers) norm scales and the per-head SDPA RMSNorm scale are 2-D but are
+    still norm scales: no decay."""
+    cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=2, q_heads=2, kv_heads=1, head_dim=8,
+                      d_ff=32, scan_layers=True, sdpa_nonlinearity="rmsnorm", qk_norm=True)
+    params = nnx.split(trainer.Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)[1]
+    flat = {tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)): v
+            for path, v in jax.tree_util.tree_leaves_with_path(optim.decay_mask(params))}
+    assert not flat[("blocks", "attn_norm", "scale")] and not flat[("blocks", "attn", "sdpa_norm")]
+    assert not flat[("blocks", "attn", "q_norm")]
+    assert flat[("blocks", "attn", "wq")] and flat[("blocks", "ffn", "w1")]
+
+
+def test_an_update_that_overflows_the_weights_is_skipped():
+    """Finite loss and gradients, but a huge LR makes the new weights inf: the step is skipped."""
+    cfg = Config(model=ModelConfig(vocab_size=32, d_model=16, num_layers=1, q_heads=2, kv_heads=1,
+                                   head_dim=8, d_ff=32),
+                 train=TrainConfig(batch_size=2, seq_len=8, steps=10, warmup_steps=1,
+                                   learning_rate=1e39, min_learning_rate=0.0, grad_clip=0.0))
+    graphdef, state = trainer.init_state(cfg)
+    step = trainer.make_train_step(cfg, graphdef)
+    batch = {"tokens": jnp.ones((2, 9), jnp.int32), "segment_ids": jnp.ones((2, 9), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(9), (2, 9))}
+    state, _ = step(state, batch)              # lr(0) = 0: a finite no-op
+    before = np.asarray(state["params"]["lm_head"][...])
+    state, m = step(state, batch)              # lr(1) = 1e39: weights would overflow
+    assert np.isfinite(float(m["loss"])) and not bool(m["finite"])
+    np.testing.assert_array_equal(state["params"]["lm_head"][...], before)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))

@@ -3,8 +3,8 @@ shuffle packed rows in a window -> batch.
 
 Batches are dicts of int32 numpy arrays of shape [batch, seq_len + 1] (inputs and shifted targets
 come from one row): "tokens", "segment_ids" (1, 2, ... per document in the row, 0 = padding) and
-"positions" (restarting at 0 with each document; a document split across rows continues its
-positions). The training iterator is a Grain `DatasetIterator`: `get_state()` / `set_state()`
+"positions" (restarting at 0 with each document, and with each row's piece of a document that
+was split across rows). The training iterator is a Grain `DatasetIterator`: `get_state()` / `set_state()`
 make the data order part of a checkpoint.
 """
 
@@ -21,10 +21,11 @@ from gattn.data.tokenizer import EOS
 
 
 def _tokenize(tokenizer):
+    eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else EOS  # a user's model may differ
     def fn(example) -> dict:
         ids = tokenizer.encode(example["text"].decode("utf-8") if isinstance(example["text"], bytes)
                                else example["text"])
-        return {"tokens": np.asarray(ids + [EOS], np.int32)}
+        return {"tokens": np.asarray(ids + [eos], np.int32)}
     return fn
 
 
