@@ -44,6 +44,14 @@ def restore(mngr: ocp.CheckpointManager, abstract_state, step: int | None = None
     return out.state, out.data, out.meta
 
 
+def restore_meta(mngr: ocp.CheckpointManager, step: int | None = None) -> dict | None:
+    """The JSON metadata of `step` (default: the latest) without reading any array."""
+    step = mngr.latest_step() if step is None else step
+    if step is None:
+        return None
+    return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
+
 def restore_params(mngr: ocp.CheckpointManager, abstract_params, step: int | None = None):
     """Only the model parameters of `step` (default: the latest), whatever optimizer the run used;
     None if there is no checkpoint. For evaluation and analysis."""

@@ -23,11 +23,34 @@ import optax
 from flax import nnx
 
 from gattn import checkpoint, optim
-from gattn.config import Config
+from gattn.config import Config, ConfigError
 from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer
 from gattn.loss import cross_entropy, lm_loss
 from gattn.model import Transformer
+
+
+# What a resumed run must share with its checkpoint: anything else (more steps, a new LR) may change.
+RESUME_FIXED = ("model", "data", "train.seed", "train.batch_size", "train.seq_len")
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_resume(cfg: Config, saved: dict | None) -> None:
+    """Refuses to resume a checkpoint under a different model, data or batch layout."""
+    if not saved:
+        return
+    now, then = _flat(json.loads(json.dumps(dataclasses.asdict(cfg)))), _flat(saved)
+    for key in sorted(set(now) | set(then)):
+        if key.startswith(RESUME_FIXED) and now.get(key) != then.get(key):
+            raise ConfigError(key, now.get(key),
+                              f"the checkpoint in this workdir was trained with {then.get(key)!r}; "
+                              "resume with the same value or use a new --workdir")
 
 
 class TrainingStopped(RuntimeError):
@@ -149,7 +172,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the summary."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    run_config = json.loads(json.dumps(dataclasses.asdict(cfg)))
     t = cfg.train
     tokenizer = load_tokenizer(cfg, workdir)
     data = pipeline.train_iterator(cfg, tokenizer, workdir)
@@ -157,11 +180,17 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
 
     graphdef, state = init_state(cfg)
     mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every)
+    try:  # a checkpoint of another model or data is refused before any array is read
+        check_resume(cfg, (checkpoint.restore_meta(mngr) or {}).get("config"))
+    except ConfigError:
+        mngr.close()  # nothing was written: the workdir stays as it was
+        raise
     restored = checkpoint.restore(mngr, checkpoint.abstract(state))
     meta = {"skipped_steps": 0, "loss_spikes": 0, "recent_losses": [], "final_loss": None}
     if restored is not None:
         state, data_state, meta = restored
         pipeline.set_state(data, data_state)
+    (workdir / "config.json").write_text(json.dumps(run_config, indent=2))
     start = int(state["step"])
     log = MetricsLog(workdir, start)
     train_step, eval_step = make_train_step(cfg, graphdef), make_eval_step(graphdef)
@@ -207,7 +236,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
                 log.write(step, record)
             bar.update(step, loss, tokens_per_sec())
             meta = {"skipped_steps": skipped, "loss_spikes": spikes.count,
-                    "recent_losses": list(spikes.recent), "final_loss": loss if finite else None}
+                    "recent_losses": list(spikes.recent), "final_loss": loss if finite else None,
+                    "config": run_config}
             stopping = stop["signal"] is not None
             checkpoint.save(mngr, step, state, data.get_state(), meta,
                             force=step == t.steps or stopping)

@@ -147,3 +147,20 @@ def test_restore_onto_a_different_mesh(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[:2] == ["True", "True"], out.stdout
     assert "P(None, 'model')" in out.stdout and "{'k': 1} {'m': 2}" in out.stdout
+
+
+def test_resume_refuses_a_different_model_and_keeps_the_checkpoint(config_file, tmp_path):
+    workdir = tmp_path / "run"
+    subprocess.run(train_cmd(config_file, workdir, "--steps", "6"), check=True, capture_output=True,
+                   timeout=300)
+    before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    out = subprocess.run(train_cmd(config_file, workdir, "--config.model.d_ff=96"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "'model.d_ff' = 96" in out.stderr and "trained with 64" in out.stderr
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
+    assert json.loads((workdir / "config.json").read_text())["model"]["d_ff"] == 64
+    # More steps (and a new LR) are fine: the run continues from step 6.
+    subprocess.run(train_cmd(config_file, workdir, "--steps", "8"), check=True, capture_output=True,
+                   timeout=300)
+    assert losses(workdir)[0] == list(range(1, 9))
