@@ -106,7 +106,8 @@ def bench_config(path: str, names: list[str], overrides: list[str], rounds: int,
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--configs", default="configs/peer.py", help="comma-separated config files")
+    ap.add_argument("--configs", default="configs/tiny.py,configs/small.py,configs/peer.py",
+                    help="comma-separated config files")
     ap.add_argument("--variants", default="baseline,sdpa_elementwise")
     ap.add_argument("--rounds", type=int, default=8, help="rounds of interleaved steps")
     ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
