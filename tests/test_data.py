@@ -132,7 +132,16 @@ def test_packed_documents_do_not_attend_across_boundaries(workdir, tokenizer):
 
 
 def test_validation_batches_per_domain(workdir, tokenizer):
-    val = pipeline.validation_batches(CFG, tokenizer, workdir)
+    """Each domain's batches hold exactly that domain's held-out text (all of it, when it fits)."""
+    big = Config(model=CFG.model, train=CFG.train,
+                 data=DataConfig(eval_batches=10_000, eval_batch_size=2, code_max_bytes=300_000))
+    val = pipeline.validation_batches(big, tokenizer, workdir)
     assert set(val) == {"code", "docs"}
-    for batches in val.values():
-        assert 1 <= len(batches) <= 2 and batches[0]["tokens"].shape == (2, 33)
+    held_out = [d for d in corpus.documents("embedded", 300_000) if d.split == "validation"]
+    for domain, batches in val.items():
+        assert all(b["tokens"].shape == (2, 33) for b in batches)
+        tokens = sum(int((b["segment_ids"] != 0).sum()) for b in batches)
+        expected = sum(len(tokenizer.encode(d.text)) + 1 for d in held_out if d.domain == domain)
+        assert tokens == expected          # nothing dropped, nothing from another domain
+    few = pipeline.validation_batches(CFG, tokenizer, workdir)
+    assert all(len(b) == 2 for b in few.values())

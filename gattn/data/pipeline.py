@@ -30,14 +30,20 @@ def _tokenize(tokenizer):
 
 
 def _pack_and_batch(ds: grain.IterDataset, seq_len: int, batch_size: int,
-                    shuffle: tuple[int, int] | None = None) -> grain.IterDataset:
+                    shuffle: tuple[int, int] | None = None, keep_last: bool = False) -> grain.IterDataset:
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={"tokens": seq_len + 1})
     ds = ds.map(lambda ex: {"tokens": ex["tokens"], "segment_ids": ex["tokens_segment_ids"],
                             "positions": ex["tokens_positions"]})
     if shuffle is not None:  # a long document fills many consecutive rows: spread them out
         window, seed = shuffle
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=window, seed=seed)
-    return ds.batch(batch_size, drop_remainder=True)
+    return ds.batch(batch_size, drop_remainder=not keep_last)
+
+
+def _pad_rows(batch: dict, rows: int) -> dict:
+    """Pads a short last batch with padding rows (segment id 0: they count for nothing)."""
+    missing = rows - batch["tokens"].shape[0]
+    return {k: np.pad(v, ((0, missing), (0, 0))) for k, v in batch.items()} if missing else batch
 
 
 def train_iterator(cfg, tokenizer, workdir: Path) -> grain.DatasetIterator:
@@ -66,17 +72,18 @@ def set_state(iterator: grain.DatasetIterator, state: dict) -> None:
 
 
 def validation_batches(cfg, tokenizer, workdir: Path) -> dict[str, list[dict]]:
-    """Per held-out domain, up to `data.eval_batches` packed batches in a fixed order."""
+    """Per held-out domain, up to `data.eval_batches` packed batches in a fixed order; a short
+    last batch is padded, so a small domain keeps all of its text."""
     source = tfds_text.data_source(cfg.data, workdir, "validation")
     domains = sorted({(source[i]["domain"]).decode() for i in range(len(source))})
     out = {}
     for domain in domains:
         ds = grain.MapDataset.source(source).filter(lambda ex, d=domain: ex["domain"].decode() == d)
         ds = _pack_and_batch(ds.map(_tokenize(tokenizer)).to_iter_dataset(), cfg.train.seq_len,
-                             cfg.data.eval_batch_size)
+                             cfg.data.eval_batch_size, keep_last=True)
         batches = []
         for batch in ds:
-            batches.append(batch)
+            batches.append(_pad_rows(batch, cfg.data.eval_batch_size))
             if len(batches) == cfg.data.eval_batches:
                 break
         if not batches:
