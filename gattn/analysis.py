@@ -7,7 +7,6 @@ sowed: attention probabilities, SDPA output, gate scores and the block's output 
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -46,7 +45,7 @@ def summarize(layers: list[dict[str, np.ndarray]]) -> dict:
         row = {"m_act": float(np.abs(layer["block_out"]).max()),
                "f_attn": float(first_token_attention(layer["attn_probs"]).mean())}
         if "gate_scores" in layer:
-            row["gate_score"] = float(jnp.mean(layer["gate_scores"]))
+            row["gate_score"] = float(np.mean(layer["gate_scores"]))
         per_layer.append(row)
     overall = {k: float(np.mean([r[k] for r in per_layer])) for k in ("m_act", "f_attn")}
     if per_layer and "gate_score" in per_layer[0]:

@@ -24,7 +24,8 @@ def manager(workdir: Path, keep: int, every: int) -> ocp.CheckpointManager:
 
 def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, meta: dict,
          force: bool = False) -> bool:
-    """Saves (asynchronously) when `step` is on the save interval, or always with `force`."""
+    """Saves (asynchronously) when `step` is on the save interval, or always with `force`.
+    The caller may check `mngr.should_save(step)` first to skip building the arguments."""
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               data=ocp.args.JsonSave(json.loads(json.dumps(data_state))),
                               meta=ocp.args.JsonSave(meta))

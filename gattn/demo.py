@@ -1,9 +1,9 @@
-"""A first look at every variant on the embedded corpus, until train.py lands.
+"""A first look at every variant of the paper on the embedded corpus.
 
-    python -m gattn.demo [--config configs/tiny.py] [--variants a,b,...] [--steps 40] [--json]
+    python -m gattn.demo [--config configs/demo.py] [--variants a,b,...] [--steps 40] [--json]
 
 For each variant: parameters (and those added to the baseline), a short AdamW run on the bytes of
-CPython's own documentation (`pydoc_data/topics.py`, present on any Python), the held-out loss,
+CPython's own documentation (the embedded corpus's "docs" domain), the held-out loss,
 and the paper's gate statistics from the real forward pass: mean gate score, F-Attn (attention
 on the first token) and M-Act (max hidden activation). Identical data and seed for all variants.
 """
@@ -17,11 +17,11 @@ import time
 import jax
 import numpy as np
 import optax
-import pydoc_data.topics
 from flax import nnx
 
 from gattn import analysis, variants
 from gattn import config as config_lib
+from gattn.data import corpus
 from gattn.loss import lm_loss
 from gattn.model import Transformer
 from gattn.params import count_params
@@ -29,11 +29,13 @@ from gattn.runtime import ensure_malloc_tunables
 
 
 def embedded_bytes() -> tuple[np.ndarray, np.ndarray]:
-    """The documentation text of this Python as bytes, split 90% train / 10% held out."""
-    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
-    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-    cut = int(0.9 * len(data))
-    return data[:cut], data[cut:]
+    """The embedded corpus's documentation domain as bytes: its train and held-out splits."""
+    docs = [d for d in corpus.documents(corpus.EMBEDDED, 0) if d.domain == "docs"]
+
+    def as_bytes(split):
+        text = "\n\n".join(d.text for d in docs if d.split == split)
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+    return as_bytes("train"), as_bytes("validation")
 
 
 def batches(data: np.ndarray, batch: int, seq: int, seed: int):
@@ -69,7 +71,7 @@ def run_variant(cfg, baseline_params: int, train, held_out, steps: int) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--config", default="configs/tiny.py")
+    ap.add_argument("--config", default="configs/demo.py")
     ap.add_argument("--variants", default="all", help="comma-separated names, or 'all'")
     ap.add_argument("--steps", type=int, default=40, help="AdamW steps per variant (a short look; "
                     "train.steps is train.py's budget)")

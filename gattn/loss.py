@@ -21,16 +21,30 @@ def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
     return jnp.sum(nll_N * w_N) / jnp.maximum(jnp.sum(w_N), 1.0)
 
 
-def lm_loss(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None,
-            positions_BxS: jax.Array | None = None) -> jax.Array:
-    """Loss of predicting tokens[:, 1:] from tokens[:, :-1]. With packed documents (segment ids,
-    0 = padding; positions restarting at each document) a target counts only if it is in the same
-    document as its input token, so no document is predicted from the one before it and padding
-    is ignored."""
+def _next_token(model, tokens_BxS, segment_ids_BxS, positions_BxS):
+    """(logits, targets, weights) for predicting tokens[:, 1:] from tokens[:, :-1]. With packed
+    documents (segment ids, 0 = padding; positions restarting at each document) a target counts
+    only if it is in the same document as its input token, so no document is predicted from the
+    one before it and padding is ignored. Weights are None without segment ids."""
     inputs, targets = tokens_BxS[:, :-1], tokens_BxS[:, 1:]
     pos = None if positions_BxS is None else positions_BxS[:, :-1]
     if segment_ids_BxS is None:
-        return cross_entropy(model(inputs, positions_BxS=pos), targets)
+        return model(inputs, positions_BxS=pos), targets, None
     seg_in, seg_out = segment_ids_BxS[:, :-1], segment_ids_BxS[:, 1:]
     logits = model(inputs, positions_BxS=pos, segment_ids_BxS=seg_in)
-    return cross_entropy(logits, targets, (seg_out != 0) & (seg_out == seg_in))
+    return logits, targets, (seg_out != 0) & (seg_out == seg_in)
+
+
+def lm_loss(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None,
+            positions_BxS: jax.Array | None = None) -> jax.Array:
+    """Mean next-token loss over the targets that count (see `_next_token`)."""
+    return cross_entropy(*_next_token(model, tokens_BxS, segment_ids_BxS, positions_BxS))
+
+
+def lm_nll_sum(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array,
+               positions_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(summed next-token loss, number of targets) of packed rows, for exact averages over many
+    batches (validation)."""
+    logits, targets, weights = _next_token(model, tokens_BxS, segment_ids_BxS, positions_BxS)
+    count = jnp.sum(weights)
+    return cross_entropy(logits, targets, weights) * count, count

@@ -26,7 +26,7 @@ from gattn import checkpoint, optim
 from gattn.config import Config, ConfigError
 from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer
-from gattn.loss import cross_entropy, lm_loss
+from gattn.loss import lm_loss, lm_nll_sum
 from gattn.model import Transformer
 
 
@@ -95,11 +95,7 @@ def make_eval_step(graphdef):
     @jax.jit
     def eval_step(params, batch):
         model = nnx.merge(graphdef, params)
-        tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
-        logits = model(tokens[:, :-1], positions_BxS=pos[:, :-1], segment_ids_BxS=seg[:, :-1])
-        weights = (seg[:, 1:] != 0) & (seg[:, 1:] == seg[:, :-1])
-        count = jnp.sum(weights)
-        return cross_entropy(logits, tokens[:, 1:], weights) * count, count
+        return lm_nll_sum(model, batch["tokens"], batch["segment_ids"], batch["positions"])
     return eval_step
 
 
@@ -235,12 +231,12 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
                     record.update(val)
                 log.write(step, record)
             bar.update(step, loss, tokens_per_sec())
-            meta = {"skipped_steps": skipped, "loss_spikes": spikes.count,
-                    "recent_losses": list(spikes.recent), "final_loss": loss if finite else None,
-                    "config": run_config}
             stopping = stop["signal"] is not None
-            checkpoint.save(mngr, step, state, data.get_state(), meta,
-                            force=step == t.steps or stopping)
+            if step == t.steps or stopping or mngr.should_save(step):  # build the args only then
+                meta = {"skipped_steps": skipped, "loss_spikes": spikes.count,
+                        "recent_losses": list(spikes.recent), "final_loss": loss if finite else None,
+                        "config": run_config}
+                checkpoint.save(mngr, step, state, data.get_state(), meta, force=True)
             if stopping:
                 mngr.wait_until_finished()
                 print(f"\nSIGTERM: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
