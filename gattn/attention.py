@@ -99,10 +99,20 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions_N, cfg.rope_base)
         kk = apply_rope(kk, positions_N, cfg.rope_base)
 
+        # A sigmoid gate right on the SDPA output goes into the attention function as logits, so
+        # the pallas kernel applies it in its epilogue (the xla path multiplies after SDPA).
+        # Analysis needs the attention matrix and the ungated SDPA output: only the xla path with
+        # the gate applied outside gives both.
+        fused = (self.gate is not None and self.gate.spec.fusable
+                 and cfg.sdpa_nonlinearity == "none" and not self.collect_intermediates)
+        gate_logits = self.gate.logits(x_NxD).reshape(b, s, hq, -1) if fused else None
+        impl = "xla" if self.collect_intermediates else cfg.attention_impl
+        options = (dict(block_q=cfg.attention_block_q) if impl == "xla" else
+                   dict(block_q=cfg.flash_block_q, block_k=cfg.flash_block_k))
         out = kernels.attention(
-            q.reshape(b, s, hq, k), kk.reshape(b, s, hk, k), v.reshape(b, s, hk, k),
-            impl=cfg.attention_impl, causal=True, segment_ids=segment_ids_BxS,
-            block_q=cfg.attention_block_q, return_probs=self.collect_intermediates)
+            q.reshape(b, s, hq, k), kk.reshape(b, s, hk, k), v.reshape(b, s, hk, k), gate_logits,
+            impl=impl, causal=True, segment_ids=segment_ids_BxS,
+            return_probs=self.collect_intermediates, **options)
         if self.collect_intermediates:
             out, probs_BxHxSxS = out
             self.sow(nnx.Intermediate, "attn_probs", probs_BxHxSxS)
@@ -112,6 +122,7 @@ class Attention(nnx.Module):
         y = sdpa_nonlinearity(cfg.sdpa_nonlinearity, y,
                               self.sdpa_norm[...] if cfg.sdpa_nonlinearity == "rmsnorm" else None,
                               cfg.norm_eps)
-        y = self._gate_at("sdpa", y, x_NxD)
+        if not fused:
+            y = self._gate_at("sdpa", y, x_NxD)
         o_NxD = dense(y.reshape(n, hq * k), self.wo, self.dtype)
         return self._gate_at("dense", o_NxD[:, None, :], x_NxD)[:, 0, :]

@@ -28,7 +28,7 @@ SWITCH_TARGETS = ("v", "kv")
 FFN_ACTIVATIONS = ("silu", "gelu", "relu")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("xla",)  # "pallas" joins with the kernel issue
+ATTENTION_IMPLS = ("xla", "pallas")  # plain jnp reference / fused Pallas flash kernel
 
 
 class ConfigError(ValueError):
@@ -105,6 +105,14 @@ class GateSpec:
         """The paper's name of the position, G1..G5."""
         return POSITIONS[self.position]
 
+    @property
+    def fusable(self) -> bool:
+        """Whether the attention kernel can apply this gate itself: sigmoid(X W_theta) multiplying
+        each head's own SDPA output (the paper's best gate, and its headwise form)."""
+        return (self.position == "sdpa" and self.form == "multiplicative"
+                and self.activation == "sigmoid" and self.sharing == "head_specific"
+                and self.input_dependent)
+
     def shape(self, cfg: "ModelConfig") -> tuple[int, int]:
         """(heads, width) of the score before any head sharing (see gattn/gates.py)."""
         if self.position == "dense":
@@ -166,11 +174,17 @@ class ModelConfig:
     remat: str = "none"
     attention_impl: str = "xla"
     attention_block_q: int = 128           # causal query block of the xla path (0 = no blocking).
+    flash_block_q: int = 512               # query / key blocks of the pallas kernel (multiples of 8;
+    flash_block_k: int = 512               # TPU wants multiples of 128).
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "q_heads", "kv_heads", "head_dim", "d_ff"):
             _integer(name, getattr(self, name))
         _integer("attention_block_q", self.attention_block_q, zero_ok=True)
+        for name in ("flash_block_q", "flash_block_k"):
+            _integer(name, getattr(self, name))
+            if getattr(self, name) % 8:
+                raise ConfigError(name, getattr(self, name), "expected a positive multiple of 8")
         _positive("rope_base", self.rope_base)
         _positive("norm_eps", self.norm_eps)
         _positive("init_std", self.init_std)

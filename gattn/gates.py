@@ -55,14 +55,16 @@ class Gate(nnx.Module):
         self.dtype = DTYPES[cfg.dtype]
         self.collect_intermediates = False
 
+    def logits(self, x_NxD: jax.Array) -> jax.Array:
+        """X W_theta as [N, heads, width] (or [1, heads, width] when input-independent)."""
+        if self.spec.input_dependent:
+            return dense(x_NxD, self.w, self.dtype).reshape(-1, self.heads, self.width)
+        return self.theta[...][None]
+
     def scores(self, x_NxD: jax.Array) -> jax.Array:
         """act(X W_theta) as [N, heads, width] (or [1, heads, width] when input-independent),
         with the head axis averaged to 1 when head-shared. Computed in float32."""
-        if self.spec.input_dependent:
-            logits = dense(x_NxD, self.w, self.dtype).reshape(-1, self.heads, self.width)
-        else:
-            logits = self.theta[...][None]
-        s = self.act(logits.astype(jnp.float32))
+        s = self.act(self.logits(x_NxD).astype(jnp.float32))
         if self.spec.sharing == "head_shared":
             s = jnp.mean(s, axis=1, keepdims=True)
         return s

@@ -37,10 +37,11 @@ def _block(q_BHGQK, k_BHTK, v_BHTK, bias, scale):
     return o, p
 
 
-def attention_xla(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: float | None = None,
-                  block_q: int = 128, return_probs: bool = False):
-    """softmax(q k^T * sm_scale + mask) v. Returns o [B, S, Hq, K] (and probs [B, Hq, S, T] in
-    float32 if `return_probs`)."""
+def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
+                  sm_scale: float | None = None, block_q: int = 128, return_probs: bool = False):
+    """softmax(q k^T * sm_scale + mask) v [* sigmoid(gate)]. Returns o [B, S, Hq, K] (and probs
+    [B, Hq, S, T] in float32 if `return_probs`). `gate`: logits [B, S, Hq, K] (elementwise) or
+    [B, S, Hq] / [B, S, Hq, 1] (headwise), applied in float32 after the attention."""
     _check(q, k, v, segment_ids)
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
@@ -76,4 +77,10 @@ def attention_xla(q, k, v, *, causal: bool = True, segment_ids=None, sm_scale: f
         o = jnp.where(valid[:, :, None, None], o, 0).astype(o.dtype)
         if p is not None:
             p = jnp.where(valid[:, None, :, None], p, 0.0)
+    if gate is not None:
+        if gate.shape not in (q.shape, q.shape[:3], q.shape[:3] + (1,)):
+            raise ValueError(f"gate {gate.shape}: must be elementwise {q.shape} or headwise "
+                             f"{q.shape[:3]} / {q.shape[:3] + (1,)}")
+        g = gate.reshape(q.shape[:3] + (-1,)).astype(jnp.float32)
+        o = (o.astype(jnp.float32) * jax.nn.sigmoid(g)).astype(o.dtype)
     return (o, p) if return_probs else o

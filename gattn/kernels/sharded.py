@@ -1,0 +1,40 @@
+"""Running an attention implementation on a device mesh.
+
+Mosaic kernels are not partitioned automatically: under `jit` with sharded inputs a Pallas call
+must sit inside `shard_map`, where each device sees its own batch rows and heads. Attention is
+independent across batch and heads, so splitting them needs no communication; GQA stays intact as
+long as the head axis divides the kv heads (query head h reads kv head h // G, and a contiguous
+split of Hk kv heads carries exactly their G * Hk / n query heads).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+
+def shard_attention(fn, mesh, *, batch_axes=("data",), head_axis: str | None = "model"):
+    """Wraps `fn(q, k, v, gate=None, *, segment_ids=None, **options)` for `mesh`: batch split over
+    `batch_axes`, heads over `head_axis` (None: heads replicated). Sequence stays whole."""
+    batch = tuple(a for a in batch_axes if a in mesh.axis_names) or None
+    heads = head_axis if head_axis in mesh.axis_names else None
+
+    def wrapped(q, k, v, gate=None, *, segment_ids=None, **options):
+        n_heads = mesh.shape[heads] if heads else 1
+        if k.shape[2] % n_heads:
+            raise ValueError(f"kv_heads {k.shape[2]} must be divisible by mesh axis "
+                             f"{heads!r} of size {n_heads} to split heads")
+        tile = P(batch, None, heads, None)
+        gate_spec = None if gate is None else (tile if gate.ndim == 4 else P(batch, None, heads))
+        seg_spec = None if segment_ids is None else P(batch, None)
+        body = functools.partial(_call, fn, options)
+        return jax.shard_map(body, mesh=mesh, in_specs=(tile, tile, tile, gate_spec, seg_spec),
+                             out_specs=tile)(q, k, v, gate, segment_ids)
+
+    return wrapped
+
+
+def _call(fn, options, q, k, v, gate, segment_ids):
+    return fn(q, k, v, gate, segment_ids=segment_ids, **options)
