@@ -206,3 +206,36 @@ def test_config_name_lists_match_the_implementations():
     assert set(config.ATTENTION_IMPLS) == set(kernels.IMPLS)
     from gattn import gates
     assert set(config.GATE_ACTIVATIONS) == set(gates.ACTIVATIONS)
+
+
+@pytest.mark.parametrize("variant", ["sdpa_elementwise", "sdpa_headwise", "v_elementwise",
+                                     "sdpa_rmsnorm_gate"])
+def test_pallas_attention_matches_xla_in_loss_and_gradients(variant):
+    """attention_impl='pallas' (interpret mode here) trains the same model: the fused sigmoid
+    SDPA gate (first two), a gate the kernel does not fuse (G2), and a gate behind a non-linearity."""
+    if variant == "sdpa_rmsnorm_gate":
+        cfg = dataclasses.replace(variants.apply("sdpa_elementwise", TINY), sdpa_nonlinearity="rmsnorm")
+    else:
+        cfg = variants.apply(variant, TINY)
+    xla = build(cfg)
+    pallas = copy_params(xla, build(dataclasses.replace(cfg, attention_impl="pallas",
+                                                        flash_block_q=8, flash_block_k=8)))
+    x = tokens(b=2, s=20)
+    seg = jnp.asarray([[1] * 12 + [2] * 6 + [0] * 2, [1] * 20])
+    pos = jnp.asarray([list(range(12)) + list(range(6)) + [0, 0], list(range(20))])
+
+    def loss_and_grads(model):
+        return nnx.value_and_grad(lambda m: lm_loss(m, x, seg, pos))(model)
+
+    graphdef, state = nnx.split(pallas)
+    jaxpr = str(jax.make_jaxpr(lambda st: nnx.merge(graphdef, st)(x, pos, seg))(state))
+    fused = variant in ("sdpa_elementwise", "sdpa_headwise")
+    assert ("gated_flash_fwd" in jaxpr) == fused and "flash_fwd" in jaxpr
+
+    (l_x, g_x), (l_p, g_p) = loss_and_grads(xla), loss_and_grads(pallas)
+    np.testing.assert_allclose(l_p, l_x, rtol=1e-5)
+    flat_x, flat_p = dict(nnx.to_flat_state(g_x)), dict(nnx.to_flat_state(g_p))
+    assert flat_x.keys() == flat_p.keys()
+    for path in flat_x:
+        a, b = np.asarray(flat_p[path][...]), np.asarray(flat_x[path][...])
+        np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, np.abs(b).max()), err_msg=str(path))

@@ -446,6 +446,9 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
                  bq=bq, bk=bk, nq=sp // bq, nk=tp // bk, groups=hq // hk, offset=t - s, kv_len=t,
                  padded_kv=tp != t, segments=segment_ids is not None, lanes=d % 128 == 0,
                  interpret=jax.default_backend() != "tpu" if interpret is None else bool(interpret))
+    if not st.interpret and (bk % 128 or bq % 8):
+        raise ValueError(f"block_sizes {bs}: compiled for TPU the key block must be a multiple of "
+                         f"128 and the query block of 8 (got {bq} x {bk} for lengths {s} x {t})")
     pad = lambda x, n: x if n == x.shape[1] else jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
     q_p, k_p, v_p = pad(q, sp), pad(k, tp), pad(v, tp)
     shape, kv_shape = (b, sp, hq, d), (b, tp, hk, d)

@@ -1,0 +1,142 @@
+"""The Pallas gated flash-attention kernel against the xla reference, in interpret mode on CPU.
+
+Tolerances: float32 inputs agree to 1e-5 (values and gradients; both sides accumulate in float32
+but sum in different orders). bfloat16 inputs are compared with the float32 reference on the same
+(bf16-rounded) inputs, to 2e-2 relative to the largest magnitude: the kernel rounds p to bf16
+before p @ v and its output to bf16, as the xla path does.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gattn.kernels import BlockSizes, attention_xla, gated_flash_attention
+
+BLOCKS = BlockSizes(block_q=8, block_k=16)
+
+
+def _inputs(seed, b, s, hq, hk, d, gate, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+    q, k, v = arr(b, s, hq, d), arr(b, s, hk, d), arr(b, s, hk, d)
+    g = {None: None, "elementwise": lambda: arr(b, s, hq, d), "headwise": lambda: arr(b, s, hq)}[gate]
+    return q, k, v, (g() if callable(g) else g)
+
+
+def _segments(b, s):
+    """Row 0: two documents then 5 padding tokens; other rows: one document."""
+    seg = np.ones((b, s), np.int32)
+    seg[0, s // 2:] = 2
+    seg[0, -5:] = 0
+    return jnp.asarray(seg)
+
+
+def _compare(q, k, v, g, *, causal, seg, atol, blocks=BLOCKS):
+    kernel = lambda q, k, v, g: gated_flash_attention(q, k, v, g, causal=causal, segment_ids=seg,
+                                                      block_sizes=blocks, interpret=True)
+    ref = lambda q, k, v, g: attention_xla(q.astype(jnp.float32), k.astype(jnp.float32),
+                                           v.astype(jnp.float32), g, causal=causal, segment_ids=seg)
+    y, y_ref = kernel(q, k, v, g), ref(q, k, v, g)
+    assert y.shape == q.shape and y.dtype == q.dtype
+    scale = float(jnp.abs(y_ref).max())
+    np.testing.assert_allclose(np.asarray(y, np.float32), y_ref, atol=atol * scale, rtol=0)
+
+    w = jnp.asarray(np.random.default_rng(1).normal(size=y.shape), jnp.float32)
+    argnums = (0, 1, 2) if g is None else (0, 1, 2, 3)
+    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) * w)
+    grads = jax.grad(loss(kernel), argnums)(q, k, v, g)
+    grads_ref = jax.grad(loss(ref), argnums)(q, k, v, g)
+    for name, a, b in zip("qkvg", grads, grads_ref):
+        assert a.dtype == q.dtype, name
+        scale = float(jnp.abs(b).max())
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   atol=atol * scale, rtol=0, err_msg=f"d{name}")
+
+
+# (seq, q_heads, kv_heads, head_dim, causal, gate, segments): every axis of the issue's matrix
+# appears at least once; sequences 20/37/45 are not multiples of the 8/16 blocks.
+CASES = [
+    (32, 2, 2, 16, True, "elementwise", False),   # GQA 1, blocks divide the sequence
+    (20, 4, 2, 16, True, "headwise", False),      # GQA 2, ragged sequence
+    (37, 4, 1, 32, False, "elementwise", False),  # GQA 4, not causal, ragged
+    (45, 4, 2, 16, True, "elementwise", True),    # segment ids with padding
+    (24, 4, 4, 16, False, "headwise", True),      # non-causal with segments
+    (20, 2, 1, 16, True, None, False),            # plain flash attention
+    (24, 2, 1, 128, True, "elementwise", True),   # head_dim 128: heads-in-lanes layout
+]
+
+
+@pytest.mark.parametrize("s, hq, hk, d, causal, gate, segments", CASES)
+def test_float32_values_and_gradients_match_reference(s, hq, hk, d, causal, gate, segments):
+    b = 2
+    q, k, v, g = _inputs(s, b, s, hq, hk, d, gate)
+    _compare(q, k, v, g, causal=causal, seg=_segments(b, s) if segments else None, atol=1e-5)
+
+
+@pytest.mark.parametrize("gate, segments", [("elementwise", True), ("headwise", False)])
+def test_bfloat16_values_and_gradients_match_reference(gate, segments):
+    b, s = 2, 29
+    q, k, v, g = _inputs(3, b, s, 4, 2, 16, gate, jnp.bfloat16)
+    _compare(q, k, v, g, causal=True, seg=_segments(b, s) if segments else None, atol=2e-2)
+
+
+def test_default_blocks_and_headwise_gate_with_trailing_axis():
+    """Default (TPU) block sizes shrink to a short sequence; [B,S,Hq,1] equals [B,S,Hq]."""
+    q, k, v, g = _inputs(4, 1, 40, 2, 1, 16, "headwise")
+    y3 = gated_flash_attention(q, k, v, g, interpret=True)
+    y4 = gated_flash_attention(q, k, v, g[..., None], interpret=True)
+    np.testing.assert_array_equal(y3, y4)
+    np.testing.assert_allclose(y3, attention_xla(q, k, v, g), atol=1e-5)
+
+
+def test_padding_queries_output_zero_and_get_zero_gradients():
+    b, s = 2, 21
+    q, k, v, g = _inputs(5, b, s, 2, 1, 16, "elementwise")
+    seg = _segments(b, s)
+    f = lambda q, k, v, g: gated_flash_attention(q, k, v, g, segment_ids=seg, block_sizes=BLOCKS,
+                                                 interpret=True)
+    y = f(q, k, v, g)
+    assert bool(jnp.isfinite(y).all())
+    pad = np.asarray(seg == 0)
+    assert pad.sum() == 5 and np.all(np.asarray(y)[pad] == 0)
+    dq, dk, dv, dg = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2, 3))(q, k, v, g)
+    for name, grad in zip("qkvg", (dq, dk, dv, dg)):
+        assert bool(jnp.isfinite(grad).all()), name
+        assert np.all(np.asarray(grad)[pad] == 0), name  # padding neither attends nor is attended
+    assert np.abs(np.asarray(dk)[~pad]).max() > 0
+
+
+def test_fused_gate_equals_gating_the_ungated_kernel():
+    q, k, v, g = _inputs(6, 1, 24, 2, 2, 16, "elementwise")
+    fused = gated_flash_attention(q, k, v, g, block_sizes=BLOCKS, interpret=True)
+    plain = gated_flash_attention(q, k, v, block_sizes=BLOCKS, interpret=True)
+    np.testing.assert_allclose(fused, plain * jax.nn.sigmoid(g), atol=1e-6)
+
+
+def test_sm_scale_is_used():
+    q, k, v, _ = _inputs(7, 1, 16, 2, 1, 16, None)
+    y = gated_flash_attention(q, k, v, sm_scale=0.3, block_sizes=BLOCKS, interpret=True)
+    np.testing.assert_allclose(y, attention_xla(q, k, v, sm_scale=0.3), atol=1e-5)
+    assert np.abs(np.asarray(y - attention_xla(q, k, v))).max() > 1e-3
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda q, k, v: (q, k, v, q[..., :3]), r"gate \(1, 16, 4, 3\)"),
+    (lambda q, k, v: (q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2), None), "multiple of kv_heads"),
+    (lambda q, k, v: (q, k[:, :8], v, None), "expected q"),
+    (lambda q, k, v: (q, k[:, :8], v[:, :8], None), "causal attention needs at least"),
+])
+def test_bad_shapes_raise_clear_errors(make, match):
+    q, k, v, _ = _inputs(8, 1, 16, 4, 2, 16, None)
+    q, k, v, g = make(q, k, v)
+    with pytest.raises(ValueError, match=match):
+        gated_flash_attention(q, k, v, g, interpret=True)
+
+
+def test_bad_block_sizes_raise():
+    with pytest.raises(ValueError, match="block_sizes.block_k = 100"):
+        BlockSizes(block_q=128, block_k=100)
+    q, k, v, _ = _inputs(9, 1, 256, 2, 1, 16, None)
+    with pytest.raises(ValueError, match="key block must be a multiple of 128"):
+        gated_flash_attention(q, k, v, block_sizes=BlockSizes(8, 64), interpret=False)
