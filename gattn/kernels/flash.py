@@ -8,14 +8,16 @@ output itself) and the log-sum-exp per row, nothing else.
 
 Backward (`custom_vjp`): the gate is folded in with y = o * s, s = sigmoid(g):
     dO = dy * s,   dg = dy * y * (1 - s),   rowsum(o * dO) = rowsum(y * dy),
-so the backward needs y, never o. One XLA fusion computes dO, dg and the row term D; then a
-dK/dV kernel (key blocks outer, query heads of the group and query blocks inner, so GQA sums
+so the backward needs y, never o. A small kernel computes dO, dg and the row term D per query
+block (reading y, dy and g once); then a dK/dV kernel (key blocks outer, query heads of the group and query blocks inner, so GQA sums
 over its query heads in VMEM and K/V are never repeated in HBM) and a dQ kernel.
 
 Layout. The public arrays are q, gate [B, S, Hq, K] and k, v [B, T, Hk, K]. When head_dim is a
-multiple of 128 they are viewed, without copying, as [B, S, H*K] and a block is (rows, K) at
-lane offset h*K; otherwise the wrapper transposes them to [B, H*S, K] (one HBM round trip each
-way). Row vectors (log-sum-exp, D, headwise gates, query segment ids) are [B, H, S, 1].
+multiple of 128 they are viewed as [B, S, H*K] and a block is (rows, K) at lane offset h*K: the
+layout the model's projections produce, so XLA folds the reshapes away; otherwise the wrapper transposes them to [B, H*S, K] (one HBM round trip each
+way). Row vectors (log-sum-exp, the row term D, headwise gates) are lane-dense [B, H, 1, S] and
+segment ids [B, 1, S]; a kernel turns a row piece into a column with a 2-D transpose where it
+needs one (segment ids pass through float32 there, exact below 2**24).
 
 Masking. Causal (query r sees keys <= r + T - S), padding of the sequence to the block size,
 and segment ids: a query attends to keys with its own id; id 0 is padding and a padding query
@@ -95,12 +97,31 @@ def _tile_spec(st: _Static, block, n_blocks, d, index):
 
 
 def _row_spec(block, index):
-    """BlockSpec of a (block, 1) column of a [B, H, S, 1] array."""
-    return pl.BlockSpec((None, None, block, 1), lambda *g: (lambda b, h, i: (b, h, i, 0))(*index(*g)))
+    """BlockSpec of a (1, block) piece of a lane-dense [B, H, 1, S] row array."""
+    return pl.BlockSpec((None, None, 1, block), lambda *g: (lambda b, h, i: (b, h, 0, i))(*index(*g)))
+
+
+def _seg_spec(block, index):
+    """BlockSpec of a (1, block) piece of the [B, 1, S] segment ids."""
+    return pl.BlockSpec((None, 1, block), lambda *g: (lambda b, h, i: (b, 0, i))(*index(*g)))
 
 
 def _sds(shape, dtype, like):
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
+
+def _column(row):
+    """(1, n) -> (n, 1). Row vectors live lane-dense in HBM (a [.., S, 1] array would be padded
+    to 128 lanes per element on TPU); a 2-D transpose of a broadcast tile turns one into a column."""
+    dtype = row.dtype
+    tile = jnp.broadcast_to(row.astype(jnp.float32), (128, row.shape[1]))
+    return tile.T[:, :1].astype(dtype)
+
+
+def _row(column):
+    """(n, 1) -> (1, n), the inverse of `_column`."""
+    tile = jnp.broadcast_to(column.astype(jnp.float32), (column.shape[0], 128))
+    return tile.T[:1].astype(column.dtype)
 
 
 def _last_k_block(st: _Static, i):
@@ -119,24 +140,28 @@ def _block_visible(st: _Static, i, j):
     return j * st.bk <= i * st.bq + st.bq - 1 + st.offset
 
 
-def _mask(st: _Static, i, j, qseg_ref, kseg_ref):
-    """[bq, bk] bool: which scores of block (i, j) are kept (None when all are)."""
+def _mask(st: _Static, q_pos, k_pos, q_seg, k_seg):
+    """Which scores are kept, from broadcastable positions and segment ids: [bq, 1] with [1, bk]
+    for query-major blocks, [1, bq] with [bk, 1] for key-major ones. None when all are."""
     mask = None
 
     def both(m):
         return m if mask is None else mask & m
 
-    if st.causal or st.padded_kv:
-        rows = i * st.bq + jax.lax.broadcasted_iota(jnp.int32, (st.bq, st.bk), 0)
-        cols = j * st.bk + jax.lax.broadcasted_iota(jnp.int32, (st.bq, st.bk), 1)
-        if st.causal:
-            mask = both(cols <= rows + st.offset)
-        if st.padded_kv and not st.segments:
-            mask = both(cols < st.kv_len)
+    if st.causal:
+        mask = both(k_pos <= q_pos + st.offset)
+    if st.padded_kv and not st.segments:  # with segment ids, padded keys have id 0
+        mask = both(k_pos < st.kv_len)
     if st.segments:
-        qs, ks = qseg_ref[...], kseg_ref[...]  # [bq, 1], [1, bk]
-        mask = both((qs == ks) & (qs != 0))
+        mask = both((q_seg == k_seg) & (q_seg != 0))
     return mask
+
+
+def _positions(st: _Static, i, j, key_major: bool):
+    iota = lambda n, axis: jax.lax.broadcasted_iota(jnp.int32, (n, 1) if axis == 0 else (1, n), axis)
+    if key_major:
+        return i * st.bq + iota(st.bq, 1), j * st.bk + iota(st.bk, 0)
+    return i * st.bq + iota(st.bq, 0), j * st.bk + iota(st.bk, 1)
 
 
 def _nt(a, b):  # a @ b^T with float32 accumulation
@@ -147,12 +172,40 @@ def _nn(a, b):
     return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _probs(st, q, k, i, j, qseg_ref, kseg_ref, lse):
-    """Recomputed attention probabilities of block (i, j) from the saved log-sum-exp."""
-    s = _nt(q, k) * st.scale
-    p = jnp.exp(s - lse)
-    mask = _mask(st, i, j, qseg_ref, kseg_ref)
-    return p if mask is None else jnp.where(mask, p, 0.0)
+def _query_major_mask(st, i, j, qseg_ref, kseg_ref):
+    """[bq, bk] mask of block (i, j), as the forward and dQ kernels see it."""
+    q_pos, k_pos = _positions(st, i, j, key_major=False)
+    q_seg = k_seg = None
+    if st.segments:
+        q_seg, k_seg = _column(qseg_ref[...]), kseg_ref[...]
+    return _mask(st, q_pos, k_pos, q_seg, k_seg)
+
+
+def _cost(st: _Static, kernel: str, b: int, hq: int, hk: int, d: int, itemsize: int,
+          gate: str | None = None) -> pl.CostEstimate:
+    """HBM bytes, flops and exps of one kernel, counted block by block as its grid fetches them
+    (fully masked causal blocks are neither fetched nor computed). XLA's cost analysis, and its
+    scheduler, see a Mosaic kernel only through this estimate."""
+    last = lambda i: min((i * st.bq + st.bq - 1 + st.offset) // st.bk, st.nk - 1)
+    pairs = sum(last(i) + 1 for i in range(st.nq)) if st.causal else st.nq * st.nk
+    tq, tk, row = st.bq * d * itemsize, st.bk * d * itemsize, st.bq * 4
+    sq, sk = (st.bq * 4, st.bk * 4) if st.segments else (0, 0)
+    gq = {None: 0, "elementwise": tq, "headwise": row}[gate]
+    exps = b * hq * pairs * st.bq * st.bk
+    if kernel == "fwd":  # q, gate, out, lse per query block; k, v per visible key block
+        nbytes = b * hq * (st.nq * (2 * tq + gq + row + sq) + pairs * (2 * tk + sk))
+        return pl.CostEstimate(flops=4 * exps * d, transcendentals=exps, bytes_accessed=nbytes)
+    if kernel == "dq":  # q, dO, lse, D, dq per query block; k, v per visible key block
+        nbytes = b * hq * (st.nq * (3 * tq + 2 * row + sq) + pairs * (2 * tk + sk))
+        return pl.CostEstimate(flops=6 * exps * d, transcendentals=exps, bytes_accessed=nbytes)
+    if kernel == "dkv":  # k, v, dk, dv per key block; q, dO, lse, D per visible query block
+        nbytes = b * (hk * st.nk * (4 * tk + sk) + hq * pairs * (2 * tq + 2 * row + sq))
+        return pl.CostEstimate(flops=8 * exps * d, transcendentals=exps, bytes_accessed=nbytes)
+    # prep: y, dy in; D out; with a gate also g in, dO and dg out
+    nbytes = b * hq * st.nq * (2 * tq + row + (2 * gq + tq if gate else 0))
+    return pl.CostEstimate(flops=b * hq * st.nq * st.bq * d * 4, transcendentals=0 if gate is None
+                           else b * hq * st.nq * st.bq * (d if gate == "elementwise" else 1),
+                           bytes_accessed=nbytes)
 
 
 # ---------------------------------------------------------------- forward
@@ -173,7 +226,7 @@ def _fwd_kernel(st: _Static, gate: str | None, *refs):
     @pl.when(_block_visible(st, i, j))
     def _step():
         s = _nt(q_ref[...], k_ref[...]) * st.scale  # [bq, bk]
-        mask = _mask(st, i, j, qseg_ref, kseg_ref)
+        mask = _query_major_mask(st, i, j, qseg_ref, kseg_ref)
         if mask is not None:
             s = jnp.where(mask, s, _NEG)
         m_prev = m_sc[...]
@@ -191,18 +244,15 @@ def _fwd_kernel(st: _Static, gate: str | None, *refs):
         l = l_sc[...]
         l_safe = jnp.where(l == 0.0, 1.0, l)  # fully masked row: acc is 0, output 0
         o = acc_sc[...] / l_safe
-        if gate:
+        if gate == "elementwise":
             o = o * jax.nn.sigmoid(g_ref[...].astype(jnp.float32))
+        elif gate == "headwise":
+            o = o * _column(jax.nn.sigmoid(g_ref[...].astype(jnp.float32)))
         o_ref[...] = o.astype(o_ref.dtype)
-        lse_ref[...] = m_sc[...] + jnp.log(l_safe)
+        lse_ref[...] = _row(m_sc[...] + jnp.log(l_safe))
 
 
-def _seg_specs(st: _Static, q_index, k_index):
-    return [pl.BlockSpec((None, st.bq, 1), lambda *g: (lambda b, h, i: (b, i, 0))(*q_index(*g))),
-            pl.BlockSpec((None, 1, st.bk), lambda *g: (lambda b, h, j: (b, 0, j))(*k_index(*g)))]
-
-
-def _forward(st: _Static, q3, k3, v3, qseg, kseg, g, gate, shape):
+def _forward(st: _Static, q3, k3, v3, seg, g, gate, shape):
     b, s, hq, d = shape
     q_index = lambda b_, h, i, j: (b_, h, i)
     if st.causal:
@@ -214,15 +264,15 @@ def _forward(st: _Static, q3, k3, v3, qseg, kseg, g, gate, shape):
                 _tile_spec(st, st.bk, st.nk, d, k_index)]
     args = [q3, k3, v3]
     if st.segments:
-        in_specs += _seg_specs(st, q_index, k_index)
-        args += [qseg, kseg]
+        in_specs += [_seg_spec(st.bq, q_index), _seg_spec(st.bk, k_index)]
+        args += [seg, seg]
     if gate == "elementwise":
         in_specs.append(_tile_spec(st, st.bq, st.nq, d, q_index))
         args.append(g)
     elif gate == "headwise":
         in_specs.append(_row_spec(st.bq, q_index))
         args.append(g)
-    out_shape = [_sds(q3.shape, q3.dtype, q3), _sds((b, hq, s, 1), jnp.float32, q3)]
+    out_shape = [_sds(q3.shape, q3.dtype, q3), _sds((b, hq, 1, s), jnp.float32, q3)]
     out_specs = [_tile_spec(st, st.bq, st.nq, d, q_index), _row_spec(st.bq, q_index)]
     y3, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, st, gate),
@@ -232,6 +282,7 @@ def _forward(st: _Static, q3, k3, v3, qseg, kseg, g, gate, shape):
                         pltpu.VMEM((st.bq, d), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        cost_estimate=_cost(st, "fwd", b, hq, hq // st.groups, d, q3.dtype.itemsize, gate),
         interpret=st.interpret, name="gated_flash_fwd" if gate else "flash_fwd",
     )(*args)
     return y3, lse
@@ -240,6 +291,8 @@ def _forward(st: _Static, q3, k3, v3, qseg, kseg, g, gate, shape):
 # ---------------------------------------------------------------- backward
 
 def _dkv_kernel(st: _Static, *refs):
+    """Key-major: scores are [bk, bq] (k q^T), so the saved rows (lse, D) and the query segment
+    ids broadcast along keys as they are stored, and no matrix is transposed."""
     q_ref, k_ref, v_ref, *refs = refs
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if st.segments else (None, None)
     do_ref, lse_ref, dd_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs
@@ -253,11 +306,15 @@ def _dkv_kernel(st: _Static, *refs):
     @pl.when(_block_visible(st, i, j))
     def _step():
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        p = _probs(st, q, k, i, j, qseg_ref, kseg_ref, lse_ref[...])  # [bq, bk]
-        dv_sc[...] += _nn(p.astype(do.dtype).T, do)
-        dp = _nt(do, v)
-        ds = p * (dp - dd_ref[...])
-        dk_sc[...] += _nn(ds.astype(q.dtype).T, q) * st.scale
+        p_t = jnp.exp(_nt(k, q) * st.scale - lse_ref[...])  # [bk, bq]
+        q_pos, k_pos = _positions(st, i, j, key_major=True)
+        seg = (qseg_ref[...], _column(kseg_ref[...])) if st.segments else (None, None)
+        mask = _mask(st, q_pos, k_pos, *seg)
+        if mask is not None:
+            p_t = jnp.where(mask, p_t, 0.0)
+        dv_sc[...] += _nn(p_t.astype(do.dtype), do)
+        ds_t = p_t * (_nt(v, do) - dd_ref[...])
+        dk_sc[...] += _nn(ds_t.astype(q.dtype), q) * st.scale
 
     @pl.when((g == st.groups - 1) & (i == st.nq - 1))
     def _finish():
@@ -278,8 +335,11 @@ def _dq_kernel(st: _Static, *refs):
     @pl.when(_block_visible(st, i, j))
     def _step():
         q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        p = _probs(st, q, k, i, j, qseg_ref, kseg_ref, lse_ref[...])
-        ds = p * (_nt(do, v) - dd_ref[...])
+        p = jnp.exp(_nt(q, k) * st.scale - _column(lse_ref[...]))  # [bq, bk]
+        mask = _query_major_mask(st, i, j, qseg_ref, kseg_ref)
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        ds = p * (_nt(do, v) - _column(dd_ref[...]))
         dq_sc[...] += _nn(ds.astype(k.dtype), k) * st.scale
 
     @pl.when(j == st.nk - 1)
@@ -287,23 +347,69 @@ def _dq_kernel(st: _Static, *refs):
         dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
 
 
-def _backward(st: _Static, q3, k3, v3, qseg, kseg, do3, lse, dd, shape, kv_shape):
+def _prep_kernel(st: _Static, gate: str | None, *refs):
+    """The gate's backward and the row term, per query block:
+    D = rowsum(y * dy), dO = dy * s, dg = dy * y * (1 - s) (headwise: D * (1 - s))."""
+    y_ref, dy_ref, *refs = refs
+    g_ref = refs.pop(0) if gate else None
+    dd_ref, *refs = refs
+    y, dy = y_ref[...].astype(jnp.float32), dy_ref[...].astype(jnp.float32)
+    d_col = jnp.sum(y * dy, axis=1, keepdims=True)
+    dd_ref[...] = _row(d_col)
+    if gate is None:
+        return
+    do_ref, dg_ref = refs
+    s = jax.nn.sigmoid(g_ref[...].astype(jnp.float32))
+    if gate == "elementwise":
+        do_ref[...] = (dy * s).astype(do_ref.dtype)
+        dg_ref[...] = (dy * y * (1.0 - s)).astype(dg_ref.dtype)
+    else:
+        do_ref[...] = (dy * _column(s)).astype(do_ref.dtype)
+        dg_ref[...] = (_row(d_col) * (1.0 - s)).astype(dg_ref.dtype)
+
+
+def _prep(st: _Static, y3, dy3, g, gate, shape):
+    b, s, hq, d = shape
+    index = lambda b_, h, i: (b_, h, i)
+    tile = _tile_spec(st, st.bq, st.nq, d, index)
+    in_specs, args = [tile, tile], [y3, dy3]
+    out_specs, out_shape = [_row_spec(st.bq, index)], [_sds((b, hq, 1, s), jnp.float32, y3)]
+    if gate:
+        g_spec = tile if gate == "elementwise" else _row_spec(st.bq, index)
+        in_specs.append(g_spec)
+        args.append(g)
+        out_specs += [tile, g_spec]
+        out_shape += [_sds(y3.shape, y3.dtype, y3), _sds(g.shape, g.dtype, g)]
+    out = pl.pallas_call(
+        functools.partial(_prep_kernel, st, gate), grid=(b, hq, st.nq),
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+        cost_estimate=_cost(st, "prep", b, hq, hq // st.groups, d, y3.dtype.itemsize, gate),
+        interpret=st.interpret, name="gated_flash_bwd_prep" if gate else "flash_bwd_prep",
+    )(*args)
+    return (out[0], dy3, None) if gate is None else tuple(out)
+
+
+def _backward(st: _Static, q3, k3, v3, seg, do3, lse, dd, shape, kv_shape):
     b, s, hq, d = shape
     hk = kv_shape[2]
-    params = dict(interpret=st.interpret)
+
+    def specs(q_of, k_of):
+        in_specs = [_tile_spec(st, st.bq, st.nq, d, q_of), _tile_spec(st, st.bk, st.nk, d, k_of),
+                    _tile_spec(st, st.bk, st.nk, d, k_of)]
+        args = [q3, k3, v3]
+        if st.segments:
+            in_specs += [_seg_spec(st.bq, q_of), _seg_spec(st.bk, k_of)]
+            args += [seg, seg]
+        in_specs += [_tile_spec(st, st.bq, st.nq, d, q_of), _row_spec(st.bq, q_of),
+                     _row_spec(st.bq, q_of)]
+        return in_specs, args + [do3, lse, dd]
 
     # dK, dV: grid (b, kv head, key block, query head in group, query block).
     q_of = lambda b_, h, j, g, i: (
         b_, h * st.groups + g, jnp.maximum(i, _first_q_block(st, j)) if st.causal else i)
     k_of = lambda b_, h, j, g, i: (b_, h, j)
-    in_specs = [_tile_spec(st, st.bq, st.nq, d, q_of), _tile_spec(st, st.bk, st.nk, d, k_of),
-                _tile_spec(st, st.bk, st.nk, d, k_of)]
-    args = [q3, k3, v3]
-    if st.segments:
-        in_specs += _seg_specs(st, q_of, k_of)
-        args += [qseg, kseg]
-    in_specs += [_tile_spec(st, st.bq, st.nq, d, q_of), _row_spec(st.bq, q_of), _row_spec(st.bq, q_of)]
-    args += [do3, lse, dd]
+    in_specs, args = specs(q_of, k_of)
     dk3, dv3 = pl.pallas_call(
         functools.partial(_dkv_kernel, st),
         grid=(b, hk, st.nk, st.groups, st.nq),
@@ -313,7 +419,8 @@ def _backward(st: _Static, q3, k3, v3, qseg, kseg, do3, lse, dd, shape, kv_shape
         scratch_shapes=[pltpu.VMEM((st.bk, d), jnp.float32), pltpu.VMEM((st.bk, d), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
-        name="flash_bwd_dkv", **params,
+        cost_estimate=_cost(st, "dkv", b, hq, hk, d, q3.dtype.itemsize),
+        interpret=st.interpret, name="flash_bwd_dkv",
     )(*args)
 
     # dQ: grid (b, query head, query block, key block), like the forward.
@@ -322,14 +429,7 @@ def _backward(st: _Static, q3, k3, v3, qseg, kseg, do3, lse, dd, shape, kv_shape
         k_of = lambda b_, h, i, j: (b_, h // st.groups, jnp.minimum(j, _last_k_block(st, i)))
     else:
         k_of = lambda b_, h, i, j: (b_, h // st.groups, j)
-    in_specs = [_tile_spec(st, st.bq, st.nq, d, q_of), _tile_spec(st, st.bk, st.nk, d, k_of),
-                _tile_spec(st, st.bk, st.nk, d, k_of)]
-    args = [q3, k3, v3]
-    if st.segments:
-        in_specs += _seg_specs(st, q_of, k_of)
-        args += [qseg, kseg]
-    in_specs += [_tile_spec(st, st.bq, st.nq, d, q_of), _row_spec(st.bq, q_of), _row_spec(st.bq, q_of)]
-    args += [do3, lse, dd]
+    in_specs, args = specs(q_of, k_of)
     dq3 = pl.pallas_call(
         functools.partial(_dq_kernel, st),
         grid=(b, hq, st.nq, st.nk),
@@ -339,57 +439,29 @@ def _backward(st: _Static, q3, k3, v3, qseg, kseg, do3, lse, dd, shape, kv_shape
         scratch_shapes=[pltpu.VMEM((st.bq, d), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        name="flash_bwd_dq", **params,
+        cost_estimate=_cost(st, "dq", b, hq, hk, d, q3.dtype.itemsize),
+        interpret=st.interpret, name="flash_bwd_dq",
     )(*args)
     return dq3, dk3, dv3
 
 
 # ---------------------------------------------------------------- custom_vjp core
 
-def _rows(st: _Static, x3, shape):
-    """Sum over head_dim of a 3-D tile array: [B, H, S, 1] float32."""
-    b, s, h, d = shape
-    x = x3.astype(jnp.float32)
-    if st.lanes:
-        return x.reshape(b, s, h, d).sum(-1).transpose(0, 2, 1)[..., None]
-    return x.reshape(b, h, s, d).sum(-1)[..., None]
-
-
-def _broadcast_rows(st: _Static, r, shape):
-    """[B, H, S, 1] -> the 3-D tile layout, broadcast over head_dim."""
-    b, s, h, d = shape
-    if st.lanes:
-        return jnp.broadcast_to(r[..., 0].transpose(0, 2, 1)[..., None], (b, s, h, d)).reshape(b, s, h * d)
-    return jnp.broadcast_to(r, (b, h, s, d)).reshape(b, h * s, d)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _flash(st, gate, shape, kv_shape, q3, k3, v3, qseg, kseg, g):
-    return _forward(st, q3, k3, v3, qseg, kseg, g, gate, shape)[0]
+def _flash(st, gate, shape, kv_shape, q3, k3, v3, seg, g):
+    return _forward(st, q3, k3, v3, seg, g, gate, shape)[0]
 
 
-def _flash_fwd(st, gate, shape, kv_shape, q3, k3, v3, qseg, kseg, g):
-    y3, lse = _forward(st, q3, k3, v3, qseg, kseg, g, gate, shape)
-    return y3, (q3, k3, v3, qseg, kseg, g, y3, lse)
+def _flash_fwd(st, gate, shape, kv_shape, q3, k3, v3, seg, g):
+    y3, lse = _forward(st, q3, k3, v3, seg, g, gate, shape)
+    return y3, (q3, k3, v3, seg, g, y3, lse)
 
 
 def _flash_bwd(st, gate, shape, kv_shape, res, dy3):
-    q3, k3, v3, qseg, kseg, g, y3, lse = res
-    dd = _rows(st, y3.astype(jnp.float32) * dy3.astype(jnp.float32), shape)  # rowsum(o * dO)
-    dg = None
-    if gate is None:
-        do3 = dy3
-    else:
-        sg = jax.nn.sigmoid(g.astype(jnp.float32))
-        if gate == "headwise":
-            do3 = dy3.astype(jnp.float32) * _broadcast_rows(st, sg, shape)
-            dg = (dd * (1.0 - sg)).astype(g.dtype)  # sum_k dy*y*(1-s) = D * (1-s)
-        else:
-            do3 = dy3.astype(jnp.float32) * sg
-            dg = (dy3.astype(jnp.float32) * y3.astype(jnp.float32) * (1.0 - sg)).astype(g.dtype)
-        do3 = do3.astype(q3.dtype)
-    dq3, dk3, dv3 = _backward(st, q3, k3, v3, qseg, kseg, do3, lse, dd, shape, kv_shape)
-    return dq3, dk3, dv3, None, None, dg
+    q3, k3, v3, seg, g, y3, lse = res
+    dd, do3, dg = _prep(st, y3, dy3, g, gate, shape)
+    dq3, dk3, dv3 = _backward(st, q3, k3, v3, seg, do3, lse, dd, shape, kv_shape)
+    return dq3, dk3, dv3, None, dg
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -446,20 +518,19 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
                  bq=bq, bk=bk, nq=sp // bq, nk=tp // bk, groups=hq // hk, offset=t - s, kv_len=t,
                  padded_kv=tp != t, segments=segment_ids is not None, lanes=d % 128 == 0,
                  interpret=jax.default_backend() != "tpu" if interpret is None else bool(interpret))
-    if not st.interpret and (bk % 128 or bq % 8):
-        raise ValueError(f"block_sizes {bs}: compiled for TPU the key block must be a multiple of "
-                         f"128 and the query block of 8 (got {bq} x {bk} for lengths {s} x {t})")
+    if not st.interpret and (bk % 128 or bq % 128):
+        raise ValueError(f"block_sizes {bs}: compiled for TPU the blocks must be multiples of 128 "
+                         f"(got {bq} x {bk} for lengths {s} x {t})")
     pad = lambda x, n: x if n == x.shape[1] else jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
     q_p, k_p, v_p = pad(q, sp), pad(k, tp), pad(v, tp)
     shape, kv_shape = (b, sp, hq, d), (b, tp, hk, d)
-    qseg = kseg = g = None
+    seg = g = None
     if segment_ids is not None:
-        seg = pad(segment_ids.astype(jnp.int32), sp)
-        qseg, kseg = seg[:, :, None], seg[:, None, :]
+        seg = pad(segment_ids.astype(jnp.int32), sp)[:, None, :]
     if kind == "elementwise":
         g = _to3(pad(gate, sp), st.lanes)
     elif kind == "headwise":
-        g = pad(gate.reshape(b, s, hq), sp).transpose(0, 2, 1)[..., None]
+        g = pad(gate.reshape(b, s, hq), sp).transpose(0, 2, 1)[:, :, None]
     y3 = _flash(st, kind, shape, kv_shape, _to3(q_p, st.lanes), _to3(k_p, st.lanes),
-                _to3(v_p, st.lanes), qseg, kseg, g)
+                _to3(v_p, st.lanes), seg, g)
     return _from3(y3, shape, st.lanes)[:, :s]
