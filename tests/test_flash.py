@@ -13,7 +13,7 @@ import pytest
 
 from gattn.kernels import BlockSizes, attention_xla, gated_flash_attention
 
-BLOCKS = BlockSizes(block_q=8, block_k=16)
+BLOCKS = BlockSizes(block_q=8, block_k=16, block_q_dkv=16, block_k_dkv=8)
 
 
 def _inputs(seed, b, s, hq, hk, d, gate, dtype=jnp.float32):
@@ -55,7 +55,8 @@ def _compare(q, k, v, g, *, causal, seg, atol, blocks=BLOCKS):
 
 
 # (seq, q_heads, kv_heads, head_dim, causal, gate, segments): every axis of the matrix
-# appears at least once; sequences 20/37/45 are not multiples of the 8/16 blocks.
+# appears at least once; sequences 20/37/45 are not multiples of the 8/16 blocks. The dK/dV kernel
+# runs on its own 16 x 8 blocks, so block boundaries differ between the passes.
 CASES = [
     (32, 2, 2, 16, True, "elementwise", False),   # GQA 1, blocks divide the sequence
     (20, 4, 2, 16, True, "headwise", False),      # GQA 2, ragged sequence
@@ -137,6 +138,10 @@ def test_bad_shapes_raise_clear_errors(make, match):
 def test_bad_block_sizes_raise():
     with pytest.raises(ValueError, match="block_sizes.block_k = 100"):
         BlockSizes(block_q=128, block_k=100)
+    with pytest.raises(ValueError, match="block_sizes.block_k_dkv = 0"):
+        BlockSizes(block_k_dkv=0)
     q, k, v, _ = _inputs(9, 1, 256, 2, 1, 16, None)
     with pytest.raises(ValueError, match="multiples of 128"):
         gated_flash_attention(q, k, v, block_sizes=BlockSizes(8, 64), interpret=False)
+    with pytest.raises(ValueError, match="dkv 128 x 64"):
+        gated_flash_attention(q, k, v, block_sizes=BlockSizes(128, 128, 128, 64), interpret=False)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,17 +39,24 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 _NEG = -1e30
+# Scoped VMEM a kernel may use: a step holds a whole GQA group's query blocks (and their float32
+# accumulators); 48 MiB fits the VMEM of v5e, v5p and v6e chips.
+_VMEM_LIMIT = 48 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Query and key block lengths (rows of q and of k/v per kernel step). TPU wants multiples of
-    128; a block longer than the (128-rounded) sequence is shortened to it."""
+    """Query and key block lengths (rows per kernel step) of the forward and dQ kernels, and of
+    the dK/dV kernel, which streams the whole GQA group's q and dO past each key block and so
+    wants longer key blocks. TPU wants multiples of 128; a block longer than the (128-rounded)
+    sequence is shortened to it."""
     block_q: int = 512
     block_k: int = 512
+    block_q_dkv: int = 512
+    block_k_dkv: int = 2048
 
     def __post_init__(self):
-        for name in ("block_q", "block_k"):
+        for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 8 or value % 8:
                 raise ValueError(f"block_sizes.{name} = {value!r}: must be a positive multiple of 8")
@@ -70,6 +78,12 @@ class _Static:
     segments: bool
     lanes: bool       # heads-in-lanes layout (head_dim % 128 == 0)
     interpret: bool
+    dkv_blocks: tuple[int, int]  # (bq, bk) of the dK/dV kernel
+
+    def for_dkv(self) -> "_Static":
+        bq, bk = self.dkv_blocks
+        return dataclasses.replace(self, bq=bq, bk=bk, nq=self.nq * self.bq // bq,
+                                   nk=self.nk * self.bk // bk)
 
 
 def _round_up(n, m):
@@ -77,33 +91,57 @@ def _round_up(n, m):
 
 
 # ---------------------------------------------------------------- layout helpers
+#
+# A kernel step handles one kv head and the G query heads that read it (GQA group), so K/V
+# blocks are fetched once per group rather than once per query head. Query-side arrays are
+# blocked as all G heads of the group, key-side arrays as the one kv head.
 
-def _to3(x, lanes):
+def _tiles(x, lanes):
+    """[B, S, H, K] -> the kernel layout: [B, S, H*K] (lanes) or [B, H, S, K]."""
     b, s, h, d = x.shape
-    return x.reshape(b, s, h * d) if lanes else x.transpose(0, 2, 1, 3).reshape(b, h * s, d)
+    return x.reshape(b, s, h * d) if lanes else x.transpose(0, 2, 1, 3)
 
 
-def _from3(x3, shape, lanes):
-    b, s, h, d = shape
-    return x3.reshape(shape) if lanes else x3.reshape(b, h, s, d).transpose(0, 2, 1, 3)
+def _untiles(x, shape, lanes):
+    return x.reshape(shape) if lanes else x.transpose(0, 2, 1, 3)
 
 
-def _tile_spec(st: _Static, block, n_blocks, d, index):
-    """BlockSpec of a (block, d) tile of a 3-D array; `index` maps grid ids to (b, head, blk)."""
+def _q_spec(st: _Static, d, index):
+    """The group's G query heads x a query block; `index` maps grid ids to (b, kv head, blk)."""
+    g = st.groups
     if st.lanes:
-        return pl.BlockSpec((None, block, d), lambda *g: (lambda b, h, i: (b, i, h))(*index(*g)))
-    return pl.BlockSpec((None, block, d),
-                        lambda *g: (lambda b, h, i: (b, h * n_blocks + i, 0))(*index(*g)))
+        return pl.BlockSpec((None, st.bq, g * d), lambda *ids: (lambda b, h, i: (b, i, h))(*index(*ids)))
+    return pl.BlockSpec((None, g, st.bq, d), lambda *ids: (lambda b, h, i: (b, h, i, 0))(*index(*ids)))
 
 
-def _row_spec(block, index):
-    """BlockSpec of a (1, block) piece of a lane-dense [B, H, 1, S] row array."""
-    return pl.BlockSpec((None, None, 1, block), lambda *g: (lambda b, h, i: (b, h, 0, i))(*index(*g)))
+def _kv_spec(st: _Static, d, index):
+    """One kv head x a key block."""
+    if st.lanes:
+        return pl.BlockSpec((None, st.bk, d), lambda *ids: (lambda b, h, j: (b, j, h))(*index(*ids)))
+    return pl.BlockSpec((None, None, st.bk, d), lambda *ids: (lambda b, h, j: (b, h, j, 0))(*index(*ids)))
+
+
+def _rows_spec(st: _Static, index):
+    """The group's G heads x (1, block) of a lane-dense [B, Hq, 1, S] row array."""
+    return pl.BlockSpec((None, st.groups, 1, st.bq),
+                        lambda *ids: (lambda b, h, i: (b, h, 0, i))(*index(*ids)))
 
 
 def _seg_spec(block, index):
-    """BlockSpec of a (1, block) piece of the [B, 1, S] segment ids."""
-    return pl.BlockSpec((None, 1, block), lambda *g: (lambda b, h, i: (b, 0, i))(*index(*g)))
+    """A (1, block) piece of the [B, 1, S] segment ids."""
+    return pl.BlockSpec((None, 1, block), lambda *ids: (lambda b, h, i: (b, 0, i))(*index(*ids)))
+
+
+def _head(st: _Static, ref, g, d):
+    """Head g of a query-side block: [bq, d]."""
+    return ref[:, g * d:(g + 1) * d] if st.lanes else ref[g]
+
+
+def _set_head(st: _Static, ref, g, d, value):
+    if st.lanes:
+        ref[:, g * d:(g + 1) * d] = value.astype(ref.dtype)
+    else:
+        ref[g] = value.astype(ref.dtype)
 
 
 def _sds(shape, dtype, like):
@@ -184,22 +222,23 @@ def _query_major_mask(st, i, j, qseg_ref, kseg_ref):
 def _cost(st: _Static, kernel: str, b: int, hq: int, hk: int, d: int, itemsize: int,
           gate: str | None = None) -> pl.CostEstimate:
     """HBM bytes, flops and exps of one kernel, counted block by block as its grid fetches them
-    (fully masked causal blocks are neither fetched nor computed). XLA's cost analysis, and its
-    scheduler, see a Mosaic kernel only through this estimate."""
+    (fully masked causal blocks are neither fetched nor computed; K/V once per GQA group). XLA's
+    cost analysis, and its scheduler, see a Mosaic kernel only through this estimate."""
     last = lambda i: min((i * st.bq + st.bq - 1 + st.offset) // st.bk, st.nk - 1)
     pairs = sum(last(i) + 1 for i in range(st.nq)) if st.causal else st.nq * st.nk
+    g = st.groups
     tq, tk, row = st.bq * d * itemsize, st.bk * d * itemsize, st.bq * 4
     sq, sk = (st.bq * 4, st.bk * 4) if st.segments else (0, 0)
     gq = {None: 0, "elementwise": tq, "headwise": row}[gate]
     exps = b * hq * pairs * st.bq * st.bk
-    if kernel == "fwd":  # q, gate, out, lse per query block; k, v per visible key block
-        nbytes = b * hq * (st.nq * (2 * tq + gq + row + sq) + pairs * (2 * tk + sk))
+    if kernel == "fwd":  # per query block: q, gate, out, lse; per visible key block: k, v
+        nbytes = b * hk * (st.nq * (g * (2 * tq + gq + row) + sq) + pairs * (2 * tk + sk))
         return pl.CostEstimate(flops=4 * exps * d, transcendentals=exps, bytes_accessed=nbytes)
-    if kernel == "dq":  # q, dO, lse, D, dq per query block; k, v per visible key block
-        nbytes = b * hq * (st.nq * (3 * tq + 2 * row + sq) + pairs * (2 * tk + sk))
+    if kernel == "dq":  # per query block: q, dO, lse, D, dq; per visible key block: k, v
+        nbytes = b * hk * (st.nq * (g * (3 * tq + 2 * row) + sq) + pairs * (2 * tk + sk))
         return pl.CostEstimate(flops=6 * exps * d, transcendentals=exps, bytes_accessed=nbytes)
-    if kernel == "dkv":  # k, v, dk, dv per key block; q, dO, lse, D per visible query block
-        nbytes = b * (hk * st.nk * (4 * tk + sk) + hq * pairs * (2 * tq + 2 * row + sq))
+    if kernel == "dkv":  # per key block: k, v, dk, dv; per visible query block: q, dO, lse, D
+        nbytes = b * hk * (st.nk * (4 * tk + sk) + pairs * (g * (2 * tq + 2 * row) + sq))
         return pl.CostEstimate(flops=8 * exps * d, transcendentals=exps, bytes_accessed=nbytes)
     # prep: y, dy in; D out; with a gate also g in, dO and dg out
     nbytes = b * hq * st.nq * (2 * tq + row + (2 * gq + tq if gate else 0))
@@ -208,9 +247,13 @@ def _cost(st: _Static, kernel: str, b: int, hq: int, hk: int, d: int, itemsize: 
                            bytes_accessed=nbytes)
 
 
+def _params(*semantics):
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT)
+
+
 # ---------------------------------------------------------------- forward
 
-def _fwd_kernel(st: _Static, gate: str | None, *refs):
+def _fwd_kernel(st: _Static, gate: str | None, d: int, *refs):
     q_ref, k_ref, v_ref, *refs = refs
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if st.segments else (None, None)
     g_ref = refs.pop(0) if gate else None
@@ -225,104 +268,154 @@ def _fwd_kernel(st: _Static, gate: str | None, *refs):
 
     @pl.when(_block_visible(st, i, j))
     def _step():
-        s = _nt(q_ref[...], k_ref[...]) * st.scale  # [bq, bk]
+        k, v = k_ref[...], v_ref[...]
         mask = _query_major_mask(st, i, j, qseg_ref, kseg_ref)
-        if mask is not None:
-            s = jnp.where(mask, s, _NEG)
-        m_prev = m_sc[...]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.exp(s - m_new)
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
-        alpha = jnp.exp(m_prev - m_new)
-        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_sc[...] = alpha * acc_sc[...] + _nn(p.astype(v_ref.dtype), v_ref[...])
-        m_sc[...] = m_new
+        for g in range(st.groups):
+            s = _nt(_head(st, q_ref, g, d), k) * st.scale  # [bq, bk]
+            if mask is not None:
+                s = jnp.where(mask, s, _NEG)
+            m_prev = m_sc[g]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            p = jnp.exp(s - m_new)
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
+            alpha = jnp.exp(m_prev - m_new)
+            l_sc[g] = alpha * l_sc[g] + jnp.sum(p, axis=1, keepdims=True)
+            acc_sc[g] = alpha * acc_sc[g] + _nn(p.astype(v.dtype), v)
+            m_sc[g] = m_new
 
     @pl.when(j == st.nk - 1)
     def _finish():
-        l = l_sc[...]
-        l_safe = jnp.where(l == 0.0, 1.0, l)  # fully masked row: acc is 0, output 0
-        o = acc_sc[...] / l_safe
-        if gate == "elementwise":
-            o = o * jax.nn.sigmoid(g_ref[...].astype(jnp.float32))
-        elif gate == "headwise":
-            o = o * _column(jax.nn.sigmoid(g_ref[...].astype(jnp.float32)))
-        o_ref[...] = o.astype(o_ref.dtype)
-        lse_ref[...] = _row(m_sc[...] + jnp.log(l_safe))
+        for g in range(st.groups):
+            l = l_sc[g]
+            l_safe = jnp.where(l == 0.0, 1.0, l)  # fully masked row: acc is 0, output 0
+            o = acc_sc[g] / l_safe
+            if gate == "elementwise":
+                o = o * jax.nn.sigmoid(_head(st, g_ref, g, d).astype(jnp.float32))
+            elif gate == "headwise":
+                o = o * _column(jax.nn.sigmoid(g_ref[g].astype(jnp.float32)))
+            _set_head(st, o_ref, g, d, o)
+            lse_ref[g] = _row(m_sc[g] + jnp.log(l_safe))
 
 
-def _forward(st: _Static, q3, k3, v3, seg, g, gate, shape):
-    b, s, hq, d = shape
-    q_index = lambda b_, h, i, j: (b_, h, i)
+def _k_index(st: _Static):
+    """Key-block index map of query-major grids (b, kv head, i, j): causal blocks past the
+    diagonal repeat the last visible block, so Pallas does not fetch them."""
     if st.causal:
-        k_index = lambda b_, h, i, j: (b_, h // st.groups, jnp.minimum(j, _last_k_block(st, i)))
-    else:
-        k_index = lambda b_, h, i, j: (b_, h // st.groups, j)
-    in_specs = [_tile_spec(st, st.bq, st.nq, d, q_index),
-                _tile_spec(st, st.bk, st.nk, d, k_index),
-                _tile_spec(st, st.bk, st.nk, d, k_index)]
-    args = [q3, k3, v3]
+        return lambda b, h, i, j: (b, h, jnp.minimum(j, _last_k_block(st, i)))
+    return lambda b, h, i, j: (b, h, j)
+
+
+def _forward(st: _Static, q, k, v, seg, g, gate, shape, kv_shape):
+    b, s, hq, d = shape
+    hk = kv_shape[2]
+    q_index, k_index = (lambda b_, h, i, j: (b_, h, i)), _k_index(st)
+    in_specs = [_q_spec(st, d, q_index), _kv_spec(st, d, k_index), _kv_spec(st, d, k_index)]
+    args = [q, k, v]
     if st.segments:
         in_specs += [_seg_spec(st.bq, q_index), _seg_spec(st.bk, k_index)]
         args += [seg, seg]
-    if gate == "elementwise":
-        in_specs.append(_tile_spec(st, st.bq, st.nq, d, q_index))
+    if gate:
+        in_specs.append(_q_spec(st, d, q_index) if gate == "elementwise" else _rows_spec(st, q_index))
         args.append(g)
-    elif gate == "headwise":
-        in_specs.append(_row_spec(st.bq, q_index))
-        args.append(g)
-    out_shape = [_sds(q3.shape, q3.dtype, q3), _sds((b, hq, 1, s), jnp.float32, q3)]
-    out_specs = [_tile_spec(st, st.bq, st.nq, d, q_index), _row_spec(st.bq, q_index)]
-    y3, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, st, gate),
-        grid=(b, hq, st.nq, st.nk),
-        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((st.bq, 1), jnp.float32), pltpu.VMEM((st.bq, 1), jnp.float32),
-                        pltpu.VMEM((st.bq, d), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=_cost(st, "fwd", b, hq, hq // st.groups, d, q3.dtype.itemsize, gate),
+    y, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, st, gate, d),
+        grid=(b, hk, st.nq, st.nk),
+        in_specs=in_specs,
+        out_specs=[_q_spec(st, d, q_index), _rows_spec(st, q_index)],
+        out_shape=[_sds(q.shape, q.dtype, q), _sds((b, hq, 1, s), jnp.float32, q)],
+        scratch_shapes=[pltpu.VMEM((st.groups, st.bq, 1), jnp.float32),
+                        pltpu.VMEM((st.groups, st.bq, 1), jnp.float32),
+                        pltpu.VMEM((st.groups, st.bq, d), jnp.float32)],
+        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
+        cost_estimate=_cost(st, "fwd", b, hq, hk, d, q.dtype.itemsize, gate),
         interpret=st.interpret, name="gated_flash_fwd" if gate else "flash_fwd",
     )(*args)
-    return y3, lse
+    return y, lse
 
 
 # ---------------------------------------------------------------- backward
 
-def _dkv_kernel(st: _Static, *refs):
+def _prep_kernel(st: _Static, gate: str | None, d: int, *refs):
+    """The gate's backward and the row term, per query block and head:
+    D = rowsum(y * dy), dO = dy * s, dg = dy * y * (1 - s) (headwise: D * (1 - s))."""
+    y_ref, dy_ref, *refs = refs
+    g_ref = refs.pop(0) if gate else None
+    dd_ref, *refs = refs
+    do_ref, dg_ref = refs if gate else (None, None)
+    for g in range(st.groups):
+        y = _head(st, y_ref, g, d).astype(jnp.float32)
+        dy = _head(st, dy_ref, g, d).astype(jnp.float32)
+        d_col = jnp.sum(y * dy, axis=1, keepdims=True)
+        dd_ref[g] = _row(d_col)
+        if gate == "elementwise":
+            sg = jax.nn.sigmoid(_head(st, g_ref, g, d).astype(jnp.float32))
+            _set_head(st, do_ref, g, d, dy * sg)
+            _set_head(st, dg_ref, g, d, dy * y * (1.0 - sg))
+        elif gate == "headwise":
+            sg = jax.nn.sigmoid(g_ref[g].astype(jnp.float32))  # (1, bq)
+            _set_head(st, do_ref, g, d, dy * _column(sg))
+            dg_ref[g] = (_row(d_col) * (1.0 - sg)).astype(dg_ref.dtype)
+
+
+def _prep(st: _Static, y, dy, g, gate, shape, kv_shape):
+    b, s, hq, d = shape
+    index = lambda b_, h, i: (b_, h, i)
+    tile, rows = _q_spec(st, d, index), _rows_spec(st, index)
+    in_specs, args = [tile, tile], [y, dy]
+    out_specs, out_shape = [rows], [_sds((b, hq, 1, s), jnp.float32, y)]
+    if gate:
+        g_spec = tile if gate == "elementwise" else rows
+        in_specs.append(g_spec)
+        args.append(g)
+        out_specs += [tile, g_spec]
+        out_shape += [_sds(y.shape, y.dtype, y), _sds(g.shape, g.dtype, g)]
+    out = pl.pallas_call(
+        functools.partial(_prep_kernel, st, gate, d), grid=(b, kv_shape[2], st.nq),
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=_params("parallel", "parallel", "parallel"),
+        cost_estimate=_cost(st, "prep", b, hq, kv_shape[2], d, y.dtype.itemsize, gate),
+        interpret=st.interpret, name="gated_flash_bwd_prep" if gate else "flash_bwd_prep",
+    )(*args)
+    return (out[0], dy, None) if gate is None else tuple(out)
+
+
+def _dkv_kernel(st: _Static, d: int, *refs):
     """Key-major: scores are [bk, bq] (k q^T), so the saved rows (lse, D) and the query segment
-    ids broadcast along keys as they are stored, and no matrix is transposed."""
+    ids broadcast along keys as they are stored, and no matrix is transposed. The group's query
+    heads all add into the one kv head's dK, dV in VMEM."""
     q_ref, k_ref, v_ref, *refs = refs
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if st.segments else (None, None)
     do_ref, lse_ref, dd_ref, dk_ref, dv_ref, dk_sc, dv_sc = refs
-    j, g, i = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    j, i = pl.program_id(2), pl.program_id(3)
 
-    @pl.when((g == 0) & (i == 0))
+    @pl.when(i == 0)
     def _init():
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
     @pl.when(_block_visible(st, i, j))
     def _step():
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        p_t = jnp.exp(_nt(k, q) * st.scale - lse_ref[...])  # [bk, bq]
+        k, v = k_ref[...], v_ref[...]
         q_pos, k_pos = _positions(st, i, j, key_major=True)
         seg = (qseg_ref[...], _column(kseg_ref[...])) if st.segments else (None, None)
         mask = _mask(st, q_pos, k_pos, *seg)
-        if mask is not None:
-            p_t = jnp.where(mask, p_t, 0.0)
-        dv_sc[...] += _nn(p_t.astype(do.dtype), do)
-        ds_t = p_t * (_nt(v, do) - dd_ref[...])
-        dk_sc[...] += _nn(ds_t.astype(q.dtype), q) * st.scale
+        for g in range(st.groups):
+            q, do = _head(st, q_ref, g, d), _head(st, do_ref, g, d)
+            p_t = jnp.exp(_nt(k, q) * st.scale - lse_ref[g])  # [bk, bq]
+            if mask is not None:
+                p_t = jnp.where(mask, p_t, 0.0)
+            dv_sc[...] += _nn(p_t.astype(do.dtype), do)
+            ds_t = p_t * (_nt(v, do) - dd_ref[g])
+            dk_sc[...] += _nn(ds_t.astype(q.dtype), q) * st.scale
 
-    @pl.when((g == st.groups - 1) & (i == st.nq - 1))
+    @pl.when(i == st.nq - 1)
     def _finish():
         dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(st: _Static, *refs):
+def _dq_kernel(st: _Static, d: int, *refs):
     q_ref, k_ref, v_ref, *refs = refs
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if st.segments else (None, None)
     do_ref, lse_ref, dd_ref, dq_ref, dq_sc = refs
@@ -334,134 +427,91 @@ def _dq_kernel(st: _Static, *refs):
 
     @pl.when(_block_visible(st, i, j))
     def _step():
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        p = jnp.exp(_nt(q, k) * st.scale - _column(lse_ref[...]))  # [bq, bk]
+        k, v = k_ref[...], v_ref[...]
         mask = _query_major_mask(st, i, j, qseg_ref, kseg_ref)
-        if mask is not None:
-            p = jnp.where(mask, p, 0.0)
-        ds = p * (_nt(do, v) - _column(dd_ref[...]))
-        dq_sc[...] += _nn(ds.astype(k.dtype), k) * st.scale
+        for g in range(st.groups):
+            q, do = _head(st, q_ref, g, d), _head(st, do_ref, g, d)
+            p = jnp.exp(_nt(q, k) * st.scale - _column(lse_ref[g]))  # [bq, bk]
+            if mask is not None:
+                p = jnp.where(mask, p, 0.0)
+            ds = p * (_nt(do, v) - _column(dd_ref[g]))
+            dq_sc[g] += _nn(ds.astype(k.dtype), k) * st.scale
 
     @pl.when(j == st.nk - 1)
     def _finish():
-        dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+        for g in range(st.groups):
+            _set_head(st, dq_ref, g, d, dq_sc[g])
 
 
-def _prep_kernel(st: _Static, gate: str | None, *refs):
-    """The gate's backward and the row term, per query block:
-    D = rowsum(y * dy), dO = dy * s, dg = dy * y * (1 - s) (headwise: D * (1 - s))."""
-    y_ref, dy_ref, *refs = refs
-    g_ref = refs.pop(0) if gate else None
-    dd_ref, *refs = refs
-    y, dy = y_ref[...].astype(jnp.float32), dy_ref[...].astype(jnp.float32)
-    d_col = jnp.sum(y * dy, axis=1, keepdims=True)
-    dd_ref[...] = _row(d_col)
-    if gate is None:
-        return
-    do_ref, dg_ref = refs
-    s = jax.nn.sigmoid(g_ref[...].astype(jnp.float32))
-    if gate == "elementwise":
-        do_ref[...] = (dy * s).astype(do_ref.dtype)
-        dg_ref[...] = (dy * y * (1.0 - s)).astype(dg_ref.dtype)
-    else:
-        do_ref[...] = (dy * _column(s)).astype(do_ref.dtype)
-        dg_ref[...] = (_row(d_col) * (1.0 - s)).astype(dg_ref.dtype)
+def _bwd_inputs(st: _Static, d, q_of, k_of, q, k, v, seg, do, lse, dd):
+    in_specs = [_q_spec(st, d, q_of), _kv_spec(st, d, k_of), _kv_spec(st, d, k_of)]
+    args = [q, k, v]
+    if st.segments:
+        in_specs += [_seg_spec(st.bq, q_of), _seg_spec(st.bk, k_of)]
+        args += [seg, seg]
+    in_specs += [_q_spec(st, d, q_of), _rows_spec(st, q_of), _rows_spec(st, q_of)]
+    return in_specs, args + [do, lse, dd]
 
 
-def _prep(st: _Static, y3, dy3, g, gate, shape):
-    b, s, hq, d = shape
-    index = lambda b_, h, i: (b_, h, i)
-    tile = _tile_spec(st, st.bq, st.nq, d, index)
-    in_specs, args = [tile, tile], [y3, dy3]
-    out_specs, out_shape = [_row_spec(st.bq, index)], [_sds((b, hq, 1, s), jnp.float32, y3)]
-    if gate:
-        g_spec = tile if gate == "elementwise" else _row_spec(st.bq, index)
-        in_specs.append(g_spec)
-        args.append(g)
-        out_specs += [tile, g_spec]
-        out_shape += [_sds(y3.shape, y3.dtype, y3), _sds(g.shape, g.dtype, g)]
-    out = pl.pallas_call(
-        functools.partial(_prep_kernel, st, gate), grid=(b, hq, st.nq),
-        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
-        cost_estimate=_cost(st, "prep", b, hq, hq // st.groups, d, y3.dtype.itemsize, gate),
-        interpret=st.interpret, name="gated_flash_bwd_prep" if gate else "flash_bwd_prep",
-    )(*args)
-    return (out[0], dy3, None) if gate is None else tuple(out)
-
-
-def _backward(st: _Static, q3, k3, v3, seg, do3, lse, dd, shape, kv_shape):
-    b, s, hq, d = shape
+def _dkv(st: _Static, q, k, v, seg, do, lse, dd, shape, kv_shape):
+    """dK, dV: grid (b, kv head, key block, query block), with the dK/dV blocks; causal query
+    blocks before the diagonal repeat the first visible one, so they are not fetched."""
+    st = st.for_dkv()
+    b, _, hq, d = shape
     hk = kv_shape[2]
-
-    def specs(q_of, k_of):
-        in_specs = [_tile_spec(st, st.bq, st.nq, d, q_of), _tile_spec(st, st.bk, st.nk, d, k_of),
-                    _tile_spec(st, st.bk, st.nk, d, k_of)]
-        args = [q3, k3, v3]
-        if st.segments:
-            in_specs += [_seg_spec(st.bq, q_of), _seg_spec(st.bk, k_of)]
-            args += [seg, seg]
-        in_specs += [_tile_spec(st, st.bq, st.nq, d, q_of), _row_spec(st.bq, q_of),
-                     _row_spec(st.bq, q_of)]
-        return in_specs, args + [do3, lse, dd]
-
-    # dK, dV: grid (b, kv head, key block, query head in group, query block).
-    q_of = lambda b_, h, j, g, i: (
-        b_, h * st.groups + g, jnp.maximum(i, _first_q_block(st, j)) if st.causal else i)
-    k_of = lambda b_, h, j, g, i: (b_, h, j)
-    in_specs, args = specs(q_of, k_of)
-    dk3, dv3 = pl.pallas_call(
-        functools.partial(_dkv_kernel, st),
-        grid=(b, hk, st.nk, st.groups, st.nq),
+    q_of = lambda b_, h, j, i: (b_, h, jnp.maximum(i, _first_q_block(st, j)) if st.causal else i)
+    k_of = lambda b_, h, j, i: (b_, h, j)
+    in_specs, args = _bwd_inputs(st, d, q_of, k_of, q, k, v, seg, do, lse, dd)
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, st, d),
+        grid=(b, hk, st.nk, st.nq),
         in_specs=in_specs,
-        out_specs=[_tile_spec(st, st.bk, st.nk, d, k_of), _tile_spec(st, st.bk, st.nk, d, k_of)],
-        out_shape=[_sds(k3.shape, k3.dtype, k3), _sds(v3.shape, v3.dtype, v3)],
+        out_specs=[_kv_spec(st, d, k_of), _kv_spec(st, d, k_of)],
+        out_shape=[_sds(k.shape, k.dtype, k), _sds(v.shape, v.dtype, v)],
         scratch_shapes=[pltpu.VMEM((st.bk, d), jnp.float32), pltpu.VMEM((st.bk, d), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
-        cost_estimate=_cost(st, "dkv", b, hq, hk, d, q3.dtype.itemsize),
+        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
+        cost_estimate=_cost(st, "dkv", b, hq, hk, d, q.dtype.itemsize),
         interpret=st.interpret, name="flash_bwd_dkv",
     )(*args)
 
-    # dQ: grid (b, query head, query block, key block), like the forward.
+
+def _dq(st: _Static, q, k, v, seg, do, lse, dd, shape, kv_shape):
+    """dQ: grid (b, kv head, query block, key block), like the forward."""
+    b, _, hq, d = shape
+    hk = kv_shape[2]
     q_of = lambda b_, h, i, j: (b_, h, i)
-    if st.causal:
-        k_of = lambda b_, h, i, j: (b_, h // st.groups, jnp.minimum(j, _last_k_block(st, i)))
-    else:
-        k_of = lambda b_, h, i, j: (b_, h // st.groups, j)
-    in_specs, args = specs(q_of, k_of)
-    dq3 = pl.pallas_call(
-        functools.partial(_dq_kernel, st),
-        grid=(b, hq, st.nq, st.nk),
+    in_specs, args = _bwd_inputs(st, d, q_of, _k_index(st), q, k, v, seg, do, lse, dd)
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, st, d),
+        grid=(b, hk, st.nq, st.nk),
         in_specs=in_specs,
-        out_specs=_tile_spec(st, st.bq, st.nq, d, q_of),
-        out_shape=_sds(q3.shape, q3.dtype, q3),
-        scratch_shapes=[pltpu.VMEM((st.bq, d), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=_cost(st, "dq", b, hq, hk, d, q3.dtype.itemsize),
+        out_specs=_q_spec(st, d, q_of),
+        out_shape=_sds(q.shape, q.dtype, q),
+        scratch_shapes=[pltpu.VMEM((st.groups, st.bq, d), jnp.float32)],
+        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
+        cost_estimate=_cost(st, "dq", b, hq, hk, d, q.dtype.itemsize),
         interpret=st.interpret, name="flash_bwd_dq",
     )(*args)
-    return dq3, dk3, dv3
 
 
 # ---------------------------------------------------------------- custom_vjp core
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _flash(st, gate, shape, kv_shape, q3, k3, v3, seg, g):
-    return _forward(st, q3, k3, v3, seg, g, gate, shape)[0]
+def _flash(st, gate, shape, kv_shape, q, k, v, seg, g):
+    return _forward(st, q, k, v, seg, g, gate, shape, kv_shape)[0]
 
 
-def _flash_fwd(st, gate, shape, kv_shape, q3, k3, v3, seg, g):
-    y3, lse = _forward(st, q3, k3, v3, seg, g, gate, shape)
-    return y3, (q3, k3, v3, seg, g, y3, lse)
+def _flash_fwd(st, gate, shape, kv_shape, q, k, v, seg, g):
+    y, lse = _forward(st, q, k, v, seg, g, gate, shape, kv_shape)
+    return y, (q, k, v, seg, g, y, lse)
 
 
-def _flash_bwd(st, gate, shape, kv_shape, res, dy3):
-    q3, k3, v3, seg, g, y3, lse = res
-    dd, do3, dg = _prep(st, y3, dy3, g, gate, shape)
-    dq3, dk3, dv3 = _backward(st, q3, k3, v3, seg, do3, lse, dd, shape, kv_shape)
-    return dq3, dk3, dv3, None, dg
+def _flash_bwd(st, gate, shape, kv_shape, res, dy):
+    q, k, v, seg, g, y, lse = res
+    dd, do, dg = _prep(st, y, dy, g, gate, shape, kv_shape)
+    dk, dv = _dkv(st, q, k, v, seg, do, lse, dd, shape, kv_shape)
+    dq = _dq(st, q, k, v, seg, do, lse, dd, shape, kv_shape)
+    return dq, dk, dv, None, dg
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -512,15 +562,18 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
     bs = block_sizes or BlockSizes()
-    bq, bk = min(bs.block_q, _round_up(s, 128)), min(bs.block_k, _round_up(t, 128))
-    sp, tp = _round_up(s, bq), _round_up(t, bk)
+    fit = lambda block, n: min(block, _round_up(n, 128))
+    bq, bk = fit(bs.block_q, s), fit(bs.block_k, t)
+    bq2, bk2 = fit(bs.block_q_dkv, s), fit(bs.block_k_dkv, t)
+    sp, tp = _round_up(s, math.lcm(bq, bq2)), _round_up(t, math.lcm(bk, bk2))
     st = _Static(causal=causal, scale=float(d ** -0.5 if sm_scale is None else sm_scale),
                  bq=bq, bk=bk, nq=sp // bq, nk=tp // bk, groups=hq // hk, offset=t - s, kv_len=t,
                  padded_kv=tp != t, segments=segment_ids is not None, lanes=d % 128 == 0,
-                 interpret=jax.default_backend() != "tpu" if interpret is None else bool(interpret))
-    if not st.interpret and (bk % 128 or bq % 128):
+                 interpret=jax.default_backend() != "tpu" if interpret is None else bool(interpret),
+                 dkv_blocks=(bq2, bk2))
+    if not st.interpret and any(x % 128 for x in (bq, bk, bq2, bk2)):
         raise ValueError(f"block_sizes {bs}: compiled for TPU the blocks must be multiples of 128 "
-                         f"(got {bq} x {bk} for lengths {s} x {t})")
+                         f"(got {bq} x {bk}, dkv {bq2} x {bk2} for lengths {s} x {t})")
     pad = lambda x, n: x if n == x.shape[1] else jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
     q_p, k_p, v_p = pad(q, sp), pad(k, tp), pad(v, tp)
     shape, kv_shape = (b, sp, hq, d), (b, tp, hk, d)
@@ -528,9 +581,9 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
     if segment_ids is not None:
         seg = pad(segment_ids.astype(jnp.int32), sp)[:, None, :]
     if kind == "elementwise":
-        g = _to3(pad(gate, sp), st.lanes)
+        g = _tiles(pad(gate, sp), st.lanes)
     elif kind == "headwise":
         g = pad(gate.reshape(b, s, hq), sp).transpose(0, 2, 1)[:, :, None]
-    y3 = _flash(st, kind, shape, kv_shape, _to3(q_p, st.lanes), _to3(k_p, st.lanes),
-                _to3(v_p, st.lanes), seg, g)
-    return _from3(y3, shape, st.lanes)[:, :s]
+    y = _flash(st, kind, shape, kv_shape, _tiles(q_p, st.lanes), _tiles(k_p, st.lanes),
+               _tiles(v_p, st.lanes), seg, g)
+    return _untiles(y, shape, st.lanes)[:, :s]
