@@ -29,6 +29,7 @@ FFN_ACTIVATIONS = ("silu", "gelu", "relu")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("xla", "pallas")  # plain jnp reference / fused Pallas flash kernel
+LBL_SCOPES = ("global", "micro")
 
 
 class ConfigError(ValueError):
@@ -127,6 +128,51 @@ class GateSpec:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """A fine-grained mixture-of-experts FFN (the paper's MoE 15A2B: 128 experts, top-8).
+
+    num_experts, top_k: softmax router over experts, keep the top-k per token.
+    expert_width:       FFN width of one SwiGLU expert.
+    renormalize:        rescale the kept top-k weights to sum to 1 (as Qwen3-MoE does).
+    capacity_factor:    None: dropless (grouped matmul over exactly the routed tokens); a number c:
+                        each expert takes at most ceil(c * tokens * top_k / num_experts) tokens per
+                        group, the rest are dropped (their expert output is 0) and counted.
+    lbl_coef, lbl_scope: load-balancing loss weight, and whether expert frequencies are counted
+                        over the global batch ("global", Qiu et al. 2025b) or per micro-batch
+                        ("micro": the batch split into `micro_batches` groups, averaged).
+    z_loss_coef:        router z-loss weight (mean squared log-sum-exp of router logits).
+    """
+
+    num_experts: int = 128
+    top_k: int = 8
+    expert_width: int = 768
+    renormalize: bool = True
+    capacity_factor: float | None = None
+    lbl_coef: float = 1e-3
+    lbl_scope: str = "global"
+    micro_batches: int = 1
+    z_loss_coef: float = 0.0
+
+    def __post_init__(self):
+        for name in ("num_experts", "top_k", "expert_width", "micro_batches"):
+            _integer(name, getattr(self, name))
+        if self.top_k > self.num_experts:
+            raise ConfigError("top_k", self.top_k, f"expected 1..num_experts ({self.num_experts})")
+        _bool("renormalize", self.renormalize)
+        if self.capacity_factor is not None:
+            _positive("capacity_factor", self.capacity_factor)
+        _positive("lbl_coef", self.lbl_coef, zero_ok=True)
+        _positive("z_loss_coef", self.z_loss_coef, zero_ok=True)
+        _choice("lbl_scope", self.lbl_scope, LBL_SCOPES)
+
+    def num_params(self, d_model: int) -> tuple[int, int]:
+        """(total, activated) parameters of one MoE FFN: router plus experts (3 matrices each)."""
+        expert = 3 * d_model * self.expert_width
+        router = d_model * self.num_experts
+        return router + self.num_experts * expert, router + self.top_k * expert
+
+
+@dataclass(frozen=True)
 class SwitchHeadsSpec:
     """Switch Heads (Csordas et al. 2024; the paper's Table 6): per kv head, `num_experts` value (or
     key and value) projections mixed by a sigmoid router that keeps the `top_k` best per token."""
@@ -164,6 +210,7 @@ class ModelConfig:
     gate: GateSpec | None = None
     sdpa_nonlinearity: str = "none"        # Table 3 rows 5-6: per-head RMSNorm or SiLU at G1.
     switch_heads: SwitchHeadsSpec | None = None  # Table 6.
+    moe: MoESpec | None = None             # None: a dense SwiGLU FFN of width d_ff.
     sandwich_norm: bool = False            # Table 2 row 7: RMSNorm on attn/FFN outputs.
     output_clip: float | None = None       # Appendix A.5: clip attn/FFN outputs to (-c, c).
     match_ffn_params: bool = False         # Table 2: shrink d_ff so params equal the baseline's.
@@ -209,6 +256,10 @@ class ModelConfig:
             raise ConfigError("gate", self.gate, "expected a GateSpec or None")
         if self.switch_heads is not None and not isinstance(self.switch_heads, SwitchHeadsSpec):
             raise ConfigError("switch_heads", self.switch_heads, "expected a SwitchHeadsSpec or None")
+        if self.moe is not None and not isinstance(self.moe, MoESpec):
+            raise ConfigError("moe", self.moe, "expected a MoESpec or None")
+        if self.moe is not None and self.match_ffn_params:
+            raise ConfigError("match_ffn_params", True, "FFN matching is for dense models (moe is set)")
         if self.ffn_width <= 0:
             raise ConfigError("match_ffn_params", True,
                               f"the block adds {self.block_added_params} parameters, more than the "

@@ -77,7 +77,7 @@ def main(argv=None):
                     "train.steps is train.py's budget)")
     ap.add_argument("--json", action="store_true")
     args, overrides = config_lib.parse_args(ap, argv)
-    names = ([n for n, v in variants.REGISTRY.items() if v.change is not None]
+    names = (variants.applicable(config_lib.load(args.config, overrides).model)
              if args.variants == "all" else args.variants.split(","))
     # Each variant is applied to the config file's model, then the overrides (as in train.py);
     # every config is built, and so checked, before any training.

@@ -13,6 +13,7 @@ from flax import nnx
 from gattn.attention import Attention
 from gattn.config import ModelConfig
 from gattn.layers import DTYPES, RMSNorm, SwiGLU, dense, param
+from gattn.moe import MoE
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -29,7 +30,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
         self.attn = Attention(cfg, rngs=rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
-        self.ffn = SwiGLU(cfg, cfg.ffn_width, rngs=rngs)
+        self.ffn = MoE(cfg, rngs=rngs) if cfg.moe is not None else SwiGLU(cfg, cfg.ffn_width, rngs=rngs)
         if cfg.sandwich_norm:
             self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
             self.ffn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
@@ -44,13 +45,15 @@ class Block(nnx.Module):
         return h
 
     def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch):
+        """(x, aux): aux holds the MoE's auxiliary values ({} for a dense FFN)."""
         h = self.attn(self.attn_norm(x_NxD), positions_N, segment_ids_BxS, batch)
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
-        h = self.ffn(self.ffn_norm(x_NxD))
+        h, aux = (self.ffn(self.ffn_norm(x_NxD)) if isinstance(self.ffn, MoE)
+                  else (self.ffn(self.ffn_norm(x_NxD)), {}))
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "ffn_post_norm", None))
         if self.collect_intermediates:
             self.sow(nnx.Intermediate, "block_out", x_NxD)
-        return x_NxD
+        return x_NxD, aux
 
 
 class Transformer(nnx.Module):
@@ -78,6 +81,12 @@ class Transformer(nnx.Module):
                  segment_ids_BxS: jax.Array | None = None) -> jax.Array:
         """Returns float32 logits [B, S, V]. Positions default to 0..S-1; segment ids (packed
         documents, 0 = padding) default to one document per row."""
+        return self.forward(tokens_BxS, positions_BxS, segment_ids_BxS)[0]
+
+    def forward(self, tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None,
+                segment_ids_BxS: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """(logits, aux): aux maps each MoE auxiliary value to its per-layer stack ([L, ...]);
+        empty for a dense model."""
         cfg = self.cfg
         b, s = tokens_BxS.shape
         if positions_BxS is None:
@@ -94,12 +103,15 @@ class Transformer(nnx.Module):
             if any(getattr(m, "collect_intermediates", False) for _, m in nnx.iter_graph(self.blocks)):
                 raise ValueError("collecting intermediates needs scan_layers=False "
                                  "(load the same checkpoint with --config.model.scan_layers=false)")
-            x_NxD = nnx.scan(lambda x, blk: run(blk, x), in_axes=(nnx.Carry, 0),
-                             out_axes=nnx.Carry)(x_NxD, self.blocks)
+            x_NxD, aux = nnx.scan(lambda x, blk: run(blk, x), in_axes=(nnx.Carry, 0),
+                                  out_axes=(nnx.Carry, 0))(x_NxD, self.blocks)
         else:
+            per_layer = []
             for block in self.blocks:
-                x_NxD = run(block, x_NxD)
+                x_NxD, layer_aux = run(block, x_NxD)
+                per_layer.append(layer_aux)
+            aux = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         x_NxD = self.final_norm(x_NxD)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
         logits_NxV = dense(x_NxD, head, self.dtype, out_dtype=jnp.float32)
-        return logits_NxV.reshape(b, s, cfg.vocab_size)
+        return logits_NxV.reshape(b, s, cfg.vocab_size), aux

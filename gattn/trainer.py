@@ -26,7 +26,7 @@ from gattn import checkpoint, optim
 from gattn.config import Config, ConfigError
 from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer
-from gattn.loss import lm_loss, lm_nll_sum
+from gattn.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum
 from gattn.model import Transformer
 
 
@@ -73,9 +73,10 @@ def make_train_step(cfg: Config, graphdef):
     def step(state, batch):
         def loss_fn(params):
             model = nnx.merge(graphdef, params)
-            return lm_loss(model, batch["tokens"], batch["segment_ids"], batch["positions"])
+            ce, aux = lm_loss_and_aux(model, batch["tokens"], batch["segment_ids"], batch["positions"])
+            return ce + aux_loss(cfg.model.moe, aux), (ce, aux)
 
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        (_, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = jax.tree.map(lambda p, u: p + u, state["params"], updates)
         # Finite loss and gradients are not enough: a huge step can overflow the new weights.
@@ -85,7 +86,7 @@ def make_train_step(cfg: Config, graphdef):
         new_state = {"step": state["step"] + 1, "params": keep(params, state["params"]),
                      "opt_state": keep(opt_state, state["opt_state"])}
         metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "finite": ok,
-                   "lr": lr(state["step"])}
+                   "lr": lr(state["step"]), **aux_metrics(aux)}
         return new_state, metrics
 
     return jax.jit(step, donate_argnums=0)
@@ -226,7 +227,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
             if step % t.log_every == 0 or step % t.eval_every == 0 or step == t.steps:
                 record = {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
                           "tokens_per_sec": tokens_per_sec() if timed_steps else 0.0,
-                          "skipped_steps": skipped, "loss_spikes": spikes.count}
+                          "skipped_steps": skipped, "loss_spikes": spikes.count,
+                          **{k: float(v) for k, v in m.items() if k.startswith("moe/")}}
                 if step % t.eval_every == 0 or step == t.steps:
                     record.update(val)
                 log.write(step, record)

@@ -20,8 +20,8 @@ class Variant:
     name: str
     rows: tuple[str, ...]      # the paper's rows, e.g. ("Table 1 (5)", "Table 3 (2)")
     description: str
-    change: Callable[[ModelConfig], ModelConfig] | None  # None: belongs to a later issue
-    pending: str = ""
+    change: Callable[[ModelConfig], ModelConfig]
+    needs_moe: bool = False    # applies to MoE models only (Table 1 row 4)
 
 
 def _gate(**kw) -> Callable[[ModelConfig], ModelConfig]:
@@ -44,6 +44,15 @@ def _then(*changes):
     return change
 
 
+def _more_experts(m: ModelConfig) -> ModelConfig:
+    """Table 1 row 4: 4 more experts in every MoE layer, and 4 more of them activated per token."""
+    if m.moe is None:
+        raise ConfigError("moe", None, "the more_experts variant (Table 1 row 4) needs a MoE model; "
+                                       "set model.moe (e.g. configs/moe_15a2b.py)")
+    return dataclasses.replace(m, moe=dataclasses.replace(
+        m.moe, num_experts=m.moe.num_experts + 4, top_k=m.moe.top_k + 4))
+
+
 _MATCHED = _set(match_ffn_params=True)
 
 REGISTRY: dict[str, Variant] = {v.name: v for v in [
@@ -54,8 +63,8 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in [
             lambda m: dataclasses.replace(m, kv_heads=2 * m.kv_heads)),
     Variant("more_q_heads", ("Table 1 (3)",), "1.5x the query heads (q=32 -> 48)",
             lambda m: dataclasses.replace(m, q_heads=m.q_heads * 3 // 2)),
-    Variant("more_experts", ("Table 1 (4)",), "4 more experts, total and activated", None,
-            pending="needs the MoE layer (MoE/mesh issue)"),
+    Variant("more_experts", ("Table 1 (4)",), "4 more experts, total and activated (MoE models)",
+            _more_experts, needs_moe=True),
     Variant("sdpa_elementwise", ("Table 1 (5)", "Table 3 (2)", "Table 4 (2)"),
             "G1 elementwise sigmoid gate on the SDPA output", _gate()),
     Variant("v_elementwise", ("Table 1 (6)", "Table 3 (3)", "Table 4 (5)"),
@@ -121,16 +130,19 @@ def apply(name: str, base: ModelConfig) -> ModelConfig:
     """The config of variant `name` built on `base` (a baseline: no gate, no switch heads)."""
     if name not in REGISTRY:
         raise ConfigError("variant", name, f"expected one of {', '.join(REGISTRY)}")
-    variant = REGISTRY[name]
-    if variant.change is None:
-        raise ConfigError("variant", name, f"not available yet: {variant.pending}")
-    return variant.change(base)
+    return REGISTRY[name].change(base)
+
+
+def applicable(base: ModelConfig) -> list[str]:
+    """The variants that apply to `base`: all of them for a MoE model, all but the MoE-only ones
+    for a dense model."""
+    return [n for n, v in REGISTRY.items() if base.moe is not None or not v.needs_moe]
 
 
 def table(name: str) -> dict:
     v = REGISTRY[name]
     return {"name": v.name, "rows": list(v.rows), "description": v.description,
-            "available": v.change is not None, **({"pending": v.pending} if v.pending else {})}
+            "moe_only": v.needs_moe}
 
 
 def main(argv=None):
@@ -143,8 +155,7 @@ def main(argv=None):
         return
     width = max(len(n) for n in REGISTRY)
     for r in rows:
-        note = "" if r["available"] else f"  [pending: {r['pending']}]"
-        print(f"{r['name']:<{width}}  {', '.join(r['rows']):<34}  {r['description']}{note}")
+        print(f"{r['name']:<{width}}  {', '.join(r['rows']):<34}  {r['description']}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ def test_variants_cli_lists_every_variant_with_its_table_row():
     by_name = {r["name"]: r for r in rows}
     assert "Table 1 (5)" in by_name["sdpa_elementwise"]["rows"]
     assert by_name["switch_v_1top1"]["rows"] == ["Table 6 (6)"]
-    assert by_name["more_experts"]["available"] is False
+    assert by_name["more_experts"]["moe_only"] is True and by_name["sdpa_elementwise"]["moe_only"] is False
     text = run("-m", "gattn.variants").stdout
     assert all(name in text for name in by_name)
 

@@ -15,7 +15,7 @@ from gattn.config import ModelConfig
 from gattn.model import Transformer
 
 SMALL = ModelConfig(vocab_size=64, d_model=48, num_layers=2, q_heads=4, kv_heads=2, head_dim=8, d_ff=96)
-AVAILABLE = [n for n, v in variants.REGISTRY.items() if v.change is not None]
+AVAILABLE = variants.applicable(SMALL)
 
 
 def _attention_only(name):
@@ -28,14 +28,15 @@ ATTENTION_ONLY = [n for n in AVAILABLE if _attention_only(n)]
 
 
 def test_table1_added_params_reproduce_the_paper_column():
-    """Every Table 1 row but (4) (MoE issue) matches 'Added Param' at the paper's rounding."""
+    """Every Table 1 row matches 'Added Param' at the paper's rounding."""
     rows = params.added_params_table(params.TABLE1)
-    assert [r["row"] for r in rows] == [1, 2, 3, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert [r["row"] for r in rows] == list(range(1, 16))
     mismatched = [(r["row"], r["rounded"], r["paper"]) for r in rows if not r["match"]]
     assert not mismatched
     by_row = {r["row"]: r["added_params"] for r in rows}
     assert by_row[5] == 24 * 2048 * 32 * 128  # SPEC: 24 x 2048 x 32 x 128 = 201M
     assert by_row[11] == 24 * 2048 * 4        # one scalar per kv head (SPEC section 1)
+    assert by_row[4] == 24 * 4 * (3 * 2048 * 679 + 2048)  # 4 experts and their router columns
 
 
 def test_paper_rounding():
@@ -95,9 +96,8 @@ def test_params_cli_table1_json():
     assert result["dims"] == {"num_layers": 24, "d_model": 2048, "q_heads": 32, "kv_heads": 4,
                               "head_dim": 128}
     assert {r["row"]: r["rounded"] for r in result["rows"]} == \
-        {1: "0", 2: "50", 3: "201", 5: "201", 6: "25", 7: "25", 8: "201", 9: "100", 10: "1.6",
-         11: "0.2", 12: "201", 13: "25", 14: "201", 15: "201"}
-    assert "4" in result["omitted"]
+        {1: "0", 2: "50", 3: "201", 4: "400", 5: "201", 6: "25", 7: "25", 8: "201", 9: "100",
+         10: "1.6", 11: "0.2", 12: "201", 13: "25", 14: "201", 15: "201"}
 
 
 def test_paper_scale_count_allocates_nothing():

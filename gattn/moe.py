@@ -1,0 +1,126 @@
+"""A fine-grained mixture-of-experts FFN: route, permute, grouped matmul, unpermute.
+
+    route      softmax router over E experts, keep the top-k per token (optionally renormalised)
+    permute    sort the N * k (token, expert) assignments by expert: [N*k, D] and group sizes [E]
+    grouped    each expert's SwiGLU on its contiguous rows (`jax.lax.ragged_dot`, dropless)
+    unpermute  scatter the rows back and sum each token's k outputs, weighted by the router
+
+With a capacity factor each expert keeps at most C rows (the first C in token order) and the
+others are dropped: their expert output is zero and they are counted.
+
+The auxiliary losses are returned as named values, never folded into the LM loss here:
+    lbl      E * sum_e f_e * p_e, f_e = share of the N*k assignments routed to e, p_e = mean router
+             probability of e. With scope "global" f and p are counted over the whole (global)
+             batch (Qiu et al. 2025, "Demons in the detail"); under jit on a mesh the sums over a
+             data-sharded batch are global by construction. "micro" splits the tokens into
+             `micro_batches` groups (a data-parallel shard each), computes the loss per group and
+             averages, the usual per-micro-batch LBL.
+    z_loss   mean over tokens of logsumexp(router logits)^2 (ST-MoE).
+    load     tokens routed to each expert [E]; dropped: assignments over capacity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gattn.config import ModelConfig, MoESpec
+from gattn.layers import DTYPES, FFN_ACTIVATIONS, dense, param
+
+
+def route(logits_NxE: jax.Array, spec: MoESpec):
+    """(weights [N, k], experts [N, k], probs [N, E]): softmax in float32, top-k."""
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, spec.top_k)
+    if spec.renormalize:
+        weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+    return weights_NxK, experts_NxK, probs_NxE
+
+
+def load_balancing_loss(probs_NxE: jax.Array, experts_NxK: jax.Array, groups: int = 1) -> jax.Array:
+    """E * sum_e f_e p_e per group of tokens (the batch split into `groups` equal parts, in token
+    order), averaged over groups. groups=1 is the global-batch loss."""
+    n, e = probs_NxE.shape
+    if n % groups:
+        raise ValueError(f"lbl over {groups} micro-batches needs tokens ({n}) divisible by it")
+    probs = probs_NxE.reshape(groups, n // groups, e)
+    picks = jax.nn.one_hot(experts_NxK.reshape(groups, -1), e, dtype=jnp.float32)  # [G, n*k/G, E]
+    f_GxE = jnp.mean(picks, axis=1)
+    p_GxE = jnp.mean(probs, axis=1)
+    return jnp.mean(e * jnp.sum(f_GxE * p_GxE, axis=-1))
+
+
+def router_z_loss(logits_NxE: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_NxE.astype(jnp.float32), axis=-1)))
+
+
+def permute(x_NxD: jax.Array, experts_NxK: jax.Array, num_experts: int):
+    """(rows [N*k, D] sorted by expert, order [N*k]: the assignment each row came from, group
+    sizes [E])."""
+    flat = experts_NxK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = jnp.take(x_NxD, order // experts_NxK.shape[1], axis=0)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return rows, order, sizes
+
+
+def unpermute(rows_MxD: jax.Array, order_M: jax.Array, weights_NxK: jax.Array) -> jax.Array:
+    """Inverse of `permute`, then each token's k outputs summed with its router weights."""
+    n, k = weights_NxK.shape
+    per_assignment = jnp.zeros_like(rows_MxD).at[order_M].set(rows_MxD).reshape(n, k, -1)
+    out = jnp.einsum("nkd,nk->nd", per_assignment.astype(jnp.float32), weights_NxK)
+    return out.astype(rows_MxD.dtype)
+
+
+def capacity(spec: MoESpec, tokens: int) -> int:
+    return max(1, math.ceil(spec.capacity_factor * tokens * spec.top_k / spec.num_experts))
+
+
+class MoE(nnx.Module):
+    """Router [D, E] and E SwiGLU experts w1, w3 [E, D, F], w2 [E, F, D]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        spec, d = cfg.moe, cfg.d_model
+        pd, std = DTYPES[cfg.param_dtype], cfg.init_std
+        e, f = spec.num_experts, spec.expert_width
+        self.spec = spec
+        self.router = param(rngs, (d, e), ("embed", None), std=std, dtype=pd)
+        self.w1 = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pd)
+        self.w3 = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pd)
+        self.w2 = param(rngs, (e, f, d), ("expert", "mlp", "embed"), std=std, dtype=pd)
+        self.act = FFN_ACTIVATIONS[cfg.ffn_activation]
+        self.dtype = DTYPES[cfg.dtype]
+
+    def experts(self, rows_MxD: jax.Array, sizes_E: jax.Array) -> jax.Array:
+        """Each expert's SwiGLU on its contiguous block of rows (grouped matmul)."""
+        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        x = rows_MxD.astype(self.dtype)
+        h = (self.act(jax.lax.ragged_dot(x, w(self.w1), sizes_E))
+             * jax.lax.ragged_dot(x, w(self.w3), sizes_E))
+        return jax.lax.ragged_dot(h.astype(self.dtype), w(self.w2), sizes_E)
+
+    def __call__(self, x_NxD: jax.Array):
+        """(out [N, D], aux {lbl, z_loss, load [E], dropped})."""
+        spec = self.spec
+        logits_NxE = dense(x_NxD, self.router, self.dtype, out_dtype=jnp.float32)
+        weights_NxK, experts_NxK, probs_NxE = route(logits_NxE, spec)
+        rows, order, sizes = permute(x_NxD, experts_NxK, spec.num_experts)
+        dropped = jnp.zeros((), jnp.int32)
+        if spec.capacity_factor is not None:
+            cap = capacity(spec, x_NxD.shape[0])
+            starts = jnp.cumsum(sizes) - sizes
+            expert_of_row = jnp.take(experts_NxK.reshape(-1), order)
+            keep = (jnp.arange(rows.shape[0]) - starts[expert_of_row]) < cap
+            dropped = jnp.sum(~keep).astype(jnp.int32)
+            rows = jnp.where(keep[:, None], rows, 0)
+            weights_flat = jnp.zeros_like(weights_NxK.reshape(-1)).at[order].set(
+                jnp.where(keep, jnp.take(weights_NxK.reshape(-1), order), 0.0))
+            weights_NxK = weights_flat.reshape(weights_NxK.shape)
+        out = unpermute(self.experts(rows, sizes), order, weights_NxK)
+        groups = spec.micro_batches if spec.lbl_scope == "micro" else 1
+        aux = {"lbl": load_balancing_loss(probs_NxE, experts_NxK, groups),
+               "z_loss": router_z_loss(logits_NxE), "load": sizes, "dropped": dropped}
+        return out, aux

@@ -1,0 +1,173 @@
+"""The MoE FFN: dropless equals a per-token loop, the auxiliary losses equal their formulas, the
+global-batch LBL is global on a mesh, capacity dropping is counted, and the model trains with it."""
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gattn import params, variants
+from gattn.config import ConfigError, ModelConfig, MoESpec
+from gattn.loss import aux_loss, lm_loss, lm_loss_and_aux
+from gattn.model import Transformer
+from gattn.moe import MoE, load_balancing_loss, route, router_z_loss
+
+SPEC = MoESpec(num_experts=8, top_k=3, expert_width=16)
+CFG = ModelConfig(vocab_size=61, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=8,
+                  d_ff=64, moe=SPEC)
+
+
+def naive_moe(moe: MoE, x, keep=None):
+    """Per token, per selected expert: weight * SwiGLU_e(x). `keep[n, j]` False drops one."""
+    w, e, _ = route(x @ moe.router[...], moe.spec)
+    w1, w3, w2 = (np.asarray(p[...]) for p in (moe.w1, moe.w3, moe.w2))
+    out = np.zeros(x.shape, np.float64)
+    for n in range(x.shape[0]):
+        for j in range(moe.spec.top_k):
+            if keep is not None and not keep[n, j]:
+                continue
+            ex, xn = int(e[n, j]), np.asarray(x[n], np.float64)
+            h = jax.nn.silu(xn @ w1[ex]) * (xn @ w3[ex])
+            out[n] += float(w[n, j]) * np.asarray(h @ w2[ex])
+    return out, np.asarray(e)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_dropless_moe_equals_per_token_loop(renormalize):
+    moe = MoE(dataclasses.replace(CFG, moe=dataclasses.replace(SPEC, renormalize=renormalize)),
+              rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (40, 32))
+    out, aux = moe(x)
+    ref, experts = naive_moe(moe, x)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    np.testing.assert_array_equal(aux["load"], np.bincount(experts.reshape(-1), minlength=8))
+    assert int(aux["dropped"]) == 0
+
+
+def test_renormalized_top_k_weights_sum_to_one():
+    w, e, p = route(jax.random.normal(jax.random.key(2), (10, 8)), SPEC)
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+    assert e.shape == (10, 3) and np.allclose(p.sum(-1), 1.0)
+
+
+def test_load_balancing_loss_equals_the_formula_on_hand_made_routing():
+    # 4 tokens, 2 experts, top-1: tokens 0-2 pick expert 0, token 3 picks expert 1.
+    probs = jnp.asarray([[0.9, 0.1], [0.8, 0.2], [0.6, 0.4], [0.3, 0.7]])
+    experts = jnp.asarray([[0], [0], [0], [1]])
+    f, p = np.array([3 / 4, 1 / 4]), probs.mean(0)
+    assert np.isclose(load_balancing_loss(probs, experts), 2 * np.sum(f * p))
+    # Per micro-batch of 2 tokens: (0.9,0.1),(0.8,0.2) -> f=(1,0); (0.6,0.4),(0.3,0.7) -> f=(.5,.5).
+    micro = np.mean([2 * (1 * 0.85 + 0 * 0.15), 2 * (0.5 * 0.45 + 0.5 * 0.55)])
+    assert np.isclose(load_balancing_loss(probs, experts, groups=2), micro)
+    # Perfect balance with uniform probabilities gives 1.
+    uniform = jnp.full((4, 2), 0.5)
+    assert np.isclose(load_balancing_loss(uniform, jnp.asarray([[0], [1], [0], [1]])), 1.0)
+
+
+def test_router_z_loss_is_mean_squared_logsumexp():
+    logits = jnp.asarray([[0.0, 0.0], [1.0, 2.0]])
+    expected = np.mean([np.log(2.0) ** 2, np.log(np.e + np.e ** 2) ** 2])
+    assert np.isclose(router_z_loss(logits), expected)
+
+
+def test_capacity_factor_drops_the_latest_tokens_and_counts_them():
+    spec = dataclasses.replace(SPEC, capacity_factor=0.5)  # capacity ceil(0.5 * 40 * 3 / 8) = 8
+    moe = MoE(dataclasses.replace(CFG, moe=spec), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(3), (40, 32))
+    out, aux = moe(x)
+    _, experts = naive_moe(moe, x)
+    keep, seen = np.zeros(experts.shape, bool), np.zeros(8, int)
+    for n in range(40):  # the first 8 assignments of each expert, in token order, are kept
+        for j in range(3):
+            keep[n, j] = seen[experts[n, j]] < 8
+            seen[experts[n, j]] += 1
+    assert int(aux["dropped"]) == (~keep).sum() == np.maximum(seen - 8, 0).sum() > 0
+    ref, _ = naive_moe(moe, x, keep)
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def test_model_reports_aux_per_layer_and_keeps_it_out_of_the_lm_loss():
+    model = Transformer(dataclasses.replace(CFG, moe=dataclasses.replace(SPEC, z_loss_coef=1e-3)),
+                        rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 61)
+    ce, aux = lm_loss_and_aux(model, tokens)
+    assert set(aux) == {"lbl", "z_loss", "load", "dropped"}
+    assert aux["lbl"].shape == (2,) and aux["load"].shape == (2, 8)
+    assert np.all(aux["load"].sum(-1) == 11 * 2 * 3)  # every (token, k) assignment counted
+    assert float(ce) == float(lm_loss(model, tokens))
+    expected = 1e-3 * np.mean(aux["lbl"]) + 1e-3 * np.mean(aux["z_loss"])
+    assert np.isclose(aux_loss(model.cfg.moe, aux), expected)
+    assert float(aux_loss(None, {})) == 0.0
+
+
+def test_scanned_moe_model_equals_the_loop():
+    loop = Transformer(CFG, rngs=nnx.Rngs(0))
+    scan = Transformer(dataclasses.replace(CFG, scan_layers=True), rngs=nnx.Rngs(1))
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b, nnx.Param) for b in loop.blocks])
+    nnx.update(scan.blocks, stacked)
+    nnx.update(scan, nnx.state(loop, nnx.Param).filter(lambda path, _: path[0] != "blocks"))
+    tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 61)
+    (l1, a1), (l2, a2) = lm_loss_and_aux(loop, tokens), lm_loss_and_aux(scan, tokens)
+    np.testing.assert_allclose(l1, l2, rtol=1e-5)
+    np.testing.assert_allclose(a1["lbl"], a2["lbl"], rtol=1e-5)
+
+
+def test_more_experts_variant_adds_four_experts_total_and_active():
+    cfg = variants.apply("more_experts", CFG)
+    assert (cfg.moe.num_experts, cfg.moe.top_k) == (12, 7)
+    assert params.count_params(cfg) - params.count_params(CFG) == 2 * 4 * 3 * 32 * 16 + 2 * 32 * 4
+    with pytest.raises(ConfigError, match="moe"):
+        variants.apply("more_experts", dataclasses.replace(CFG, moe=None))
+
+
+def test_bad_moe_config_names_the_field():
+    with pytest.raises(ConfigError, match="'top_k' = 9"):
+        MoESpec(num_experts=8, top_k=9)
+    with pytest.raises(ConfigError, match="'lbl_scope' = 'local'"):
+        MoESpec(lbl_scope="local")
+    with pytest.raises(ConfigError, match="'capacity_factor' = -1"):
+        MoESpec(capacity_factor=-1.0)
+
+
+def test_global_batch_lbl_on_a_data_mesh_equals_single_device_and_not_micro():
+    """On a (data=4) mesh the global-batch LBL of a data-sharded batch equals the single-device
+    value on the whole batch; on a skewed batch it differs from the mean of per-shard LBLs."""
+    code = textwrap.dedent("""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from flax import nnx
+        from gattn.config import ModelConfig, MoESpec
+        from gattn.moe import MoE
+        cfg = ModelConfig(vocab_size=61, d_model=32, num_layers=1, q_heads=4, kv_heads=2,
+                          head_dim=8, d_ff=64, moe=MoESpec(num_experts=8, top_k=2, expert_width=16))
+        moe = MoE(cfg, rngs=nnx.Rngs(0))
+        # Skewed: each shard's tokens come from a different region, so shards prefer different experts.
+        x = jnp.concatenate([jax.random.normal(jax.random.key(i), (16, 32)) + 3.0 * i for i in range(4)])
+        mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4],
+                             axis_types=(jax.sharding.AxisType.Auto,))
+        xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+        graphdef, state = nnx.split(moe)
+        lbl = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)[1]["lbl"])
+        sharded, single = float(lbl(state, xs)), float(lbl(state, x))
+        micro = float(np.mean([lbl(state, x[16 * i:16 * (i + 1)]) for i in range(4)]))
+        print(sharded, single, micro)
+        assert abs(sharded - single) < 1e-5, (sharded, single)
+        assert abs(micro - single) > 1e-2, (micro, single)
+        micro_cfg = nnx.merge(graphdef, state)
+        micro_cfg.spec = MoESpec(num_experts=8, top_k=2, expert_width=16, lbl_scope="micro", micro_batches=4)
+        g2, s2 = nnx.split(micro_cfg)
+        scoped = float(jax.jit(lambda s, x: nnx.merge(g2, s)(x)[1]["lbl"])(s2, xs))
+        assert abs(scoped - micro) < 1e-5, (scoped, micro)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ok" in out.stdout
