@@ -375,10 +375,27 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes (gattn/sharding.py): data parallel, expert parallel, model (tensor)
+    parallel. Their product is the device count; data = -1 takes what the others leave."""
+
+    data: int = -1
+    expert: int = 1
+    model: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.data, int) or isinstance(self.data, bool) or (self.data < 1 and self.data != -1):
+            raise ConfigError("data", self.data, "expected a positive integer or -1 (all remaining devices)")
+        _integer("expert", self.expert)
+        _integer("model", self.model)
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
     # The registered variant (gattn.variants) that `load` applied to the config file's model. It is
     # a record, not a switch: choose a variant with `--variant NAME` (or `--config.variant=NAME`).
     variant: str = "baseline"
