@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gattn import checkpoint, optim
+from gattn import checkpoint, optim, sharding
 from gattn.config import Config, ConfigError
 from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer
@@ -57,12 +57,29 @@ class TrainingStopped(RuntimeError):
     """Too many consecutive non-finite steps: the run stops; the last checkpoint stays good."""
 
 
-def init_state(cfg: Config):
-    """(graphdef, state): state = {step, params, opt_state} as a pytree of arrays."""
-    model = Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed))
-    graphdef, params = nnx.split(model, nnx.Param)
+def state_shardings(tx, abstract_params, mesh):
+    """Shardings of {step, params, opt_state}: parameters by their logical axes (gattn/sharding.py),
+    the optimizer's moments like their parameters, scalars replicated."""
+    params = sharding.param_shardings(abstract_params, mesh)
+    opt_state = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), params,
+                                      transform_non_params=lambda _: sharding.replicated(mesh))
+    return {"step": sharding.replicated(mesh), "params": params, "opt_state": opt_state}
+
+
+def init_state(cfg: Config, mesh=None):
+    """(graphdef, state): state = {step, params, opt_state} as a pytree of arrays, created directly
+    in its shardings on `mesh` (default: `cfg.mesh` over the present devices), so no device ever
+    holds the whole model."""
+    mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
     tx = optim.optimizer(cfg.train)
-    return graphdef, {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+    new_model = lambda: Transformer(cfg.model, rngs=nnx.Rngs(cfg.train.seed))  # noqa: E731
+    graphdef, abstract_params = nnx.split(nnx.eval_shape(new_model), nnx.Param)
+
+    def build():
+        params = nnx.state(new_model(), nnx.Param)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    return graphdef, jax.jit(build, out_shardings=state_shardings(tx, abstract_params, mesh))()
 
 
 def make_train_step(cfg: Config, graphdef):
@@ -97,6 +114,11 @@ def make_train_step(cfg: Config, graphdef):
         return new_state, metrics
 
     return jax.jit(step, donate_argnums=0)
+
+
+def _on_mesh(batch: dict, mesh) -> dict:
+    """A host batch of [B, S] arrays placed with its rows split over the data and expert axes."""
+    return jax.device_put(batch, sharding.batch_sharding(mesh))
 
 
 def make_eval_step(graphdef):
@@ -182,7 +204,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     data = pipeline.train_iterator(cfg, tokenizer, workdir)
     val_batches = pipeline.validation_batches(cfg, tokenizer, workdir)
 
-    graphdef, state = init_state(cfg)
+    mesh = sharding.make_mesh(cfg.mesh)
+    graphdef, state = init_state(cfg, mesh)
     mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every)
     try:  # a checkpoint of another model or data is refused before any array is read
         check_resume(cfg, (checkpoint.restore_meta(mngr) or {}).get("config"))
@@ -213,7 +236,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
 
     try:
         for step in range(start + 1, t.steps + 1):
-            state, m = train_step(state, next(data))
+            with jax.set_mesh(mesh):
+                state, m = train_step(state, _on_mesh(next(data), mesh))
             loss, finite = float(m["loss"]), bool(m["finite"])
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
             skipped += not finite
@@ -265,14 +289,15 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
 
 
 def load_model(cfg: Config, workdir: str | Path, step: int | None = None) -> Transformer:
-    """The model of `workdir`'s checkpoint `step` (default: the latest), on the present devices.
+    """The model of `workdir`'s checkpoint `step` (default: the latest), on the present devices
+    (sharded over `cfg.mesh`).
     Only parameters are read, so the optimizer settings of `cfg` need not match the run's."""
     abstract_model = nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = sharding.param_shardings(abstract_params, sharding.make_mesh(cfg.mesh))
     mngr = checkpoint.manager(Path(workdir), cfg.train.keep_checkpoints, cfg.train.checkpoint_every)
     try:
-        params = checkpoint.restore_params(mngr, checkpoint.abstract(abstract_params, device), step)
+        params = checkpoint.restore_params(mngr, checkpoint.abstract(abstract_params, shardings), step)
     finally:
         mngr.close()
     if params is None:

@@ -74,3 +74,42 @@ def test_sharded_loss_and_gradients_equal_one_device():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("ok") == 8, out.stdout
+
+
+def test_pallas_attention_runs_sharded_under_the_context_mesh():
+    """attention_impl='pallas' under jax.set_mesh((2, 2, 2)) runs the kernel in shard_map over
+    batch and heads and equals the single-device xla model (loss and gradients)."""
+    code = textwrap.dedent("""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import dataclasses, jax, jax.numpy as jnp, numpy as np
+        from flax import nnx
+        from gattn import sharding, variants
+        from gattn.config import MeshConfig, ModelConfig
+        from gattn.loss import lm_loss
+        from gattn.model import Transformer
+        cfg = variants.apply("sdpa_elementwise", ModelConfig(
+            vocab_size=64, d_model=32, num_layers=1, q_heads=4, kv_heads=2, head_dim=8, d_ff=64,
+            flash_block_q=8, flash_block_k=8))
+        tokens = jax.random.randint(jax.random.key(0), (4, 16), 0, 64)
+        graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+        pallas_graph, _ = nnx.split(Transformer(dataclasses.replace(cfg, attention_impl="pallas"),
+                                                rngs=nnx.Rngs(0)), nnx.Param)
+        grad_fn = lambda g: jax.jit(jax.value_and_grad(lambda p, t: lm_loss(nnx.merge(g, p), t)))
+        ref_loss, ref_grads = grad_fn(graphdef)(params, tokens)
+        mesh = sharding.make_mesh(MeshConfig(2, 2, 2))
+        p = jax.device_put(params, sharding.param_shardings(params, mesh))
+        t = jax.device_put(tokens, sharding.batch_sharding(mesh))
+        with jax.set_mesh(mesh):
+            step = grad_fn(pallas_graph)
+            loss, grads = step(p, t)
+            text = step.lower(p, t).as_text()
+        assert "shard_map" in text or "manual_computation" in text
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+            np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))) + 1e-9)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "ok" in out.stdout

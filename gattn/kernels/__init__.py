@@ -7,14 +7,15 @@
             by Mosaic on TPU, run in interpret mode elsewhere
 
 Both take an optional `gate` (logits, [B, S, Hq, K] or [B, S, Hq]) and return
-attention(q, k, v) * sigmoid(gate). `shard_attention` wraps either for a device mesh.
+attention(q, k, v) * sigmoid(gate). `shard_attention` wraps either for a device mesh; the
+dispatcher does so for `pallas` under the mesh set by `jax.set_mesh` (as the trainer does).
 """
 
 from __future__ import annotations
 
 from gattn.kernels.flash import BlockSizes, gated_flash_attention
 from gattn.kernels.reference import attention_xla
-from gattn.kernels.sharded import shard_attention
+from gattn.kernels.sharded import on_context_mesh, shard_attention
 
 
 def attention_pallas(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
@@ -36,8 +37,11 @@ def attention(q, k, v, gate=None, *, impl: str = "xla", **kwargs):
     """Runs the attention implementation named by `impl` (the model's `attention_impl`)."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl {impl!r} is not available; implemented: {sorted(IMPLS)}")
-    return IMPLS[impl](q, k, v, gate, **kwargs)
+    fn = IMPLS[impl]
+    if impl == "pallas":  # Mosaic kernels are not auto-partitioned: shard_map over the mesh
+        fn = on_context_mesh(fn)
+    return fn(q, k, v, gate, **kwargs)
 
 
 __all__ = ["IMPLS", "BlockSizes", "attention", "attention_pallas", "attention_xla",
-           "gated_flash_attention", "shard_attention"]
+           "gated_flash_attention", "on_context_mesh", "shard_attention"]

@@ -41,3 +41,12 @@ def shard_attention(fn, mesh, *, batch_axes=("data",), head_axis: str | None = "
 
 def _call(fn, options, q, k, v, gate, segment_ids):
     return fn(q, k, v, gate, segment_ids=segment_ids, **options)
+
+
+def on_context_mesh(fn, batch_axes=("data", "expert"), head_axis: str = "model"):
+    """`fn` wrapped by `shard_attention` for the mesh set with `jax.set_mesh` when it has more than
+    one device (the trainer sets it around its step); `fn` itself otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return fn
+    return shard_attention(fn, mesh, batch_axes=batch_axes, head_axis=head_axis)
