@@ -11,6 +11,7 @@ import argparse
 import functools
 import json
 import math
+from pathlib import Path
 
 import jax
 from flax import nnx
@@ -46,6 +47,27 @@ def count_params(cfg: ModelConfig) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
 
+def activated_params(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all of them but the experts it is not routed to."""
+    n = count_params(cfg)
+    if cfg.moe is not None:
+        per_expert = 3 * cfg.d_model * cfg.moe.expert_width
+        n -= cfg.num_layers * (cfg.moe.num_experts - cfg.moe.top_k) * per_expert
+    return n
+
+
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def preset_path(name: str) -> Path:
+    """configs/NAME.py (or a path to a config file)."""
+    path = Path(name) if name.endswith(".py") else PRESETS_DIR / f"{name}.py"
+    if not path.is_file():
+        names = sorted(p.stem for p in PRESETS_DIR.glob("*.py"))
+        raise config_lib.ConfigError("--preset", name, f"expected one of {', '.join(names)}")
+    return path
+
+
 def paper_rounding(millions: float) -> str:
     """The paper's rounding of 'Added Param': whole millions (truncated) from 10M up, one decimal
     below (201.3 -> 201, 100.7 -> 100, 1.57 -> 1.6, 0.197 -> 0.2)."""
@@ -77,20 +99,23 @@ def main(argv=None):
     ap.add_argument("--table1", action="store_true", help="Table 1 'Added Param' at the paper's dims")
     ap.add_argument("--table6", action="store_true", help="Table 6 (Switch Heads) at the paper's dims")
     ap.add_argument("--config", help="a config file: count its model's parameters")
+    ap.add_argument("--preset", help="a config under configs/ by name (e.g. moe_15a2b, dense_1p7b): "
+                    "total and activated parameters")
     ap.add_argument("--variant", help="a registered variant applied to the config's model")
     ap.add_argument("--json", action="store_true", help="print JSON")
     args, overrides = config_lib.parse_args(ap, argv)
-    if not (args.table1 or args.table6 or args.config):
-        ap.error("give --table1, --table6 or --config")
+    if not (args.table1 or args.table6 or args.config or args.preset):
+        ap.error("give --table1, --table6, --config or --preset")
 
     result = {}
     for flag, key, rows in ((args.table1, "table1", TABLE1), (args.table6, "table6", TABLE6)):
         if flag:
             result[key] = {"dims": _dims(PAPER_MOE_DIMS), "rows": added_params_table(rows)}
-    if args.config:
-        cfg = config_lib.load(args.config, overrides, variant=args.variant)
-        result["config"] = {"variant": cfg.variant, **_dims(cfg.model),
-                            "params": count_params(cfg.model)}
+    if args.config or args.preset:
+        path = args.config or preset_path(args.preset)
+        cfg = config_lib.load(path, overrides, variant=args.variant)
+        result["config"] = {"config": str(path), "variant": cfg.variant, **_dims(cfg.model),
+                            "params": count_params(cfg.model), "activated": activated_params(cfg.model)}
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -103,7 +128,8 @@ def main(argv=None):
                       f"  rounded {r['rounded']:>5}  paper {r['paper']:>5}  {mark}")
     if "config" in result:
         c = result["config"]
-        print(f"{c['variant']}: {c['params']:,} parameters")
+        print(f"{c['config']} ({c['variant']}): {c['params']:,} parameters, "
+              f"{c['activated']:,} activated per token")
 
 
 if __name__ == "__main__":

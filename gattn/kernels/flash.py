@@ -86,6 +86,15 @@ class _Static:
                                    nk=self.nk * self.bk // bk)
 
 
+def _on_tpu() -> bool:
+    """Whether this trace is for TPU: the platform of the mesh set with `jax.set_mesh` (so an
+    ahead-of-time compile for a TPU topology from a CPU host gets the real kernel), else the
+    default backend's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    return (device.platform if device is not None else jax.default_backend()) == "tpu"
+
+
 def _round_up(n, m):
     return -(-n // m) * m
 
@@ -554,7 +563,8 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
     gate: None (plain attention), logits [B, S, Hq, K] (elementwise) or [B, S, Hq] /
     [B, S, Hq, 1] (headwise). segment_ids [B, S] int, self-attention only: 0 = padding (attends
     to nothing, outputs 0). Sequences are padded to the block size internally. sm_scale defaults
-    to K ** -0.5. `interpret` defaults to True off TPU. Differentiable in q, k, v and gate.
+    to K ** -0.5. `interpret` defaults to True off TPU (the platform of the context mesh, if one
+    is set). Differentiable in q, k, v and gate.
     Returns [B, S, Hq, K] in q's dtype.
     """
     _check(q, k, v, segment_ids, causal)
@@ -569,7 +579,7 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
     st = _Static(causal=causal, scale=float(d ** -0.5 if sm_scale is None else sm_scale),
                  bq=bq, bk=bk, nq=sp // bq, nk=tp // bk, groups=hq // hk, offset=t - s, kv_len=t,
                  padded_kv=tp != t, segments=segment_ids is not None, lanes=d % 128 == 0,
-                 interpret=jax.default_backend() != "tpu" if interpret is None else bool(interpret),
+                 interpret=not _on_tpu() if interpret is None else bool(interpret),
                  dkv_blocks=(bq2, bk2))
     if not st.interpret and any(x % 128 for x in (bq, bk, bq2, bk2)):
         raise ValueError(f"block_sizes {bs}: compiled for TPU the blocks must be multiples of 128 "

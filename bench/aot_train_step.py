@@ -1,0 +1,96 @@
+"""Ahead-of-time compile of the full training step of a paper-scale preset for a TPU pod slice.
+
+On this CPU machine libtpu compiles (nothing runs) the trainer's own step, forward + backward +
+AdamW, with the preset's shardings on a mesh of the topology's chips, and prints per-device HBM
+use (`memory_analysis`: parameters + optimizer state + batch, outputs, temporaries) and FLOPs
+(`cost_analysis`) as JSON, with whether it fits the chip's HBM.
+
+    python bench/aot_train_step.py --preset moe_15a2b --topology v5p:4x4x2 --mesh 4,8,1 --batch-per-device 1
+    python bench/aot_train_step.py --preset dense_1p7b --topology v5e:4x4 --mesh 4,1,4 [--variant sdpa_elementwise]
+
+--mesh is (data, expert, model) and must multiply to the topology's chip count; the global batch
+is batch-per-device x data x expert sequences of the preset's seq_len.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu is only a compiler here
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import AxisType, Mesh
+
+from gattn import config as config_lib
+from gattn import optim, params, sharding, trainer
+from gattn.model import Transformer
+
+HBM_GIB = {"TPU v5 lite": 16, "TPU v5": 95, "TPU v5p": 95, "TPU v6 lite": 32, "TPU v4": 32}
+
+
+def compile_step(cfg, topology: str, mesh_shape: tuple[int, int, int], batch_per_device: int):
+    devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    if np.prod(mesh_shape) != len(devices):
+        raise SystemExit(f"--mesh {mesh_shape} must multiply to the {len(devices)} chips of {topology}")
+    mesh = Mesh(np.asarray(devices).reshape(mesh_shape), sharding.AXES,
+                axis_types=(AxisType.Auto,) * 3)
+    tx = optim.optimizer(cfg.train)
+    graphdef, abstract_params = nnx.split(
+        nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
+    shardings = trainer.state_shardings(tx, abstract_params, mesh)
+    state = jax.eval_shape(lambda p: {"step": jnp.zeros((), jnp.int32), "params": p,
+                                      "opt_state": tx.init(p)}, abstract_params)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    rows = batch_per_device * mesh_shape[0] * mesh_shape[1]
+    row = jax.ShapeDtypeStruct((rows, cfg.train.seq_len + 1), jnp.int32,
+                               sharding=sharding.batch_sharding(mesh))
+    batch = {"tokens": row, "segment_ids": row, "positions": row}
+    step = trainer.make_train_step(cfg, graphdef)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step.lower(state, batch).compile()
+    return compiled, devices[0].device_kind, rows, time.perf_counter() - t0
+
+
+def report(compiled, kind: str) -> dict:
+    mem, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
+    used = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    hbm = HBM_GIB.get(kind)
+    return {"per_device_bytes": {"arguments": mem.argument_size_in_bytes, "outputs": mem.output_size_in_bytes,
+                                 "aliased": mem.alias_size_in_bytes, "temp": mem.temp_size_in_bytes,
+                                 "total": used},
+            "per_device_gib": round(used / 2**30, 2), "hbm_gib": hbm,
+            "fits": None if hbm is None else used < hbm * 2**30,
+            "flops_per_device": cost.get("flops"),
+            "mosaic_kernels": compiled.as_text().count("tpu_custom_call")}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="moe_15a2b")
+    ap.add_argument("--variant", default=None)
+    ap.add_argument("--topology", default="v5p:4x4x2")
+    ap.add_argument("--mesh", default="4,8,1", help="data,expert,model")
+    ap.add_argument("--batch-per-device", type=int, default=1)
+    args, overrides = config_lib.parse_args(ap, argv)
+    cfg = config_lib.load(params.preset_path(args.preset), overrides, variant=args.variant)
+    mesh_shape = tuple(int(x) for x in args.mesh.split(","))
+    compiled, kind, rows, seconds = compile_step(cfg, args.topology, mesh_shape, args.batch_per_device)
+    out = {"preset": args.preset, "variant": cfg.variant, "topology": args.topology, "device": kind,
+           "mesh": dict(zip(sharding.AXES, mesh_shape)), "global_batch": rows,
+           "seq_len": cfg.train.seq_len, "params": params.count_params(cfg.model),
+           "activated_params": params.activated_params(cfg.model), "compile_s": round(seconds, 1),
+           **report(compiled, kind)}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    raise SystemExit(config_lib.run_cli(main))
