@@ -6,7 +6,11 @@
     unpermute  scatter the rows back and sum each token's k outputs, weighted by the router
 
 With a capacity factor each expert keeps at most C rows (the first C in token order) and the
-others are dropped: their expert output is zero and they are counted.
+others are dropped: their expert output is zero and they are counted. That path computes on a
+fixed [E, C, D] buffer with batched matmuls, so its cost is capacity_factor x the activated
+compute for any E. The dropless path uses `jax.lax.ragged_dot`, a grouped matmul on TPU; XLA's
+CPU lowering of it computes every expert for every row (cost grows with E: see
+bench/moe_step_time.py), so on CPU use a capacity factor for speed.
 
 The auxiliary losses are returned as named values, never folded into the LM loss here:
     lbl      E * sum_e f_e * p_e, f_e = share of the N*k assignments routed to e, p_e = mean router
@@ -94,13 +98,30 @@ class MoE(nnx.Module):
         self.act = FFN_ACTIVATIONS[cfg.ffn_activation]
         self.dtype = DTYPES[cfg.dtype]
 
+    def _w(self, p):
+        return p[...].astype(self.dtype)
+
     def experts(self, rows_MxD: jax.Array, sizes_E: jax.Array) -> jax.Array:
-        """Each expert's SwiGLU on its contiguous block of rows (grouped matmul)."""
-        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        """Each expert's SwiGLU on its contiguous block of rows (grouped matmul, dropless)."""
         x = rows_MxD.astype(self.dtype)
-        h = (self.act(jax.lax.ragged_dot(x, w(self.w1), sizes_E))
-             * jax.lax.ragged_dot(x, w(self.w3), sizes_E))
-        return jax.lax.ragged_dot(h.astype(self.dtype), w(self.w2), sizes_E)
+        h = (self.act(jax.lax.ragged_dot(x, self._w(self.w1), sizes_E))
+             * jax.lax.ragged_dot(x, self._w(self.w3), sizes_E))
+        return jax.lax.ragged_dot(h.astype(self.dtype), self._w(self.w2), sizes_E)
+
+    def experts_with_capacity(self, rows_MxD, sizes_E, expert_of_row_M, cap: int):
+        """Each expert's first `cap` rows in an [E, cap, D] buffer and one batched matmul per
+        projection: cost E * cap rows = capacity_factor * N * k, whatever E is. Returns the rows'
+        outputs (0 for dropped rows) and the keep mask."""
+        e, m = sizes_E.shape[0], rows_MxD.shape[0]
+        rank = jnp.arange(m) - (jnp.cumsum(sizes_E) - sizes_E)[expert_of_row_M]
+        keep = rank < cap
+        slot = jnp.where(keep, expert_of_row_M * cap + rank, e * cap)  # e * cap: out of range
+        buf = jnp.zeros((e * cap, rows_MxD.shape[1]), self.dtype).at[slot].set(
+            rows_MxD.astype(self.dtype), mode="drop").reshape(e, cap, -1)
+        h = (self.act(jnp.einsum("ecd,edf->ecf", buf, self._w(self.w1)))
+             * jnp.einsum("ecd,edf->ecf", buf, self._w(self.w3)))
+        out = jnp.einsum("ecf,efd->ecd", h.astype(self.dtype), self._w(self.w2)).reshape(e * cap, -1)
+        return jnp.where(keep[:, None], jnp.take(out, jnp.minimum(slot, e * cap - 1), axis=0), 0), keep
 
     def __call__(self, x_NxD: jax.Array):
         """(out [N, D], aux {lbl, z_loss, load [E], dropped})."""
@@ -108,18 +129,14 @@ class MoE(nnx.Module):
         logits_NxE = dense(x_NxD, self.router, self.dtype, out_dtype=jnp.float32)
         weights_NxK, experts_NxK, probs_NxE = route(logits_NxE, spec)
         rows, order, sizes = permute(x_NxD, experts_NxK, spec.num_experts)
-        dropped = jnp.zeros((), jnp.int32)
-        if spec.capacity_factor is not None:
-            cap = capacity(spec, x_NxD.shape[0])
-            starts = jnp.cumsum(sizes) - sizes
+        if spec.capacity_factor is None:
+            out_rows, dropped = self.experts(rows, sizes), jnp.zeros((), jnp.int32)
+        else:
             expert_of_row = jnp.take(experts_NxK.reshape(-1), order)
-            keep = (jnp.arange(rows.shape[0]) - starts[expert_of_row]) < cap
+            out_rows, keep = self.experts_with_capacity(rows, sizes, expert_of_row,
+                                                        capacity(spec, x_NxD.shape[0]))
             dropped = jnp.sum(~keep).astype(jnp.int32)
-            rows = jnp.where(keep[:, None], rows, 0)
-            weights_flat = jnp.zeros_like(weights_NxK.reshape(-1)).at[order].set(
-                jnp.where(keep, jnp.take(weights_NxK.reshape(-1), order), 0.0))
-            weights_NxK = weights_flat.reshape(weights_NxK.shape)
-        out = unpermute(self.experts(rows, sizes), order, weights_NxK)
+        out = unpermute(out_rows, order, weights_NxK)
         groups = spec.micro_batches if spec.lbl_scope == "micro" else 1
         aux = {"lbl": load_balancing_loss(probs_NxE, experts_NxK, groups),
                "z_loss": router_z_loss(logits_NxE), "load": sizes, "dropped": dropped}
