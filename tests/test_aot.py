@@ -19,8 +19,9 @@ _spec.loader.exec_module(aot)
 @pytest.mark.parametrize("preset, overrides, topology, mesh", [
     ("dense_1p7b", ["model.num_layers=1", "model.vocab_size=32768", "train.seq_len=2048"],
      "v5e:2x2", (1, 1, 4)),
-    ("moe_15a2b", ["model.num_layers=1", "model.vocab_size=32768", "model.moe.num_experts=16",
-                   "train.seq_len=1024"], "v5p:2x2x1", (1, 2, 2)),
+    pytest.param("moe_15a2b", ["model.num_layers=1", "model.vocab_size=32768",
+                               "model.moe.num_experts=16", "train.seq_len=1024"], "v5p:2x2x1", (1, 2, 2),
+                 marks=pytest.mark.slow),  # ~60 s of compiling: `pytest -m slow`
 ])
 def test_preset_train_step_compiles_for_tpu_and_fits(preset, overrides, topology, mesh):
     cfg = config_lib.load(params.preset_path(preset), overrides, variant="sdpa_elementwise")
