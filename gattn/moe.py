@@ -126,6 +126,11 @@ class MoE(nnx.Module):
     def __call__(self, x_NxD: jax.Array):
         """(out [N, D], aux {lbl, z_loss, load [E], dropped})."""
         spec = self.spec
+        mesh = jax.sharding.get_abstract_mesh()
+        from gattn import expert_parallel  # noqa: PLC0415 (it builds on this module's verbs)
+
+        if expert_parallel.applies(mesh, spec):  # experts split over the mesh: explicit all-to-all
+            return expert_parallel.moe_forward(self, x_NxD, mesh)
         logits_NxE = dense(x_NxD, self.router, self.dtype, out_dtype=jnp.float32)
         weights_NxK, experts_NxK, probs_NxE = route(logits_NxE, spec)
         rows, order, sizes = permute(x_NxD, experts_NxK, spec.num_experts)

@@ -164,3 +164,18 @@ def test_resume_refuses_a_different_model_and_keeps_the_checkpoint(config_file, 
     subprocess.run(train_cmd(config_file, workdir, "--steps", "8"), check=True, capture_output=True,
                    timeout=300)
     assert losses(workdir)[0] == list(range(1, 9))
+
+
+def test_moe_run_logs_its_auxiliary_losses(config_file, tmp_path):
+    """train.py on a MoE model: metrics.jsonl carries the MoE aux values beside the LM loss."""
+    work = tmp_path / "moe"
+    subprocess.run(train_cmd(config_file, work, "--steps", "4", "--config.model.moe.num_experts=4",
+                             "--config.model.moe.top_k=2", "--config.model.moe.expert_width=16",
+                             "--config.model.moe.z_loss_coef=0.001", "--config.train.eval_every=100"),
+                   check=True, capture_output=True, timeout=300)
+    steps, rows = losses(work)
+    assert steps == [1, 2, 3, 4]
+    for row in rows.values():
+        assert 0.5 < row["moe/lbl"] < 4.0  # E * sum_e f_e p_e: 1 when balanced, E at worst
+        assert row["moe/z_loss"] > 0 and row["moe/dropped"] == 0 and row["moe/max_over_mean_load"] >= 1
+        assert np.isfinite(row["loss"])

@@ -1,0 +1,90 @@
+"""Expert parallelism with an explicit token exchange: the MoE layer inside `shard_map`.
+
+Each device holds the tokens of its (data, expert) shard and the E / n experts of its expert
+shard (each expert's width split over `model`). Per device:
+
+    route        its own tokens (the router is replicated)
+    dispatch     each expert's first C rows into a [n, E/n, C, D] buffer, C = ceil(c N_local k / E)
+    all_to_all   over `expert`: every device receives, for its own experts, the rows that every
+                 other device of its expert group routed to them
+    experts      one batched matmul per projection on [E/n, n C, D]; psum over `model`
+    all_to_all   back, then each token's k outputs summed with its router weights
+
+The buffers have a fixed size, so this path needs a capacity factor; rows past an expert's
+capacity in a shard are dropped and counted. The global-batch LBL is explicit here: expert counts
+and router probabilities are `psum`med over the batch axes before they are combined.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from gattn.moe import load_balancing_loss, permute, route, router_z_loss, unpermute
+
+BATCH_AXES = ("data", "expert")
+
+
+def applies(mesh, spec) -> bool:
+    """Whether the explicit path runs: a context mesh with an expert axis > 1 and a capacity."""
+    return (not mesh.empty and "expert" in mesh.axis_names and mesh.shape["expert"] > 1
+            and spec.capacity_factor is not None and spec.num_experts % mesh.shape["expert"] == 0)
+
+
+def moe_forward(moe, x_NxD: jax.Array, mesh):
+    """(out [N, D], aux) of `moe` (a gattn.moe.MoE) with experts split over the mesh's `expert`
+    axis; same contract as `MoE.__call__`."""
+    spec = moe.spec
+    n_exp = mesh.shape["expert"]
+    model = "model" if mesh.shape.get("model", 1) > 1 else None
+    batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)  # includes "expert"
+    n_shards = math.prod(mesh.shape[a] for a in batch)
+    w = lambda p: p[...].astype(moe.dtype)  # noqa: E731
+    mlp_ok = model is not None and spec.expert_width % mesh.shape["model"] == 0
+    w13_spec = P("expert", None, "model" if mlp_ok else None)
+    w2_spec = P("expert", "model" if mlp_ok else None, None)
+
+    def body(x, router, w1, w3, w2):
+        n_local, e, k = x.shape[0], spec.num_experts, spec.top_k
+        logits = jnp.dot(x.astype(moe.dtype), router.astype(moe.dtype), preferred_element_type=jnp.float32)
+        weights, experts, probs = route(logits, spec)
+        rows, order, sizes = permute(x, experts, e)
+        expert_of_row = jnp.take(experts.reshape(-1), order)
+        cap = max(1, math.ceil(spec.capacity_factor * n_local * k / e))
+        rank = jnp.arange(rows.shape[0]) - (jnp.cumsum(sizes) - sizes)[expert_of_row]
+        keep = rank < cap
+        slot = jnp.where(keep, expert_of_row * cap + rank, e * cap)
+        buf = jnp.zeros((e * cap, x.shape[1]), moe.dtype).at[slot].set(rows.astype(moe.dtype), mode="drop")
+        buf = buf.reshape(n_exp, e // n_exp, cap, -1)                   # [dest shard, E/n, C, D]
+        recv = jax.lax.all_to_all(buf, "expert", 0, 0)                  # [src shard, E/n, C, D]
+        xin = recv.transpose(1, 0, 2, 3).reshape(e // n_exp, n_exp * cap, -1)
+        h = (moe.act(jnp.einsum("ecd,edf->ecf", xin, w1)) * jnp.einsum("ecd,edf->ecf", xin, w3))
+        y = jnp.einsum("ecf,efd->ecd", h.astype(moe.dtype), w2)
+        if mlp_ok:
+            y = jax.lax.psum(y, "model")
+        y = y.reshape(e // n_exp, n_exp, cap, -1).transpose(1, 0, 2, 3)
+        back = jax.lax.all_to_all(y, "expert", 0, 0).reshape(e * cap, -1)
+        out_rows = jnp.where(keep[:, None], jnp.take(back, jnp.minimum(slot, e * cap - 1), axis=0), 0)
+        out = unpermute(out_rows, order, weights)
+
+        counts = jnp.bincount(experts.reshape(-1), length=e)
+        if spec.lbl_scope == "global":  # frequencies and probabilities over the global batch
+            total_tokens = n_local * n_shards
+            f = jax.lax.psum(counts, batch) / (total_tokens * k)
+            p = jax.lax.psum(jnp.sum(probs, axis=0), batch) / total_tokens
+            lbl = e * jnp.sum(f * p)
+        else:  # per micro-batch: each shard's own batch, averaged
+            lbl = jax.lax.pmean(load_balancing_loss(probs, experts), batch)
+        aux = {"lbl": lbl, "z_loss": jax.lax.pmean(router_z_loss(logits), batch),
+               "load": jax.lax.psum(counts, batch).astype(jnp.int32),
+               "dropped": jax.lax.psum(jnp.sum(~keep), batch).astype(jnp.int32)}
+        return out, aux
+
+    aux_specs = {"lbl": P(), "z_loss": P(), "load": P(), "dropped": P()}
+    fn = jax.shard_map(body, mesh=mesh,
+                       in_specs=(P(batch, None), P(None, None), w13_spec, w13_spec, w2_spec),
+                       out_specs=(P(batch, None), aux_specs))
+    return fn(x_NxD, moe.router[...], w(moe.w1), w(moe.w3), w(moe.w2))
