@@ -53,7 +53,7 @@ def compile_step(cfg, topology: str, mesh_shape: tuple[int, int, int], batch_per
     row = jax.ShapeDtypeStruct((rows, cfg.train.seq_len + 1), jnp.int32,
                                sharding=sharding.batch_sharding(mesh))
     batch = {"tokens": row, "segment_ids": row, "positions": row}
-    step = trainer.make_train_step(cfg, graphdef)
+    step = trainer.make_train_step(cfg, graphdef, shardings, mesh)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(state, batch).compile()

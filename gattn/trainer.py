@@ -82,9 +82,11 @@ def init_state(cfg: Config, mesh=None):
     return graphdef, jax.jit(build, out_shardings=state_shardings(tx, abstract_params, mesh))()
 
 
-def make_train_step(cfg: Config, graphdef):
+def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
     """A jitted step. A non-finite loss or gradient leaves params and optimizer state unchanged
-    (the step is skipped and reported), so it never reaches a checkpoint."""
+    (the step is skipped and reported), so it never reaches a checkpoint. With `shardings` (of
+    the state, see `state_shardings`) and `mesh`, the step is compiled with explicit input and
+    output shardings: the state keeps its layout, batches split over data x expert."""
     tx, lr = optim.optimizer(cfg.train), optim.schedule(cfg.train)
 
     def step(state, batch):
@@ -113,7 +115,11 @@ def make_train_step(cfg: Config, graphdef):
                    "lr": lr(state["step"]), **aux_metrics(aux)}
         return new_state, metrics
 
-    return jax.jit(step, donate_argnums=0)
+    if shardings is None:
+        return jax.jit(step, donate_argnums=0)
+    batch = sharding.batch_sharding(mesh)
+    return jax.jit(step, donate_argnums=0, in_shardings=(shardings, batch),
+                   out_shardings=(shardings, sharding.replicated(mesh)))
 
 
 def _on_mesh(batch: dict, mesh) -> dict:
@@ -220,7 +226,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     (workdir / "config.json").write_text(json.dumps(run_config, indent=2))
     start = int(state["step"])
     log = MetricsLog(workdir, start)
-    train_step, eval_step = make_train_step(cfg, graphdef), make_eval_step(graphdef)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    train_step, eval_step = make_train_step(cfg, graphdef, shardings, mesh), make_eval_step(graphdef)
     spikes = SpikeCounter(t.spike_window, t.spike_margin)
     spikes.count = meta["loss_spikes"]
     spikes.recent.extend(meta["recent_losses"])  # the spike window continues across a resume
