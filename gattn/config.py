@@ -135,8 +135,9 @@ class MoESpec:
     expert_width:       FFN width of one SwiGLU expert.
     renormalize:        rescale the kept top-k weights to sum to 1 (as Qwen3-MoE does).
     capacity_factor:    None: dropless (grouped matmul over exactly the routed tokens); a number c:
-                        each expert takes at most ceil(c * tokens * top_k / num_experts) tokens per
-                        group, the rest are dropped (their expert output is 0) and counted.
+                        each expert takes at most ceil(c * tokens * top_k / num_experts) tokens (the
+                        first in token order), the rest are dropped (expert output 0) and counted.
+                        With experts split over a mesh, "tokens" are each data x expert shard's.
     lbl_coef, lbl_scope: load-balancing loss weight, and whether expert frequencies are counted
                         over the global batch ("global", Qiu et al. 2025b) or per micro-batch
                         ("micro": the batch split into `micro_batches` groups, averaged).

@@ -11,7 +11,9 @@ shard (each expert's width split over `model`). Per device:
     all_to_all   back, then each token's k outputs summed with its router weights
 
 The buffers have a fixed size, so this path needs a capacity factor; rows past an expert's
-capacity in a shard are dropped and counted. The global-batch LBL is explicit here: expert counts
+capacity are dropped and counted. Capacity is per source shard here (c N_local k / E rows of each
+expert from each shard), where the single-device path counts it over the whole batch, so with
+drops the two choose different tokens; without drops they agree exactly (tested). The global-batch LBL is explicit here: expert counts
 and router probabilities are `psum`med over the batch axes before they are combined.
 """
 
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from gattn.config import ConfigError
 from gattn.moe import load_balancing_loss, permute, route, router_z_loss, unpermute
 
 BATCH_AXES = ("data", "expert")
@@ -42,6 +45,13 @@ def moe_forward(moe, x_NxD: jax.Array, mesh):
     model = "model" if mesh.shape.get("model", 1) > 1 else None
     batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)  # includes "expert"
     n_shards = math.prod(mesh.shape[a] for a in batch)
+    groups_per_shard = 1
+    if spec.lbl_scope == "micro":
+        if spec.micro_batches % n_shards:
+            raise ConfigError("moe.micro_batches", spec.micro_batches,
+                              f"with experts split over the mesh, a multiple of the {n_shards} "
+                              "data x expert shards (each shard holds whole micro-batches)")
+        groups_per_shard = spec.micro_batches // n_shards
     w = lambda p: p[...].astype(moe.dtype)  # noqa: E731
     mlp_ok = model is not None and spec.expert_width % mesh.shape["model"] == 0
     w13_spec = P("expert", None, "model" if mlp_ok else None)
@@ -76,8 +86,8 @@ def moe_forward(moe, x_NxD: jax.Array, mesh):
             f = jax.lax.psum(counts, batch) / (total_tokens * k)
             p = jax.lax.psum(jnp.sum(probs, axis=0), batch) / total_tokens
             lbl = e * jnp.sum(f * p)
-        else:  # per micro-batch: each shard's own batch, averaged
-            lbl = jax.lax.pmean(load_balancing_loss(probs, experts), batch)
+        else:  # per micro-batch: `micro_batches` groups over the global batch, averaged
+            lbl = jax.lax.pmean(load_balancing_loss(probs, experts, groups_per_shard), batch)
         aux = {"lbl": lbl, "z_loss": jax.lax.pmean(router_z_loss(logits), batch),
                "load": jax.lax.psum(counts, batch).astype(jnp.int32),
                "dropped": jax.lax.psum(jnp.sum(~keep), batch).astype(jnp.int32)}

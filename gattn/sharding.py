@@ -11,8 +11,10 @@ name is split over, as MaxText's logical axis rules do:
     vocab     -> model            embedding rows and LM-head columns
     embed, head_dim, layers -> replicated
 
-A dimension that the mesh axis does not divide stays replicated (e.g. 4 kv heads on a model axis
-of 8), so any config runs on any mesh; `check` lists where that happened.
+A dimension that the mesh axis does not divide stays replicated, so any config runs on any mesh.
+Divisibility is checked on the array dimension: a [D, kv_heads * head_dim] projection with 4 kv
+heads of 128 on a model axis of 8 is split inside heads (correct, as XLA partitions the math, but
+the attention then needs a regrouping; keep the model axis a divisor of kv_heads for speed).
 """
 
 from __future__ import annotations

@@ -117,6 +117,8 @@ def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
 
     if shardings is None:
         return jax.jit(step, donate_argnums=0)
+    if mesh is None:
+        raise ValueError("make_train_step: `shardings` need the `mesh` they were made for")
     batch = sharding.batch_sharding(mesh)
     return jax.jit(step, donate_argnums=0, in_shardings=(shardings, batch),
                    out_shardings=(shardings, sharding.replicated(mesh)))
@@ -135,13 +137,18 @@ def make_eval_step(graphdef):
     return eval_step
 
 
-def validate(eval_step, params, batches: dict[str, list]) -> dict[str, float]:
-    """Held-out loss and perplexity per domain."""
+def validate(eval_step, params, batches: dict[str, list], mesh=None) -> dict[str, float]:
+    """Held-out loss and perplexity per domain (under `mesh`, as the train step runs, so the
+    Pallas attention and the expert-parallel MoE take the same path)."""
     out = {}
     for domain, domain_batches in batches.items():
         total = count = 0.0
         for b in domain_batches:
-            s, c = eval_step(params, b)
+            if mesh is None:
+                s, c = eval_step(params, b)
+            else:
+                with jax.set_mesh(mesh):
+                    s, c = eval_step(params, b)
             total, count = total + float(s), count + float(c)
         out[f"val_loss/{domain}"] = total / count
         out[f"val_ppl/{domain}"] = math.exp(min(total / count, 50.0))
@@ -211,6 +218,10 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     val_batches = pipeline.validation_batches(cfg, tokenizer, workdir)
 
     mesh = sharding.make_mesh(cfg.mesh)
+    shards = mesh.shape["data"] * mesh.shape["expert"]
+    if t.batch_size % shards:
+        raise ConfigError("train.batch_size", t.batch_size,
+                          f"a multiple of the {shards} data x expert shards of the mesh {dict(mesh.shape)}")
     graphdef, state = init_state(cfg, mesh)
     mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every)
     try:  # a checkpoint of another model or data is refused before any array is read
@@ -260,7 +271,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
                 clock = time.perf_counter()
             if step % t.eval_every == 0 or step == t.steps:
                 t0 = time.perf_counter()
-                val = validate(eval_step, state["params"], val_batches)
+                val = validate(eval_step, state["params"], val_batches, mesh)
                 eval_seconds += time.perf_counter() - t0
             if step % t.log_every == 0 or step % t.eval_every == 0 or step == t.steps:
                 record = {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
@@ -288,7 +299,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
         bar.close()
         signal.signal(signal.SIGTERM, previous)
     if not val:  # nothing left to train (a finished run rerun): validate what is there
-        val = validate(eval_step, state["params"], val_batches)
+        val = validate(eval_step, state["params"], val_batches, mesh)
     summary = {"step": int(state["step"]), "completed": int(state["step"]) >= t.steps,
                "final_loss": loss, "skipped_steps": skipped, "loss_spikes": spikes.count, **val}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))

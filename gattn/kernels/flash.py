@@ -576,6 +576,8 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
     bq, bk = fit(bs.block_q, s), fit(bs.block_k, t)
     bq2, bk2 = fit(bs.block_q_dkv, s), fit(bs.block_k_dkv, t)
     sp, tp = _round_up(s, math.lcm(bq, bq2)), _round_up(t, math.lcm(bk, bk2))
+    if segment_ids is not None:  # one id array serves queries and keys: one padded length
+        sp = tp = _round_up(s, math.lcm(bq, bq2, bk, bk2))
     st = _Static(causal=causal, scale=float(d ** -0.5 if sm_scale is None else sm_scale),
                  bq=bq, bk=bk, nq=sp // bq, nk=tp // bk, groups=hq // hk, offset=t - s, kv_len=t,
                  padded_kv=tp != t, segments=segment_ids is not None, lanes=d % 128 == 0,

@@ -17,17 +17,17 @@ from jax.sharding import PartitionSpec as P
 
 def shard_attention(fn, mesh, *, batch_axes=("data",), head_axis: str | None = "model"):
     """Wraps `fn(q, k, v, gate=None, *, segment_ids=None, **options)` for `mesh`: batch split over
-    `batch_axes`, heads over `head_axis` (None: heads replicated). Sequence stays whole."""
+    `batch_axes`, heads over `head_axis` when it divides the kv heads (else, and for None,
+    heads are not split). Sequence stays whole."""
     batch = tuple(a for a in batch_axes if a in mesh.axis_names) or None
     heads = head_axis if head_axis in mesh.axis_names else None
 
     def wrapped(q, k, v, gate=None, *, segment_ids=None, **options):
-        n_heads = mesh.shape[heads] if heads else 1
-        if k.shape[2] % n_heads:
-            raise ValueError(f"kv_heads {k.shape[2]} must be divisible by mesh axis "
-                             f"{heads!r} of size {n_heads} to split heads")
-        tile = P(batch, None, heads, None)
-        gate_spec = None if gate is None else (tile if gate.ndim == 4 else P(batch, None, heads))
+        # Heads split only when the axis divides the kv heads (GQA groups stay whole); otherwise
+        # every device of the head axis runs all heads of its batch rows.
+        split = heads if heads and k.shape[2] % mesh.shape[heads] == 0 else None
+        tile = P(batch, None, split, None)
+        gate_spec = None if gate is None else (tile if gate.ndim == 4 else P(batch, None, split))
         seg_spec = None if segment_ids is None else P(batch, None)
         body = functools.partial(_call, fn, options)
         # The body has no collectives, so the varying-axes type check has nothing to protect;
