@@ -13,8 +13,9 @@ shard (each expert's width split over `model`). Per device:
 The buffers have a fixed size, so this path needs a capacity factor; rows past an expert's
 capacity are dropped and counted. Capacity is per source shard here (c N_local k / E rows of each
 expert from each shard), where the single-device path counts it over the whole batch, so with
-drops the two choose different tokens; without drops they agree exactly (tested). The global-batch LBL is explicit here: expert counts
-and router probabilities are `psum`med over the batch axes before they are combined.
+drops the two choose different tokens; without drops they agree exactly (tested). The
+global-batch LBL is explicit here: expert counts and router probabilities are `psum`med over the
+batch axes before they are combined.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from gattn.config import ConfigError
-from gattn.moe import load_balancing_loss, permute, route, router_z_loss, unpermute
+from gattn.layers import dense
+from gattn.moe import (batched_swiglu, capacity, combine, dispatch, load_balancing_loss, permute,
+                       route, router_z_loss, unpermute)
 
 BATCH_AXES = ("data", "expert")
 
@@ -52,35 +55,27 @@ def moe_forward(moe, x_NxD: jax.Array, mesh):
                               f"with experts split over the mesh, a multiple of the {n_shards} "
                               "data x expert shards (each shard holds whole micro-batches)")
         groups_per_shard = spec.micro_batches // n_shards
-    w = lambda p: p[...].astype(moe.dtype)  # noqa: E731
     mlp_ok = model is not None and spec.expert_width % mesh.shape["model"] == 0
     w13_spec = P("expert", None, "model" if mlp_ok else None)
     w2_spec = P("expert", "model" if mlp_ok else None, None)
 
     def body(x, router, w1, w3, w2):
         n_local, e, k = x.shape[0], spec.num_experts, spec.top_k
-        logits = jnp.dot(x.astype(moe.dtype), router.astype(moe.dtype), preferred_element_type=jnp.float32)
+        logits = dense(x, router, moe.dtype, out_dtype=jnp.float32)
         weights, experts, probs = route(logits, spec)
-        rows, order, sizes = permute(x, experts, e)
-        expert_of_row = jnp.take(experts.reshape(-1), order)
-        cap = max(1, math.ceil(spec.capacity_factor * n_local * k / e))
-        rank = jnp.arange(rows.shape[0]) - (jnp.cumsum(sizes) - sizes)[expert_of_row]
-        keep = rank < cap
-        slot = jnp.where(keep, expert_of_row * cap + rank, e * cap)
-        buf = jnp.zeros((e * cap, x.shape[1]), moe.dtype).at[slot].set(rows.astype(moe.dtype), mode="drop")
+        rows, order, counts = permute(x, experts, e)
+        cap = capacity(spec, n_local)
+        buf, slot, keep = dispatch(rows, counts, jnp.take(experts.reshape(-1), order), cap, moe.dtype)
         buf = buf.reshape(n_exp, e // n_exp, cap, -1)                   # [dest shard, E/n, C, D]
         recv = jax.lax.all_to_all(buf, "expert", 0, 0)                  # [src shard, E/n, C, D]
         xin = recv.transpose(1, 0, 2, 3).reshape(e // n_exp, n_exp * cap, -1)
-        h = (moe.act(jnp.einsum("ecd,edf->ecf", xin, w1)) * jnp.einsum("ecd,edf->ecf", xin, w3))
-        y = jnp.einsum("ecf,efd->ecd", h.astype(moe.dtype), w2)
+        y = batched_swiglu(moe.act, moe.dtype, xin, w1, w3, w2)
         if mlp_ok:
             y = jax.lax.psum(y, "model")
         y = y.reshape(e // n_exp, n_exp, cap, -1).transpose(1, 0, 2, 3)
         back = jax.lax.all_to_all(y, "expert", 0, 0).reshape(e * cap, -1)
-        out_rows = jnp.where(keep[:, None], jnp.take(back, jnp.minimum(slot, e * cap - 1), axis=0), 0)
-        out = unpermute(out_rows, order, weights)
+        out = unpermute(combine(back, slot, keep), order, weights)
 
-        counts = jnp.bincount(experts.reshape(-1), length=e)
         if spec.lbl_scope == "global":  # frequencies and probabilities over the global batch
             total_tokens = n_local * n_shards
             f = jax.lax.psum(counts, batch) / (total_tokens * k)
@@ -97,4 +92,4 @@ def moe_forward(moe, x_NxD: jax.Array, mesh):
     fn = jax.shard_map(body, mesh=mesh,
                        in_specs=(P(batch, None), P(None, None), w13_spec, w13_spec, w2_spec),
                        out_specs=(P(batch, None), aux_specs))
-    return fn(x_NxD, moe.router[...], w(moe.w1), w(moe.w3), w(moe.w2))
+    return fn(x_NxD, moe.router[...], moe._w(moe.w1), moe._w(moe.w3), moe._w(moe.w2))

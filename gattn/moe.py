@@ -83,6 +83,29 @@ def capacity(spec: MoESpec, tokens: int) -> int:
     return max(1, math.ceil(spec.capacity_factor * tokens * spec.top_k / spec.num_experts))
 
 
+def dispatch(rows_MxD, sizes_E, expert_of_row_M, cap: int, dtype):
+    """Each expert's first `cap` rows (in token order) into an [E * cap, D] buffer. Returns the
+    buffer, each row's slot in it (E * cap, out of range, for dropped rows) and the keep mask."""
+    e, m = sizes_E.shape[0], rows_MxD.shape[0]
+    rank = jnp.arange(m) - (jnp.cumsum(sizes_E) - sizes_E)[expert_of_row_M]
+    keep = rank < cap
+    slot = jnp.where(keep, expert_of_row_M * cap + rank, e * cap)
+    buf = jnp.zeros((e * cap, rows_MxD.shape[1]), dtype).at[slot].set(rows_MxD.astype(dtype), mode="drop")
+    return buf, slot, keep
+
+
+def combine(out_rows, slot_M, keep_M):
+    """Inverse of `dispatch`: each row's output from the [E * cap, D] buffer, 0 for dropped rows."""
+    picked = jnp.take(out_rows, jnp.minimum(slot_M, out_rows.shape[0] - 1), axis=0)
+    return jnp.where(keep_M[:, None], picked, 0)
+
+
+def batched_swiglu(act, dtype, x_ExCxD, w1, w3, w2):
+    """Each expert's SwiGLU on its own [C, D] block: one batched matmul per projection."""
+    h = act(jnp.einsum("ecd,edf->ecf", x_ExCxD, w1)) * jnp.einsum("ecd,edf->ecf", x_ExCxD, w3)
+    return jnp.einsum("ecf,efd->ecd", h.astype(dtype), w2)
+
+
 class MoE(nnx.Module):
     """Router [D, E] and E SwiGLU experts w1, w3 [E, D, F], w2 [E, F, D]."""
 
@@ -112,16 +135,11 @@ class MoE(nnx.Module):
         """Each expert's first `cap` rows in an [E, cap, D] buffer and one batched matmul per
         projection: cost E * cap rows = capacity_factor * N * k, whatever E is. Returns the rows'
         outputs (0 for dropped rows) and the keep mask."""
-        e, m = sizes_E.shape[0], rows_MxD.shape[0]
-        rank = jnp.arange(m) - (jnp.cumsum(sizes_E) - sizes_E)[expert_of_row_M]
-        keep = rank < cap
-        slot = jnp.where(keep, expert_of_row_M * cap + rank, e * cap)  # e * cap: out of range
-        buf = jnp.zeros((e * cap, rows_MxD.shape[1]), self.dtype).at[slot].set(
-            rows_MxD.astype(self.dtype), mode="drop").reshape(e, cap, -1)
-        h = (self.act(jnp.einsum("ecd,edf->ecf", buf, self._w(self.w1)))
-             * jnp.einsum("ecd,edf->ecf", buf, self._w(self.w3)))
-        out = jnp.einsum("ecf,efd->ecd", h.astype(self.dtype), self._w(self.w2)).reshape(e * cap, -1)
-        return jnp.where(keep[:, None], jnp.take(out, jnp.minimum(slot, e * cap - 1), axis=0), 0), keep
+        e = sizes_E.shape[0]
+        buf, slot, keep = dispatch(rows_MxD, sizes_E, expert_of_row_M, cap, self.dtype)
+        out = batched_swiglu(self.act, self.dtype, buf.reshape(e, cap, -1), self._w(self.w1),
+                             self._w(self.w3), self._w(self.w2))
+        return combine(out.reshape(e * cap, -1), slot, keep), keep
 
     def __call__(self, x_NxD: jax.Array):
         """(out [N, D], aux {lbl, z_loss, load [E], dropped})."""

@@ -51,8 +51,8 @@ def activated_params(cfg: ModelConfig) -> int:
     """Parameters one token uses: all of them but the experts it is not routed to."""
     n = count_params(cfg)
     if cfg.moe is not None:
-        per_expert = 3 * cfg.d_model * cfg.moe.expert_width
-        n -= cfg.num_layers * (cfg.moe.num_experts - cfg.moe.top_k) * per_expert
+        total, activated = cfg.moe.num_params(cfg.d_model)
+        n -= cfg.num_layers * (total - activated)
     return n
 
 
