@@ -38,6 +38,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gattn.kernels.reference import check_inputs
+
 _NEG = -1e30
 # Scoped VMEM a kernel may use: a step holds a whole GQA group's query blocks (and their float32
 # accumulators); 48 MiB fits the VMEM of v5e, v5p and v6e chips.
@@ -528,30 +530,12 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # ---------------------------------------------------------------- public entry point
 
-def _gate_kind(gate, q):
-    if gate is None:
-        return None
-    if gate.shape == q.shape:
-        return "elementwise"
-    if gate.shape in (q.shape[:3], q.shape[:3] + (1,)):
-        return "headwise"
-    raise ValueError(f"gate {gate.shape}: must be elementwise {q.shape} or headwise "
-                     f"{q.shape[:3]} / {q.shape[:3] + (1,)} (logits, before the sigmoid)")
-
-
-def _check(q, k, v, segment_ids, causal):
-    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"expected q [B,S,Hq,K] and k, v [B,T,Hk,K]; got q {q.shape}, "
-                         f"k {k.shape}, v {v.shape}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"q {q.shape} and k {k.shape}: batch and head_dim must match and "
-                         "q_heads must be a multiple of kv_heads")
+def _check(q, k, v, segment_ids, gate, causal) -> str | None:
+    kind = check_inputs(q, k, v, segment_ids, gate)
     if causal and q.shape[1] > k.shape[1]:
         raise ValueError(f"causal attention needs at least as many keys as queries; got "
                          f"q length {q.shape[1]} > k length {k.shape[1]}")
-    if segment_ids is not None and (segment_ids.shape != q.shape[:2] or q.shape[1] != k.shape[1]):
-        raise ValueError(f"segment_ids {segment_ids.shape} must be [B, S] = {q.shape[:2]} "
-                         "for self-attention")
+    return kind
 
 
 def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
@@ -567,8 +551,7 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
     is set). Differentiable in q, k, v and gate.
     Returns [B, S, Hq, K] in q's dtype.
     """
-    _check(q, k, v, segment_ids, causal)
-    kind = _gate_kind(gate, q)
+    kind = _check(q, k, v, segment_ids, gate, causal)
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
     bs = block_sizes or BlockSizes()

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 _NEG = -1e30  # finite, so a fully masked row never produces inf - inf = NaN
 
 
-def _check(q, k, v, segment_ids):
+def check_inputs(q, k, v, segment_ids=None, gate=None) -> str | None:
+    """Checks the shapes every implementation takes; returns the gate's kind (None, "elementwise"
+    or "headwise")."""
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"expected q [B,S,Hq,K], k/v [B,T,Hk,K]; got q {q.shape}, k {k.shape}, v {v.shape}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
@@ -28,6 +30,14 @@ def _check(q, k, v, segment_ids):
     if segment_ids is not None and (segment_ids.shape != q.shape[:2] or q.shape[1] != k.shape[1]):
         raise ValueError(f"segment_ids {segment_ids.shape} must be [B, S] = {q.shape[:2]} "
                          "for self-attention")
+    if gate is None:
+        return None
+    if gate.shape == q.shape:
+        return "elementwise"
+    if gate.shape in (q.shape[:3], q.shape[:3] + (1,)):
+        return "headwise"
+    raise ValueError(f"gate {gate.shape}: must be elementwise {q.shape} or headwise "
+                     f"{q.shape[:3]} / {q.shape[:3] + (1,)} (logits, before the sigmoid)")
 
 
 def _block(q_BHGQK, k_BHTK, v_BHTK, bias, scale):
@@ -47,7 +57,7 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
     """softmax(q k^T * sm_scale + mask) v [* sigmoid(gate)]. Returns o [B, S, Hq, K] (and probs
     [B, Hq, S, T] in float32 if `return_probs`). `gate`: logits [B, S, Hq, K] (elementwise) or
     [B, S, Hq] / [B, S, Hq, 1] (headwise), applied in float32 after the attention."""
-    _check(q, k, v, segment_ids)
+    check_inputs(q, k, v, segment_ids, gate)
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
     g = hq // hk
@@ -83,9 +93,6 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
         if p is not None:
             p = jnp.where(valid[:, None, :, None], p, 0.0)
     if gate is not None:
-        if gate.shape not in (q.shape, q.shape[:3], q.shape[:3] + (1,)):
-            raise ValueError(f"gate {gate.shape}: must be elementwise {q.shape} or headwise "
-                             f"{q.shape[:3]} / {q.shape[:3] + (1,)}")
         g = gate.reshape(q.shape[:3] + (-1,)).astype(jnp.float32)
         o = (o.astype(jnp.float32) * jax.nn.sigmoid(g)).astype(o.dtype)
     return (o, p) if return_probs else o
