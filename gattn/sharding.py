@@ -44,9 +44,8 @@ RULES: dict[str, tuple[str, ...] | str | None] = {
 
 def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
     """(data, expert, model) for `n_devices`; data = -1 takes the devices the others leave."""
-    fixed = cfg.expert * cfg.model * (cfg.data if cfg.data > 0 else 1)
-    data = cfg.data if cfg.data > 0 else n_devices // max(cfg.expert * cfg.model, 1)
-    if cfg.data > 0 and fixed != n_devices or data * cfg.expert * cfg.model != n_devices:
+    data = cfg.data if cfg.data > 0 else n_devices // (cfg.expert * cfg.model)
+    if data * cfg.expert * cfg.model != n_devices:
         raise ConfigError("mesh", f"data={cfg.data}, expert={cfg.expert}, model={cfg.model}",
                           f"the axes must multiply to the {n_devices} devices present "
                           "(data=-1 takes what expert x model leaves)")

@@ -9,6 +9,7 @@ same numbers as an uninterrupted run. SIGTERM saves a checkpoint and exits clean
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import math
@@ -124,11 +125,6 @@ def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
                    out_shardings=(shardings, sharding.replicated(mesh)))
 
 
-def _on_mesh(batch: dict, mesh) -> dict:
-    """A host batch of [B, S] arrays placed with its rows split over the data and expert axes."""
-    return jax.device_put(batch, sharding.batch_sharding(mesh))
-
-
 def make_eval_step(graphdef):
     @jax.jit
     def eval_step(params, batch):
@@ -143,13 +139,10 @@ def validate(eval_step, params, batches: dict[str, list], mesh=None) -> dict[str
     out = {}
     for domain, domain_batches in batches.items():
         total = count = 0.0
-        for b in domain_batches:
-            if mesh is None:
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            for b in domain_batches:
                 s, c = eval_step(params, b)
-            else:
-                with jax.set_mesh(mesh):
-                    s, c = eval_step(params, b)
-            total, count = total + float(s), count + float(c)
+                total, count = total + float(s), count + float(c)
         out[f"val_loss/{domain}"] = total / count
         out[f"val_ppl/{domain}"] = math.exp(min(total / count, 50.0))
     return out
@@ -254,8 +247,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
 
     try:
         for step in range(start + 1, t.steps + 1):
-            with jax.set_mesh(mesh):
-                state, m = train_step(state, _on_mesh(next(data), mesh))
+            with jax.set_mesh(mesh):  # the step's in_shardings split the host batch over the mesh
+                state, m = train_step(state, next(data))
             loss, finite = float(m["loss"]), bool(m["finite"])
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
             skipped += not finite
