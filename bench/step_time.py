@@ -15,7 +15,9 @@ and tokens/s relative to the PyTorch peer's ~3,600 on the peer shapes. The step 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -27,9 +29,12 @@ ensure_malloc_tunables()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from gattn import config as config_lib  # noqa: E402
 from gattn import trainer  # noqa: E402
+from gattn.kernels import reference  # noqa: E402
+from gattn.model import Transformer  # noqa: E402
 from gattn.params import count_params  # noqa: E402
 
 # PyTorch 2.13 + transformers Qwen3 on the peer shapes (configs/peer.py), shared/PERFORMANCE.md.
@@ -54,6 +59,47 @@ def step_gflop(cfg, batch: int, seq: int) -> float:
     return (6 * n_nonemb * batch * seq + attn) / 1e9
 
 
+def matmul_floor(cfg, batch: int, seq: int):
+    """A timer for the step's matmuls alone, at the step's shapes: for every dense projection
+    (each 2-D weight but the embedding table; a scanned stack counts once per layer) the forward
+    x @ W and the two backward dots g @ W^T and x^T @ g, plus the attention core (the xla
+    implementation, forward and backward) once per layer. No norms, RoPE, loss, optimizer: the
+    time a step could not go below with these dots, measured in the same process."""
+    if cfg.moe is not None:
+        raise ValueError("matmul_floor: dense configs only (an MoE step's dots depend on routing)")
+    _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    n = batch * seq
+    shapes = collections.Counter()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
+        if leaf.ndim >= 2 and "embed" not in [getattr(k, "key", None) for k in path]:
+            shapes[leaf.shape[-2:]] += math.prod(leaf.shape[:-2])
+    # Distinct weights, output gradients and queries per instance, or XLA would compute shared dots once.
+    keys = iter(jax.random.split(jax.random.key(0), 2 * sum(shapes.values()) + len(shapes) + 2 * cfg.num_layers))
+    xs = {i: jax.random.normal(next(keys), (n, i)) for i, _ in shapes}
+    ws = [jax.random.normal(next(keys), s) for s, c in shapes.items() for _ in range(c)]
+    gs = [jax.random.normal(next(keys), (n, w.shape[1])) for w in ws]
+    qs = [jax.random.normal(next(keys), (batch, seq, cfg.q_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    kvs = [jax.random.normal(next(keys), (batch, seq, cfg.kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
+    core = jax.grad(lambda q, k, v: jnp.sum(reference.attention_xla(
+        q, k, v, causal=True, block_q=cfg.attention_block_q)), argnums=(0, 1, 2))
+
+    @jax.jit
+    def dots(xs, ws, gs, qs, kvs):
+        out = []
+        for w, g in zip(ws, gs):
+            x = xs[w.shape[0]]
+            out += [x @ w, g @ w.T, x.T @ g]
+        return out + [core(q, kv, kv) for q, kv in zip(qs, kvs)]
+
+    def timed() -> float:
+        t = time.perf_counter()
+        jax.block_until_ready(dots(xs, ws, gs, qs, kvs))
+        return time.perf_counter() - t
+
+    timed()
+    return timed
+
+
 def make_step(cfg, batch: int, seq: int):
     """The trainer's jitted step (AdamW, NaN guard, packed-batch inputs) on a fixed batch, warmed
     up; returns a callable that times one step."""
@@ -75,14 +121,18 @@ def make_step(cfg, batch: int, seq: int):
     return timed
 
 
-def bench_config(path: str, names: list[str], overrides: list[str], rounds: int, steps: int) -> dict:
+def bench_config(path: str, names: list[str], overrides: list[str], rounds: int, steps: int,
+                 floor: bool = True) -> dict:
     cfgs = {n: config_lib.load(path, overrides, variant=n) for n in names}
     b, t = cfgs[names[0]].train.batch_size, cfgs[names[0]].train.seq_len
     timers = {n: make_step(cfgs[n], b, t) for n in names}
+    floor_timer = matmul_floor(cfgs[names[0]].model, b, t) if floor else None
     # Interleave the variants round by round so that drifts in host speed hit them all alike.
-    times, peaks = {n: [] for n in names}, []
+    times, peaks, floors = {n: [] for n in names}, [], []
     for _ in range(rounds):
         peaks.append(matmul_peak_gflops(reps=3))
+        if floor_timer:
+            floors.append(floor_timer())
         for n in names:
             times[n] += [timers[n]() for _ in range(steps)]
     peak = sorted(peaks)[len(peaks) // 2]
@@ -99,9 +149,16 @@ def bench_config(path: str, names: list[str], overrides: list[str], rounds: int,
     for r in results.values():
         r["time_vs_" + names[0]] = round(r["step_s"] / first["step_s"], 3)
         r["extra_flops_vs_" + names[0]] = round(r["gflop_per_step"] / first["gflop_per_step"] - 1, 4)
-    return {"batch": b, "seq": t, "matmul_peak_gflops": round(peak, 1),
+    out = {"batch": b, "seq": t, "matmul_peak_gflops": round(peak, 1),
             "matmul_peak_gflops_range": [round(min(peaks), 1), round(max(peaks), 1)],
             "results": results}
+    if floors:
+        sec = sorted(floors)[len(floors) // 2]
+        out["matmul_floor"] = {
+            "what": f"the {names[0]} step's dots alone (projections fwd+bwd, attention core)",
+            "step_s": round(sec, 4), "fraction_of_peak": round(first["gflop_per_step"] / sec / peak, 3),
+            "step_over_floor": round(first["step_s"] / sec, 3)}
+    return out
 
 
 def main(argv=None):
@@ -111,12 +168,15 @@ def main(argv=None):
     ap.add_argument("--variants", default="baseline,sdpa_elementwise")
     ap.add_argument("--rounds", type=int, default=8, help="rounds of interleaved steps")
     ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
+    ap.add_argument("--no-floor", action="store_true",
+                    help="skip timing the step's matmuls alone (the matmul floor)")
     args, overrides = config_lib.parse_args(ap, argv)
     names = args.variants.split(",")
     out = {"jax": jax.__version__, "devices": str(jax.devices()),
            "peer_tokens_per_s": PEER_TOKENS_PER_S, "configs": {}}
     for path in args.configs.split(","):
-        out["configs"][path] = r = bench_config(path, names, overrides, args.rounds, args.steps)
+        out["configs"][path] = r = bench_config(path, names, overrides, args.rounds, args.steps,
+                                                     floor=not args.no_floor)
         for v in r["results"].values():
             v["vs_peer"] = round(v["tokens_per_s"] / PEER_TOKENS_PER_S, 3)
     print(json.dumps(out, indent=2))
