@@ -8,6 +8,7 @@ This module imports no JAX so that checking a config is instant.
 from __future__ import annotations
 
 import dataclasses
+import json
 import importlib.util
 import math
 import sys
@@ -504,6 +505,34 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
 
         cfg = dataclasses.replace(cfg, model=variants.apply(variant, cfg.model), variant=variant)
     return apply_overrides(cfg, list(overrides))
+
+
+def from_dict(cls: type, tree: dict, prefix: str = "") -> Any:
+    """The dataclass `cls` from a JSON-like dict (`dataclasses.asdict` of one, e.g. a run's
+    config.json); nested configs are rebuilt, every value is checked as usual."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in tree.items():
+        path = f"{prefix}.{name}" if prefix else name
+        if name not in fields:
+            raise ConfigError(path, None, f"unknown field; {cls.__name__} has {', '.join(sorted(fields))}")
+        sub = next((a for a in (hints[name], *typing.get_args(hints[name])) if dataclasses.is_dataclass(a)), None)
+        kwargs[name] = from_dict(sub, value, path) if sub is not None and isinstance(value, dict) else value
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise e.under(prefix) from None
+
+
+def load_run(workdir: str | Path, overrides: list[str] = ()) -> Config:
+    """The config a run in `workdir` was trained with (its config.json), with `overrides` applied
+    (e.g. `model.attention_impl=xla` or a mesh for the devices present now)."""
+    path = Path(workdir) / "config.json"
+    if not path.is_file():
+        raise ConfigError("--workdir", str(workdir), "expected a run directory holding config.json "
+                          "(written by train.py)")
+    return apply_overrides(from_dict(Config, json.loads(path.read_text())), list(overrides))
 
 
 def parse_args(parser, argv=None, *, steps_set_train_steps: bool = False):

@@ -61,7 +61,8 @@ def run_variant(cfg, baseline_params: int, train, held_out, steps: int) -> dict:
     losses = [float(step(model, opt, next(data))) for _ in range(steps)]
     eval_batch = next(batches(held_out, t.batch_size, t.seq_len, t.seed + 1))
     held_out_loss = float(nnx.jit(lm_loss)(model, eval_batch))
-    stats = analysis.summarize(analysis.collect(model, eval_batch[:, :-1]))["overall"]
+    overall = analysis.summarize(model, eval_batch[:, :-1])["overall"]
+    stats = {k: overall[k] for k in ("m_act", "f_attn", "gate_score") if k in overall}
     params = count_params(model_cfg)
     return {"variant": cfg.variant, "params": params, "added_params": params - baseline_params,
             "first_loss": losses[0],

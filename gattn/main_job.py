@@ -15,7 +15,6 @@ import argparse
 import json
 from pathlib import Path
 
-import numpy as np
 
 from gattn import analysis, trainer
 from gattn import config as config_lib
@@ -26,11 +25,11 @@ from gattn.runtime import ensure_malloc_tunables
 
 
 def measure(cfg, workdir: Path) -> dict:
-    """Gate score, F-Attn and M-Act on the first held-out batch of every domain."""
+    """Gate score, F-Attn, sink-head share and M-Act on the first held-out batch of every domain."""
     model = trainer.load_model(cfg, workdir)
     batches = pipeline.validation_batches(cfg, load_tokenizer(cfg, workdir), workdir)
-    tokens = np.concatenate([b[0]["tokens"][:, :-1] for b in batches.values()])
-    return analysis.summarize(analysis.collect(model, tokens))["overall"]
+    overall = analysis.measure(model, [b[0] for b in batches.values()])["overall"]
+    return {k: overall[k] for k in ("gate_score", "f_attn", "sink_head_share", "m_act") if k in overall}
 
 
 def main(argv=None):
@@ -77,6 +76,7 @@ def table(rows: list[dict]) -> str:
               ("skipped (non-finite) steps", lambda r: str(r["skipped_steps"])),
               ("gate score (mean)", lambda r: f"{r['gate_score']:.3f}" if "gate_score" in r else "-"),
               ("F-Attn (first token)", lambda r: f"{r['f_attn']:.3f}"),
+              ("sink heads (F-Attn > 0.3)", lambda r: f"{r['sink_head_share']:.0%}"),
               ("M-Act (max abs hidden)", lambda r: f"{r['m_act']:.1f}"),
               ("tokens/s", lambda r: f"{r['tokens_per_sec']:,.0f}" if r["tokens_per_sec"] else "-")]
     out = ["| | " + " | ".join(r["variant"] for r in rows) + " |",

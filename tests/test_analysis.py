@@ -1,0 +1,150 @@
+"""The paper's measurements: hand-computed F-Attn, sparsity on constructed tensors, and M-Act and
+gate statistics equal to direct computations on a tiny model."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gattn import analysis
+from gattn.config import GateSpec, ModelConfig
+from gattn.model import Transformer
+
+TINY = ModelConfig(vocab_size=61, d_model=32, num_layers=3, q_heads=4, kv_heads=2, head_dim=8,
+                   d_ff=64, attention_block_q=4)
+
+
+def test_first_token_attention_is_the_hand_computation_on_packed_rows():
+    # One row: document A at positions 0-2, document B at 3-5, padding at 6. Two heads.
+    s = 7
+    seg = np.array([[1, 1, 1, 2, 2, 2, 0]])
+    probs = np.zeros((1, 2, s, s))
+    rng = np.random.default_rng(0)
+    for h in range(2):
+        for q in range(s):
+            probs[0, h, q, : q + 1] = rng.dirichlet(np.ones(q + 1))
+    total, count = analysis.first_token_attention(probs, seg)
+    # Queries that count: 1, 2 (first token 0) and 4, 5 (first token 3); 0, 3 start documents, 6 is padding.
+    expected = probs[0, :, 1, 0] + probs[0, :, 2, 0] + probs[0, :, 4, 3] + probs[0, :, 5, 3]
+    assert count == 4
+    np.testing.assert_allclose(total, expected)
+    # Without segment ids the row is one document: every query but the first looks at position 0.
+    total, count = analysis.first_token_attention(probs)
+    np.testing.assert_allclose(total, probs[0, :, 1:, 0].sum(axis=-1))
+    assert count == s - 1
+
+
+def constructed_layer(probs, sdpa_out, gate_scores=None):
+    b, h, s, _ = probs.shape
+    layer = {"attn_probs": probs, "sdpa_out": sdpa_out, "block_out": np.zeros((b * s, 4), np.float32)}
+    if gate_scores is not None:
+        layer["gate_scores"] = gate_scores
+    return layer
+
+
+def test_sink_heads_and_f_attn_per_head():
+    """Head 0 puts 0.9 on the first token, head 1 puts 0.1: F-Attn 0.5 overall, one sink head of two."""
+    s = 5
+    probs = np.zeros((1, 2, s, s))
+    for q in range(1, s):
+        for h, first in enumerate((0.9, 0.1)):
+            probs[0, h, q, 0] = first
+            probs[0, h, q, 1: q + 1] = (1 - first) / q
+    probs[0, :, 0, 0] = 1
+    cfg = dataclasses.replace(TINY, num_layers=1, q_heads=2, kv_heads=2)
+    acc = analysis.Measurements(cfg)
+    acc.add([constructed_layer(probs, np.ones((s, 2, 8), np.float32))])
+    r = acc.result()
+    np.testing.assert_allclose(r["per_layer"][0]["f_attn_per_head"], [0.9, 0.1])
+    assert r["overall"]["f_attn"] == pytest.approx(0.5)
+    assert r["overall"]["sink_head_share"] == 0.5
+    assert "gate_score" not in r["overall"] and "gate_histogram" not in r  # ungated: absent, not 0
+
+
+def test_sparsity_before_after_the_gate_and_with_the_mean_gate():
+    """SDPA output of 1e-1 everywhere; headwise gate 1e-3 on half the tokens, 1 on the other half.
+    Before: nothing below 1e-2. Gated: half the values are 1e-4 (< 1e-3 and < 1e-2). Scaled by the
+    mean gate (~0.5): nothing below either threshold."""
+    n, h, k = 8, 2, 4
+    y = np.full((n, h, k), 0.1, np.float32)
+    scores = np.ones((n, h, 1), np.float32)
+    scores[: n // 2] = 1e-3
+    cfg = dataclasses.replace(TINY, num_layers=1, q_heads=h, kv_heads=h, head_dim=k,
+                              gate=GateSpec(granularity="headwise"))
+    probs = np.tril(np.ones((n, n)))[None, None].repeat(h, 1) / np.arange(1, n + 1)[:, None]
+    acc = analysis.Measurements(cfg)
+    acc.add([constructed_layer(probs, y, scores)])
+    sp = acc.result()["per_layer"][0]["sparsity"]
+    assert sp["sdpa_out"] == {"0.01": 0.0, "0.001": 0.0}
+    assert sp["gated"] == {"0.01": 0.5, "0.001": 0.5}
+    assert sp["mean_gate_scaled"] == {"0.01": 0.0, "0.001": 0.0}
+    hist = acc.result()["gate_histogram"]
+    assert sum(hist["all_layers"]) == n * h and hist["all_layers"][0] == n // 2 * h
+
+
+def direct_layers(model, tokens_BxS):
+    """Block outputs and gate scores computed by calling the blocks one by one, outside `collect`."""
+    b, s = tokens_BxS.shape
+    pos = jnp.broadcast_to(jnp.arange(s), (b, s)).reshape(-1)
+    x = jnp.take(model.embed[...], tokens_BxS.reshape(-1), axis=0)
+    out = []
+    for block in model.blocks:
+        normed = block.attn_norm(x)
+        scores = block.attn.gate.scores(normed) if block.attn.gate is not None else None
+        x, _ = block(x, pos, None, (b, s))
+        out.append((np.asarray(x), None if scores is None else np.asarray(scores)))
+    return out
+
+
+@pytest.mark.parametrize("gate", [None, GateSpec(), GateSpec(position="value", granularity="headwise")])
+def test_m_act_and_gate_score_equal_direct_computations(gate):
+    model = Transformer(dataclasses.replace(TINY, gate=gate), rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, TINY.vocab_size)
+    r = analysis.summarize(model, tokens)
+    for row, (h, scores) in zip(r["per_layer"], direct_layers(model, tokens)):
+        assert row["m_act"] == pytest.approx(float(np.abs(h).max()), rel=1e-6)
+        if gate is None:
+            assert "gate_score" not in row
+        else:
+            assert row["gate_score"] == pytest.approx(float(scores.mean()), rel=1e-5)
+            assert ("gated" in row["sparsity"]) == (gate.position == "sdpa")
+    assert r["overall"]["m_act"] == pytest.approx(max(float(np.abs(h).max()) for h, _ in direct_layers(model, tokens)))
+    # Collecting does not change what the model computes.
+    np.testing.assert_array_equal(model(tokens), model(tokens))
+    logits_after = model(tokens)
+    analysis.collect(model, tokens)
+    np.testing.assert_allclose(model(tokens), logits_after, rtol=0, atol=0)
+
+
+def test_measure_streams_batches_and_leaves_padding_out():
+    """Two batches accumulate like one; padded tokens (segment 0) change nothing."""
+    model = Transformer(dataclasses.replace(TINY, gate=GateSpec()), rngs=nnx.Rngs(0))
+    tok = np.asarray(jax.random.randint(jax.random.key(2), (4, 13), 0, TINY.vocab_size))
+    seg = np.ones_like(tok)
+    pos = np.broadcast_to(np.arange(13), tok.shape)
+    one = analysis.measure(model, [{"tokens": tok, "segment_ids": seg, "positions": pos}])
+    two = analysis.measure(model, [{"tokens": tok[:2], "segment_ids": seg[:2], "positions": pos[:2]},
+                                   {"tokens": tok[2:], "segment_ids": seg[2:], "positions": pos[2:]}])
+    for a, b in zip(one["per_layer"], two["per_layer"]):
+        assert a["m_act"] == pytest.approx(b["m_act"])
+        assert a["f_attn"] == pytest.approx(b["f_attn"])
+        assert a["gate_score"] == pytest.approx(b["gate_score"])
+    # Append padding columns with garbage tokens: statistics are unchanged.
+    padded = {"tokens": np.concatenate([tok, np.full((4, 3), 7)], 1),
+              "segment_ids": np.concatenate([seg, np.zeros((4, 3), int)], 1),
+              "positions": np.concatenate([pos, np.zeros((4, 3), int)], 1)}
+    # The last column is dropped as the next-token target, so keep the real row's length + padding.
+    padded = {k: np.concatenate([v[:, :12], v[:, 13:], v[:, 12:13]], 1) for k, v in padded.items()}
+    three = analysis.measure(model, [padded])
+    for a, b in zip(one["per_layer"], three["per_layer"]):
+        assert a["m_act"] == pytest.approx(b["m_act"], rel=1e-5)
+        assert a["f_attn"] == pytest.approx(b["f_attn"], rel=1e-5)
+        assert a["gate_score"] == pytest.approx(b["gate_score"], rel=1e-5)
+    assert sorted(three["attn_maps"]) == ["0", "1", "2"]  # first, middle and last layer
+    m1, m3 = np.asarray(one["attn_maps"]["2"]), np.asarray(three["attn_maps"]["2"])
+    np.testing.assert_allclose(m3[:, :12, :12], m1, rtol=1e-5, atol=1e-7)  # [heads, query, key]
+    np.testing.assert_allclose(m1.sum(-1), 1.0, rtol=1e-5)  # each query row is a distribution
+    assert np.all(m3[:, 12:] == 0)  # padding queries are in no row's first document
