@@ -1,0 +1,90 @@
+"""eval.py end to end on tiny checkpoints trained here: every field, figures, --step, --compare."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = textwrap.dedent("""
+    from gattn.config import Config, DataConfig, ModelConfig, TrainConfig
+
+    def get_config():
+        return Config(
+            model=ModelConfig(vocab_size=512, d_model=32, num_layers=3, q_heads=4, kv_heads=2,
+                              head_dim=8, d_ff=64, scan_layers=True),
+            train=TrainConfig(batch_size=4, seq_len=32, steps=6, warmup_steps=2, log_every=3,
+                              eval_every=6, checkpoint_every=3, keep_checkpoints=3),
+            data=DataConfig(code_max_bytes=200_000, eval_batches=2, eval_batch_size=4))
+    """)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two 6-step runs (baseline and SDPA-gated; scanned layers, as a large run would use) that
+    share data, seed and tokenizer."""
+    from gattn import config as config_lib, trainer
+
+    root = tmp_path_factory.mktemp("eval")
+    (root / "tiny.py").write_text(CONFIG)
+    dirs = {}
+    for name in ("baseline", "sdpa_elementwise"):
+        overrides = [f"data.tokenizer={next((root / 'baseline' / 'tokenizer').glob('*.model'))}"] if dirs else []
+        cfg = config_lib.load(root / "tiny.py", overrides, variant=name)
+        trainer.train(cfg, root / name, progress=False)
+        dirs[name] = root / name
+    return dirs
+
+
+def run_eval(*args):
+    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_eval_writes_every_field_and_figure(runs):
+    out = run_eval("--workdir", runs["sdpa_elementwise"], "--map-layers", "0,2")
+    assert out.returncode == 0, out.stderr
+    res = json.loads((runs["sdpa_elementwise"] / "eval" / "results.json").read_text())
+    assert res["step"] == 6 and res["variant"] == "sdpa_elementwise"
+    assert set(res["perplexity"]) == {"code", "docs"}
+    assert all(1 < p["ppl"] < 512 for p in res["perplexity"].values())
+    m = res["measurements"]
+    assert len(m["per_layer"]) == 3
+    for row in m["per_layer"]:
+        assert set(row) >= {"m_act", "f_attn", "f_attn_per_head", "sink_head_share", "gate_score", "sparsity"}
+        assert len(row["f_attn_per_head"]) == 4 and 0 < row["gate_score"] < 1 and row["m_act"] > 0
+        assert set(row["sparsity"]) == {"sdpa_out", "gated", "mean_gate_scaled"}
+    assert sum(m["gate_histogram"]["all_layers"]) == m["counts"]["tokens"] * 3 * 4 * 8
+    assert sorted(m["attn_maps"]) == ["0", "2"]
+    for png in ("per_layer", "sparsity", "f_attn_heads", "attention_maps", "gate_scores"):
+        assert (runs["sdpa_elementwise"] / "eval" / f"{png}.png").stat().st_size > 10_000
+    assert "gate score (mean)" in (runs["sdpa_elementwise"] / "eval" / "results.md").read_text()
+    # The measurements are the checkpoint's: validation PPL equals what training logged at step 6.
+    summary = json.loads((runs["sdpa_elementwise"] / "summary.json").read_text())
+    assert res["perplexity"]["docs"]["ppl"] == pytest.approx(summary["val_ppl/docs"], rel=1e-5)
+
+
+def test_ungated_runs_report_gate_fields_as_absent_and_step_selects_a_checkpoint(runs):
+    out = run_eval("--workdir", runs["baseline"], "--step", 3, "--no-figures", "--max-batches", 1)
+    assert out.returncode == 0, out.stderr
+    res = json.loads((runs["baseline"] / "eval" / "results.json").read_text())
+    assert res["step"] == 3 and res["gate"] is None
+    assert "gate_score" not in res["measurements"]["overall"] and "gate_histogram" not in res["measurements"]
+    assert all("gate_score" not in r and set(r["sparsity"]) == {"sdpa_out"} for r in res["measurements"]["per_layer"])
+    assert res["measured_on"]["batches"] == 2  # one per domain
+    bad = run_eval("--workdir", runs["baseline"], "--step", 5)
+    assert bad.returncode == 2 and "--step" in bad.stderr and "saved steps [" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_compare_prints_a_table_4_row_per_run_and_overlays_curves(runs, tmp_path):
+    out = run_eval("--compare", runs["baseline"], runs["sdpa_elementwise"], "--out", tmp_path)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert lines[0].startswith("| run | variant | step | PPL code | PPL docs | gate score | M-Act | F-Attn")
+    assert lines[1].startswith("| baseline |") and "| - |" in lines[1]  # no gate score
+    assert lines[2].startswith("| sdpa_elementwise |")
+    assert (tmp_path / "per_layer.png").stat().st_size > 10_000
+    assert set(json.loads((tmp_path / "results.json").read_text())) == {"baseline", "sdpa_elementwise"}
