@@ -45,7 +45,9 @@ def run_eval(*args):
 
 
 def test_eval_writes_every_field_and_figure(runs):
-    out = run_eval("--workdir", runs["sdpa_elementwise"], "--map-layers", "0,2")
+    tasks = ROOT / "tests" / "data" / "tasks"
+    out = run_eval("--workdir", runs["sdpa_elementwise"], "--map-layers", "0,2", "--tasks",
+                   f"{tasks / 'python_mc.jsonl'},{tasks / 'arith.jsonl'}", "--shots", 2, "--limit", 3)
     assert out.returncode == 0, out.stderr
     res = json.loads((runs["sdpa_elementwise"] / "eval" / "results.json").read_text())
     assert res["step"] == 6 and res["variant"] == "sdpa_elementwise"
@@ -62,6 +64,10 @@ def test_eval_writes_every_field_and_figure(runs):
     for png in ("per_layer", "sparsity", "f_attn_heads", "attention_maps", "gate_scores"):
         assert (runs["sdpa_elementwise"] / "eval" / f"{png}.png").stat().st_size > 10_000
     assert "gate score (mean)" in (runs["sdpa_elementwise"] / "eval" / "results.md").read_text()
+    mc, gen = res["fewshot"]["python_mc"], res["fewshot"]["arith"]
+    assert mc["n"] == 3 and mc["shots"] == 2 and 0 <= mc["acc"] <= 1 and 0 <= mc["acc_norm"] <= 1
+    assert gen["n"] == 3 and "exact_match" in gen and "exact_match_number" in gen
+    assert all("\n" not in e["output"] for e in gen["examples"])  # cut at the stop string
     # The measurements are the checkpoint's: validation PPL equals what training logged at step 6.
     summary = json.loads((runs["sdpa_elementwise"] / "summary.json").read_text())
     assert res["perplexity"]["docs"]["ppl"] == pytest.approx(summary["val_ppl/docs"], rel=1e-5)
