@@ -7,12 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
+from matplotlib.figure import Figure  # no pyplot: no global backend is touched (notebooks keep theirs)
+from matplotlib.ticker import MaxNLocator
 
 PER_LAYER = (("m_act", "M-Act: max |hidden state| (log scale)", True),
              ("f_attn", "F-Attn: attention on the first token", False),
@@ -23,7 +20,7 @@ PER_LAYER = (("m_act", "M-Act: max |hidden state| (log scale)", True),
 def per_layer(runs: dict[str, dict], path: Path, title: str = "") -> Path:
     """One panel per quantity, one line per run (name -> measurements); gate scores only for the
     gated runs."""
-    fig, axes = plt.subplots(1, len(PER_LAYER), figsize=(4.2 * len(PER_LAYER), 3.6))
+    fig, axes = _subplots(1, len(PER_LAYER), figsize=(4.2 * len(PER_LAYER), 3.6))
     for ax, (key, label, log) in zip(axes, PER_LAYER):
         for name, m in runs.items():
             rows = m["per_layer"]
@@ -50,7 +47,7 @@ def gate_histogram(m: dict, path: Path, name: str = "") -> Path:
     counts = np.asarray(hist["per_layer"], float)
     edges = np.linspace(lo, hi, counts.shape[1] + 1)
     centres = (edges[:-1] + edges[1:]) / 2
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (a, b) = _subplots(1, 2, figsize=(10, 3.6))
     total = counts.sum(0)
     a.bar(centres, total / total.sum(), width=edges[1] - edges[0])
     a.set(xlabel="gate score", ylabel="share of scores", title=f"gate scores, all layers (mean {m['overall']['gate_score']:.3f})")
@@ -68,7 +65,7 @@ def sparsity(m: dict, path: Path, name: str = "") -> Path:
     rows = m["per_layer"]
     kinds = list(rows[0]["sparsity"])
     thresholds = list(rows[0]["sparsity"][kinds[0]])
-    fig, axes = plt.subplots(1, len(thresholds), figsize=(5.5 * len(thresholds), 3.6), squeeze=False)
+    fig, axes = _subplots(1, len(thresholds), figsize=(5.5 * len(thresholds), 3.6), squeeze=False)
     layers = np.arange(len(rows))
     width = 0.8 / len(kinds)
     labels = {"sdpa_out": "SDPA output", "gated": "after the gate", "mean_gate_scaled": "x mean gate score"}
@@ -85,7 +82,7 @@ def sparsity(m: dict, path: Path, name: str = "") -> Path:
 def f_attn_heads(m: dict, path: Path, name: str = "") -> Path:
     """Per-head first-token attention, layers x heads."""
     grid = np.asarray([r["f_attn_per_head"] for r in m["per_layer"]])
-    fig, ax = plt.subplots(figsize=(1.0 + 0.45 * grid.shape[1], 1.0 + 0.35 * grid.shape[0]))
+    fig, ax = _subplots(figsize=(1.0 + 0.45 * grid.shape[1], 1.0 + 0.35 * grid.shape[0]))
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set(xlabel="head", ylabel="layer", title=f"{name}: F-Attn per head")
     fig.colorbar(im, ax=ax, label="attention on the first token")
@@ -98,7 +95,7 @@ def attention_maps(m: dict, path: Path, name: str = "", max_heads: int = 8) -> P
     if not maps:
         return None
     heads = min(max_heads, next(iter(maps.values())).shape[0])
-    fig, axes = plt.subplots(len(maps), heads, figsize=(2.2 * heads, 2.2 * len(maps)), squeeze=False)
+    fig, axes = _subplots(len(maps), heads, figsize=(2.2 * heads, 2.2 * len(maps)), squeeze=False)
     for row, (layer, mp) in zip(axes, sorted(maps.items())):
         for h, ax in enumerate(row):
             ax.imshow(mp[h] ** 0.5, cmap="magma", vmin=0, vmax=1)  # sqrt: faint structure visible
@@ -112,10 +109,14 @@ def attention_maps(m: dict, path: Path, name: str = "", max_heads: int = 8) -> P
     return _save(fig, path)
 
 
+def _subplots(*args, figsize, **kwargs):
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(*args, **kwargs)
+
+
 def _save(fig, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
