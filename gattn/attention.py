@@ -77,9 +77,10 @@ class Attention(nnx.Module):
         keep = jax.nn.one_hot(top, sw.num_experts, dtype=s_NxHxE.dtype).sum(axis=-2)
         return s_NxHxE * keep
 
-    def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch: tuple[int, int]):
+    def _qkv(self, x_NxD, positions_N):
+        """q [N, Hq, K], k and v [N, Hk, K] as SDPA takes them: projected, QK-normed, gated,
+        rotated."""
         cfg, n = self.cfg, x_NxD.shape[0]
-        b, s = batch
         hq, hk, k = cfg.q_heads, cfg.kv_heads, cfg.head_dim
         q = dense(x_NxD, self.wq, self.dtype).reshape(n, hq, k)
         if cfg.switch_heads is None:
@@ -98,6 +99,24 @@ class Attention(nnx.Module):
         v = self._gate_at("value", v, x_NxD)
         q = apply_rope(q, positions_N, cfg.rope_base)
         kk = apply_rope(kk, positions_N, cfg.rope_base)
+        return q, kk, v
+
+    def _output(self, y_NxHxK, x_NxD, *, sdpa_gate: bool = True):
+        """G1 non-linearity and gate (unless the kernel applied it), W_O, then the G5 gate."""
+        cfg, n = self.cfg, x_NxD.shape[0]
+        y = sdpa_nonlinearity(cfg.sdpa_nonlinearity, y_NxHxK,
+                              self.sdpa_norm[...] if cfg.sdpa_nonlinearity == "rmsnorm" else None,
+                              cfg.norm_eps)
+        if sdpa_gate:
+            y = self._gate_at("sdpa", y, x_NxD)
+        o_NxD = dense(y.reshape(n, -1), self.wo, self.dtype)
+        return self._gate_at("dense", o_NxD[:, None, :], x_NxD)[:, 0, :]
+
+    def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch: tuple[int, int]):
+        cfg, n = self.cfg, x_NxD.shape[0]
+        b, s = batch
+        hq, hk, k = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        q, kk, v = self._qkv(x_NxD, positions_N)
 
         # A sigmoid gate right on the SDPA output goes into the attention function as logits, so
         # the pallas kernel applies it in its epilogue (the xla path multiplies after SDPA).
@@ -119,10 +138,21 @@ class Attention(nnx.Module):
         y = out.reshape(n, hq, k)
         if self.collect_intermediates:
             self.sow(nnx.Intermediate, "sdpa_out", y)
-        y = sdpa_nonlinearity(cfg.sdpa_nonlinearity, y,
-                              self.sdpa_norm[...] if cfg.sdpa_nonlinearity == "rmsnorm" else None,
-                              cfg.norm_eps)
-        if not fused:
-            y = self._gate_at("sdpa", y, x_NxD)
-        o_NxD = dense(y.reshape(n, hq * k), self.wo, self.dtype)
-        return self._gate_at("dense", o_NxD[:, None, :], x_NxD)[:, 0, :]
+        return self._output(y, x_NxD, sdpa_gate=not fused)
+
+    def decode(self, x_NxD, positions_N, k_BxTxHxK, v_BxTxHxK, mask_BxSxT, index):
+        """Cached attention for S new tokens per row (N = B * S): writes their k and v into the
+        cache slots index..index+S-1, attends every new query over the cache slots `mask_BxSxT`
+        shows it. Returns (out [N, D], k cache, v cache)."""
+        cfg, n = self.cfg, x_NxD.shape[0]
+        b = k_BxTxHxK.shape[0]
+        s = n // b
+        q, kk, v = self._qkv(x_NxD, positions_N)
+        at = (0, index, 0, 0)
+        k_BxTxHxK = jax.lax.dynamic_update_slice(
+            k_BxTxHxK, kk.reshape(b, s, cfg.kv_heads, -1).astype(k_BxTxHxK.dtype), at)
+        v_BxTxHxK = jax.lax.dynamic_update_slice(
+            v_BxTxHxK, v.reshape(b, s, cfg.kv_heads, -1).astype(v_BxTxHxK.dtype), at)
+        out = kernels.attention_masked(q.reshape(b, s, cfg.q_heads, -1), k_BxTxHxK, v_BxTxHxK,
+                                       mask_BxSxT)
+        return self._output(out.reshape(n, cfg.q_heads, -1), x_NxD), k_BxTxHxK, v_BxTxHxK

@@ -2,9 +2,14 @@
 
 The residual stream is 2-D, x_NxD with N = batch * sequence: every projection is then a plain
 [N, D] x [D, *] matmul and every weight gradient a single contraction (PERFORMANCE.md, item 2).
+
+`Transformer.decode` runs new tokens against a kv cache (gattn/decode.py generates with it);
+`unscanned` turns a scan_layers model into the equivalent layer list.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -44,16 +49,26 @@ class Block(nnx.Module):
             h = jnp.clip(h, -self.clip, self.clip)
         return h
 
+    def _ffn_residual(self, x_NxD):
+        h, aux = (self.ffn(self.ffn_norm(x_NxD)) if isinstance(self.ffn, MoE)
+                  else (self.ffn(self.ffn_norm(x_NxD)), {}))
+        return x_NxD + self._branch_out(h, getattr(self, "ffn_post_norm", None)), aux
+
     def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch):
         """(x, aux): aux holds the MoE's auxiliary values ({} for a dense FFN)."""
         h = self.attn(self.attn_norm(x_NxD), positions_N, segment_ids_BxS, batch)
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
-        h, aux = (self.ffn(self.ffn_norm(x_NxD)) if isinstance(self.ffn, MoE)
-                  else (self.ffn(self.ffn_norm(x_NxD)), {}))
-        x_NxD = x_NxD + self._branch_out(h, getattr(self, "ffn_post_norm", None))
+        x_NxD, aux = self._ffn_residual(x_NxD)
         if self.collect_intermediates:
             self.sow(nnx.Intermediate, "block_out", x_NxD)
         return x_NxD, aux
+
+    def decode(self, x_NxD, positions_N, k_BxTxHxK, v_BxTxHxK, mask_BxSxT, index):
+        """The block on S new tokens per row with this layer's kv cache: (x, k cache, v cache)."""
+        h, k_BxTxHxK, v_BxTxHxK = self.attn.decode(self.attn_norm(x_NxD), positions_N, k_BxTxHxK,
+                                                   v_BxTxHxK, mask_BxSxT, index)
+        x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
+        return self._ffn_residual(x_NxD)[0], k_BxTxHxK, v_BxTxHxK
 
 
 class Transformer(nnx.Module):
@@ -92,7 +107,7 @@ class Transformer(nnx.Module):
         if positions_BxS is None:
             positions_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
         positions_N = positions_BxS.reshape(-1)
-        x_NxD = jnp.take(self.embed[...], tokens_BxS.reshape(-1), axis=0).astype(self.dtype)
+        x_NxD = self._embed(tokens_BxS)
 
         def run(block, x):
             return block(x, positions_N, segment_ids_BxS, (b, s))
@@ -111,7 +126,77 @@ class Transformer(nnx.Module):
                 x_NxD, layer_aux = run(block, x_NxD)
                 per_layer.append(layer_aux)
             aux = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        return self._logits(x_NxD, b, s), aux
+
+    def _embed(self, tokens_BxS):
+        return jnp.take(self.embed[...], tokens_BxS.reshape(-1), axis=0).astype(self.dtype)
+
+    def _logits(self, x_NxD, b: int, s: int):
         x_NxD = self.final_norm(x_NxD)
-        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
         logits_NxV = dense(x_NxD, head, self.dtype, out_dtype=jnp.float32)
-        return logits_NxV.reshape(b, s, cfg.vocab_size), aux
+        return logits_NxV.reshape(b, s, self.cfg.vocab_size)
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty kv cache: k, v [L, B, T, Hk, K] in the compute dtype (what SDPA attends to:
+        after QK-norm, K/V gates and RoPE), valid [B, T] (slots that hold a real token) and index
+        (int32, the next slot to write, shared by all rows)."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, max_len, cfg.kv_heads, cfg.head_dim)
+        return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype),
+                "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
+
+    def decode(self, tokens_BxS: jax.Array, positions_BxS: jax.Array, cache: dict,
+               valid_BxS: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """(logits [B, S, V], cache): runs S new tokens per row into cache slots index..index+S-1.
+        The query in slot i sees slot j iff j <= i and slot j is valid; `valid_BxS` (default all
+        True) marks padding among the new tokens. The caller keeps index + S <= the cache length
+        (a write past the end is clamped by dynamic_update_slice, silently)."""
+        b, s = tokens_BxS.shape
+        index = cache["index"]
+        if valid_BxS is None:
+            valid_BxS = jnp.ones((b, s), bool)
+        valid_BxT = jax.lax.dynamic_update_slice(cache["valid"], valid_BxS.astype(bool), (0, index))
+        t = valid_BxT.shape[1]
+        visible_SxT = jnp.arange(t)[None, :] <= index + jnp.arange(s)[:, None]
+        mask_BxSxT = visible_SxT[None] & valid_BxT[:, None, :]
+        positions_N = positions_BxS.reshape(-1)
+        x_NxD = self._embed(tokens_BxS)
+
+        def run(x, block, k, v):
+            return block.decode(x, positions_N, k, v, mask_BxSxT, index)
+
+        if self.cfg.scan_layers:
+            def step(x, block, k, v):
+                x, k, v = run(x, block, k, v)
+                return x, (k, v)
+
+            scan = nnx.scan(step, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
+            x_NxD, (k_L, v_L) = scan(x_NxD, self.blocks, cache["k"], cache["v"])
+        else:
+            ks, vs = [], []
+            for i, block in enumerate(self.blocks):
+                x_NxD, k, v = run(x_NxD, block, cache["k"][i], cache["v"][i])
+                ks.append(k)
+                vs.append(v)
+            k_L, v_L = jnp.stack(ks), jnp.stack(vs)
+        cache = {"k": k_L, "v": v_L, "valid": valid_BxT, "index": index + s}
+        return self._logits(x_NxD, b, s), cache
+
+
+def unscanned(model: Transformer) -> Transformer:
+    """The same model with scan_layers=False: each block's parameters sliced from the stacked ones
+    (a model that is already unscanned is returned as is)."""
+    if not model.cfg.scan_layers:
+        return model
+    cfg = dataclasses.replace(model.cfg, scan_layers=False)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    stacked = dict(nnx.to_flat_state(nnx.state(model)))
+
+    def value(path):
+        if path[0] == "blocks":  # ("blocks", i, ...) <- ("blocks", ...)[i]
+            return stacked[(path[0],) + path[2:]][...][path[1]]
+        return stacked[path][...]
+
+    flat = [(path, var.replace(value(path))) for path, var in nnx.to_flat_state(abstract)]
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))

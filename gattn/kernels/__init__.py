@@ -14,7 +14,7 @@ dispatcher does so for `pallas` under the mesh set by `jax.set_mesh` (as the tra
 from __future__ import annotations
 
 from gattn.kernels.flash import BlockSizes, gated_flash_attention
-from gattn.kernels.reference import attention_xla
+from gattn.kernels.reference import attention_masked, attention_xla
 from gattn.kernels.sharded import on_context_mesh, shard_attention
 
 
@@ -43,5 +43,5 @@ def attention(q, k, v, gate=None, *, impl: str = "xla", **kwargs):
     return fn(q, k, v, gate, **kwargs)
 
 
-__all__ = ["IMPLS", "BlockSizes", "attention", "attention_pallas", "attention_xla",
-           "gated_flash_attention", "on_context_mesh", "shard_attention"]
+__all__ = ["IMPLS", "BlockSizes", "attention", "attention_masked", "attention_pallas",
+           "attention_xla", "gated_flash_attention", "on_context_mesh", "shard_attention"]

@@ -9,6 +9,9 @@ attention core near the matmul floor; see PERFORMANCE.md).
 Segment ids [B, S] (int): a query attends only to keys with the same id. Id 0 marks padding:
 the output (and attention row) of a padding query is set to exactly zero, and no real token
 attends to padding.
+
+`attention_masked` takes an explicit [B, S, T] visibility mask instead (cached decoding: S new
+queries over T cache slots) and runs the same block computation.
 """
 
 from __future__ import annotations
@@ -96,3 +99,16 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
         g = gate.reshape(q.shape[:3] + (-1,)).astype(jnp.float32)
         o = (o.astype(jnp.float32) * jax.nn.sigmoid(g)).astype(o.dtype)
     return (o, p) if return_probs else o
+
+
+def attention_masked(q, k, v, mask_BxSxT, *, sm_scale: float | None = None):
+    """softmax(q k^T * sm_scale, over the keys where mask_BxSxT is True) v: o [B, S, Hq, K].
+    q [B, S, Hq, K], k/v [B, T, Hk, K] (any T). A query that sees no key gets a finite output."""
+    check_inputs(q, k, v)
+    b, s, hq, d = q.shape
+    hk = k.shape[2]
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    q5 = q.reshape(b, s, hk, hq // hk, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, G, S, K]
+    bias = jnp.where(mask_BxSxT, 0.0, _NEG).astype(jnp.float32)[:, None, None]
+    o, _ = _block(q5, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), bias, scale)
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, s, hq, d)

@@ -1,0 +1,150 @@
+"""Cached decoding computes what the full forward pass computes, for every kind of variant."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gattn import decode, variants
+from gattn.config import ModelConfig, MoESpec
+from gattn.model import Transformer, unscanned
+
+TINY = ModelConfig(vocab_size=96, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=16,
+                   d_ff=64, init_std=0.2)
+MOE = dataclasses.replace(TINY, moe=MoESpec(num_experts=4, top_k=2, expert_width=32))
+PROMPTS = [[5, 17, 3], [40, 2, 9, 71, 8, 8, 30], [12, 60, 1, 44, 7]]
+ROWS = [PROMPTS[1] + [3, 50, 77], PROMPTS[2] + [88]]
+
+
+def build(cfg, seed=0):
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+
+def padded(rows, left=True):
+    """(tokens, valid) [B, S]: the rows padded with 0 to the longest, on the left or the right."""
+    s = max(len(r) for r in rows)
+    tokens = np.zeros((len(rows), s), np.int32)
+    valid = np.zeros((len(rows), s), bool)
+    for i, r in enumerate(rows):
+        at = slice(s - len(r), s) if left else slice(0, len(r))
+        tokens[i, at], valid[i, at] = r, True
+    return jnp.asarray(tokens), jnp.asarray(valid)
+
+
+def cached_logits(model, rows, chunk):
+    """Logits of left-padded `rows`, run into the cache `chunk` slots at a time (a prefill, then
+    decoding that reads what the earlier chunks wrote)."""
+    tokens, valid = padded(rows)
+    cache = decode.init_cache(model, len(rows), tokens.shape[1] + 3)
+    outs = []
+    for i in range(0, tokens.shape[1], chunk):
+        out, cache = decode.prefill(model, tokens[:, i:i + chunk], valid[:, i:i + chunk], cache)
+        outs.append(out)
+    assert int(cache["index"]) == tokens.shape[1]
+    return jnp.concatenate(outs, axis=1), valid
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def full_forward(graphdef, state, tokens_BxS, segment_ids_BxS):
+    return nnx.merge(graphdef, state)(tokens_BxS, None, segment_ids_BxS)
+
+
+def assert_matches_full_forward(model, rows, chunk=5):
+    """The cached logits of the left-padded rows equal the forward pass on the right-padded rows
+    (each row's document at positions 0.., padding in segment 0)."""
+    logits, valid = cached_logits(model, rows, chunk)
+    tokens, valid_right = padded(rows, left=False)
+    full = full_forward(*nnx.split(model), tokens, valid_right.astype(jnp.int32))
+    for i, r in enumerate(rows):
+        np.testing.assert_allclose(logits[i][valid[i]], full[i, :len(r)], rtol=1e-5, atol=1e-5,
+                                   err_msg=f"row {i}")
+
+
+def with_(name, **changes):
+    return pytest.param(dataclasses.replace(variants.apply(name, TINY), **changes),
+                        id="+".join([name, *changes]))
+
+
+# Every gate position, granularity, sharing and input dependence, switch heads, the SDPA
+# non-linearity, QK-norm, sandwich norm and a MoE FFN; orthogonal features share a model.
+@pytest.mark.parametrize("cfg", [
+    with_("baseline"),
+    with_("sdpa_elementwise"),
+    with_("sdpa_headwise"),
+    with_("k_elementwise", qk_norm=True, sandwich_norm=True),
+    with_("dense_output"),
+    with_("v_head_shared", switch_heads=variants.apply("switch_kv_4top4", TINY).switch_heads),
+    with_("sdpa_input_independent", sdpa_nonlinearity="rmsnorm"),
+    pytest.param(variants.apply("sdpa_elementwise", MOE), id="moe+sdpa_elementwise"),
+])
+def test_cached_logits_equal_the_full_forward(cfg):
+    """Rows of 10 and 6 tokens (the second left-padded by 4), in two chunks of 5 slots. (One
+    token at a time is what `generate` does; the tests below check it against the reference.)"""
+    assert_matches_full_forward(build(cfg), ROWS)
+
+
+def test_unscanned_slices_the_stacked_layers_and_the_scanned_model_decodes():
+    loop = build(variants.apply("sdpa_elementwise", TINY))
+    cfg = dataclasses.replace(loop.cfg, scan_layers=True)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    params = nnx.state(loop)
+    layers = [params["blocks"][i] for i in range(cfg.num_layers)]
+    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    scanned = nnx.merge(graphdef, params)
+    assert scanned.blocks.attn.wq[...].shape[0] == cfg.num_layers
+
+    back = unscanned(scanned)
+    assert not back.cfg.scan_layers and unscanned(back) is back
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(back), nnx.state(loop))
+    tokens, valid = padded(ROWS, left=False)
+    np.testing.assert_allclose(full_forward(*nnx.split(scanned), tokens, valid.astype(jnp.int32)),
+                               full_forward(*nnx.split(back), tokens, valid.astype(jnp.int32)),
+                               rtol=1e-5, atol=1e-5)
+    assert_matches_full_forward(scanned, ROWS)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(variants.apply("sdpa_elementwise", TINY), seed=3)
+
+
+def test_generate_equals_generation_without_cache(model):
+    cached = decode.generate(model, PROMPTS, max_new_tokens=8, max_len=16, pad_multiple=1)
+    assert cached == decode.generate_without_cache(model, PROMPTS, max_new_tokens=8, max_len=16)
+    assert [len(g) for g in cached] == [8, 8, 8]
+    assert len({tuple(g) for g in cached}) == 3
+    # The shortest prompt, left-padded by 4 in the batch, generates what it generates alone.
+    assert decode.generate(model, PROMPTS[:1], max_new_tokens=8, pad_multiple=1)[0] == cached[0]
+
+
+def test_eos_and_stop_sequences_end_a_row(model):
+    def gen(**kw):
+        return decode.generate(model, PROMPTS, max_new_tokens=6, max_len=16, **kw)
+
+    free = gen()
+    assert [len(g) for g in free] == [6, 6, 6]
+    eos = free[1][3]
+    cut = [g[:g.index(eos)] if eos in g else g for g in free]
+    assert gen(eos_id=eos) == cut  # prompts padded to 10 slots: max_len - max_new_tokens
+    assert decode.generate_without_cache(model, PROMPTS, max_new_tokens=6, max_len=16,
+                                         eos_id=eos) == cut
+    # Token sequences: the row ends before the first one it produces.
+    seq = free[0][2:4]
+    end = next(i for i in range(2, 7) if free[0][i - 2:i] == seq)
+    assert gen(stop=[seq, [-1]])[0] == free[0][:end - 2]
+    # A callable: the tokens up to and including the one it fires on.
+    assert gen(stop=lambda g: len(g) == 2 + (g[0] % 2)) == [g[:2 + (g[0] % 2)] for g in free]
+    assert decode.generate(model, PROMPTS, max_new_tokens=2, max_len=16) == [g[:2] for g in free]
+
+
+def test_requests_that_do_not_fit_are_refused(model):
+    with pytest.raises(ValueError, match="max_len"):
+        decode.generate(model, PROMPTS, max_new_tokens=10, max_len=16)
+    with pytest.raises(ValueError, match="at least one token"):
+        decode.generate(model, [[1], []], max_new_tokens=4)
+    fits = decode.generate(model, PROMPTS, max_new_tokens=9, max_len=16)
+    assert [len(g) for g in fits] == [9, 9, 9]
