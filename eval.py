@@ -36,6 +36,8 @@ def main(argv=None):
     ap.add_argument("--map-layers", type=_layers, help="layers whose attention maps to draw, e.g. 0,5,11 "
                     "(default: first, middle, last)")
     ap.add_argument("--map-len", type=int, default=64, help="positions covered by the attention maps")
+    ap.add_argument("--batch-rows", type=int, help="rows per forward pass of the measurements (lower it "
+                    "for long sequences: each layer's [rows, heads, S, S] attention is in memory at once)")
     ap.add_argument("--tasks", help="comma-separated few-shot task files (JSONL, see README)")
     ap.add_argument("--shots", type=int, default=0, help="in-context examples per few-shot prompt")
     ap.add_argument("--limit", type=int, help="evaluate only the first N examples of each task")
@@ -43,7 +45,7 @@ def main(argv=None):
     args, overrides = config_lib.parse_args(ap, argv)
     if bool(args.workdir) == bool(args.compare):
         ap.error("give either --workdir DIR or --compare DIR1 DIR2 ...")
-    for name in ("max_batches", "map_len", "limit"):
+    for name in ("max_batches", "map_len", "limit", "batch_rows"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise config_lib.ConfigError(f"--{name.replace('_', '-')}", value, "expected a positive integer")
@@ -53,7 +55,7 @@ def main(argv=None):
     from gattn import analysis, evaluate  # noqa: PLC0415 (argument errors come before any JAX import)
 
     options = analysis.Options(sink_threshold=args.sink_threshold, map_layers=args.map_layers,
-                               map_len=args.map_len)
+                               map_len=args.map_len, batch_rows=args.batch_rows)
     kwargs = dict(options=options, max_batches=args.max_batches, figures=not args.no_figures,
                   tasks=args.tasks.split(",") if args.tasks else (), shots=args.shots, limit=args.limit)
     if args.compare:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
+import jax
 from flax import nnx
 
 from gattn import analysis, checkpoint, plots, sharding, trainer
@@ -27,7 +29,9 @@ def _fit_mesh(cfg):
     try:
         sharding.make_mesh(cfg.mesh)
         return cfg
-    except ConfigError:
+    except ConfigError as e:
+        print(f"note: {e}; evaluating on all {jax.device_count()} device(s) on the data axis instead "
+              "(set --config.mesh.* to choose)", file=sys.stderr)
         return dataclasses.replace(cfg, mesh=MeshConfig())
 
 
@@ -55,6 +59,14 @@ def restore(workdir: str | Path, step: int | None = None, overrides: list[str] =
     return cfg, model, step
 
 
+def latest_step(workdir: str | Path) -> int | None:
+    mngr = checkpoint.manager(Path(workdir), 1, 1)
+    try:
+        return mngr.latest_step()
+    finally:
+        mngr.close()
+
+
 def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[str] = (),
              options: analysis.Options | None = None, max_batches: int | None = None,
              tasks: list[str] = (), shots: int = 0, limit: int | None = None,
@@ -63,13 +75,19 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     `out_dir` (default WORKDIR/eval). `max_batches`: held-out batches per domain for the
     measurements (default: all of `data.eval_batches`); perplexity always uses all of them."""
     workdir = Path(workdir)
+    options = options or analysis.Options()
+    run_cfg = config_lib.load_run(workdir, overrides)
+    for i in options.map_layers or ():  # checked before anything is restored
+        if not 0 <= i < run_cfg.model.num_layers:
+            raise ConfigError("--map-layers", i, f"layers 0..{run_cfg.model.num_layers - 1} of this model")
     cfg, model, step = restore(workdir, step, overrides)
     out_dir = out_path(workdir, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(cfg, workdir)
     batches = pipeline.validation_batches(cfg, tokenizer, workdir)
     graphdef, params = nnx.split(model, nnx.Param)
-    val = trainer.validate(trainer.make_eval_step(graphdef), params, batches)
+    # Under the run's mesh, as training validated: the same attention kernel and MoE path.
+    val = trainer.validate(trainer.make_eval_step(graphdef), params, batches, sharding.make_mesh(cfg.mesh))
     domains = sorted(batches)
     perplexity = {d: {"loss": val[f"val_loss/{d}"], "ppl": val[f"val_ppl/{d}"]} for d in domains}
     chosen = [b for d in domains for b in batches[d][:max_batches]]
@@ -82,7 +100,9 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     if tasks:
         from gattn import fewshot  # noqa: PLC0415
 
-        results["fewshot"] = {Path(t).stem: fewshot.evaluate_task(model, tokenizer, t, shots=shots, limit=limit)
+        # Prompts longer than the trained length lose tokens from their left end.
+        results["fewshot"] = {Path(t).stem: fewshot.evaluate_task(model, tokenizer, t, shots=shots, limit=limit,
+                                                                  max_len=cfg.train.seq_len)
                               for t in tasks}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(report(results))
@@ -113,7 +133,8 @@ def report(results: dict) -> str:
              "| domain | loss | PPL |", "|---|---|---|"]
     lines += [f"| {d} | {p['loss']:.4f} | {p['ppl']:.2f} |" for d, p in results["perplexity"].items()]
     gate = f"{o['gate_score']:.3f}" if "gate_score" in o else "- (ungated)"
-    lines += ["", f"- gate score (mean): {gate}", f"- M-Act (max over layers): {o['m_act']:.2f}",
+    lines += ["", f"- gate score (mean): {gate}",
+              f"- M-Act (mean over layers of the max |hidden|): {o['m_act']:.2f} (max over layers {o['m_act_max']:.2f})",
               f"- F-Attn (first token): {o['f_attn']:.3f}",
               f"- sink heads (F-Attn > {m['sink_threshold']}): {o['sink_head_share']:.0%}", "",
               "| layer | M-Act | F-Attn | sink heads | gate score | SDPA values < 1e-3 (before / after gate) |",
@@ -139,7 +160,9 @@ def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, ov
     runs = {}
     for w in workdirs:
         path = Path(w) / "eval" / "results.json"
-        res = json.loads(path.read_text()) if path.is_file() else evaluate(w, overrides=overrides, **eval_kwargs)
+        res = json.loads(path.read_text()) if path.is_file() else None
+        if res is None or res["step"] != latest_step(w):  # missing or of an older checkpoint
+            res = evaluate(w, overrides=overrides, **eval_kwargs)
         runs[_label(Path(w), res, runs)] = res
     out_dir = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(w).absolute() for w in workdirs])) / "compare"
     text = table(runs)
@@ -159,17 +182,18 @@ def _label(workdir: Path, res: dict, taken: dict) -> str:
 
 
 def table(runs: dict[str, dict]) -> str:
-    """Markdown, one row per run, like the paper's Table 4."""
+    """Markdown, one row per run, like the paper's Table 4: M-Act is the mean over layers of each
+    layer's max |hidden state| (Sec. 4.3), max M-Act the largest of them."""
     domains = sorted({d for r in runs.values() for d in r["perplexity"]})
     head = ["run", "variant", "step"] + [f"PPL {d}" for d in domains] + [
-        "gate score", "M-Act", "F-Attn", "sink heads"]
+        "gate score", "M-Act", "F-Attn", "sink heads", "max M-Act"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in runs.items():
         o = r["measurements"]["overall"]
         ppl = [f"{r['perplexity'][d]['ppl']:.2f}" if d in r["perplexity"] else "-" for d in domains]
         cells = [name, r["variant"], str(r["step"]), *ppl,
                  f"{o['gate_score']:.3f}" if "gate_score" in o else "-", f"{o['m_act']:.2f}",
-                 f"{o['f_attn']:.3f}", f"{o['sink_head_share']:.0%}"]
+                 f"{o['f_attn']:.3f}", f"{o['sink_head_share']:.0%}", f"{o['m_act_max']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

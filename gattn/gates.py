@@ -75,6 +75,9 @@ class Gate(nnx.Module):
             self.sow(nnx.Intermediate, "gate_scores", jnp.broadcast_to(s, (y_NxHxW.shape[0],) + s.shape[1:]))
         y = y_NxHxW.astype(jnp.float32)
         out = y * s if self.spec.form == "multiplicative" else y + s
+        if self.collect_intermediates:  # what the gate acts on and what it returns (Fig. 5)
+            self.sow(nnx.Intermediate, "gate_input", y_NxHxW)
+            self.sow(nnx.Intermediate, "gated", out.astype(y_NxHxW.dtype))
         return out.astype(y_NxHxW.dtype)
 
 

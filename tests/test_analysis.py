@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from gattn import analysis
-from gattn.config import GateSpec, ModelConfig
+from gattn.config import GateSpec, MoESpec, ModelConfig
 from gattn.model import Transformer
 
 TINY = ModelConfig(vocab_size=61, d_model=32, num_layers=3, q_heads=4, kv_heads=2, head_dim=8,
@@ -26,22 +26,27 @@ def test_first_token_attention_is_the_hand_computation_on_packed_rows():
     for h in range(2):
         for q in range(s):
             probs[0, h, q, : q + 1] = rng.dirichlet(np.ones(q + 1))
-    total, count = analysis.first_token_attention(probs, seg)
+    picked = np.asarray(analysis.first_token_probs(jnp.asarray(probs), jnp.asarray(seg)))
+    keep = np.asarray(analysis.f_attn_mask(jnp.asarray(seg)))
     # Queries that count: 1, 2 (first token 0) and 4, 5 (first token 3); 0, 3 start documents, 6 is padding.
+    np.testing.assert_array_equal(keep, [[False, True, True, False, True, True, False]])
     expected = probs[0, :, 1, 0] + probs[0, :, 2, 0] + probs[0, :, 4, 3] + probs[0, :, 5, 3]
-    assert count == 4
-    np.testing.assert_allclose(total, expected)
-    # Without segment ids the row is one document: every query but the first looks at position 0.
-    total, count = analysis.first_token_attention(probs)
-    np.testing.assert_allclose(total, probs[0, :, 1:, 0].sum(axis=-1))
-    assert count == s - 1
+    np.testing.assert_allclose((picked * keep[:, None]).sum(axis=(0, 2)), expected, rtol=1e-6)
+    # Without segment ids (all ones) the row is one document: every query but the first looks at 0.
+    ones = jnp.ones((1, s), jnp.int32)
+    picked = np.asarray(analysis.first_token_probs(jnp.asarray(probs), ones))
+    np.testing.assert_allclose(picked[0, :, 1:], probs[0, :, 1:, 0], rtol=1e-6)
+    assert np.asarray(analysis.f_attn_mask(ones)).sum() == s - 1
 
 
-def constructed_layer(probs, sdpa_out, gate_scores=None):
+def constructed_layer(probs, sdpa_out, gate_scores=None, gated=None):
+    """A layer as `collect` returns it, from a full attention matrix (rows are one document)."""
     b, h, s, _ = probs.shape
-    layer = {"attn_probs": probs, "sdpa_out": sdpa_out, "block_out": np.zeros((b * s, 4), np.float32)}
+    seg = jnp.ones((b, s), jnp.int32)
+    layer = {"first_probs": np.asarray(analysis.first_token_probs(jnp.asarray(probs), seg)),
+             "attn_map": probs, "sdpa_out": sdpa_out, "block_out": np.zeros((b * s, 4), np.float32)}
     if gate_scores is not None:
-        layer["gate_scores"] = gate_scores
+        layer.update(gate_scores=gate_scores, gate_input=sdpa_out, gated=gated)
     return layer
 
 
@@ -55,7 +60,7 @@ def test_sink_heads_and_f_attn_per_head():
             probs[0, h, q, 1: q + 1] = (1 - first) / q
     probs[0, :, 0, 0] = 1
     cfg = dataclasses.replace(TINY, num_layers=1, q_heads=2, kv_heads=2)
-    acc = analysis.Measurements(cfg)
+    acc = analysis.Measurements(cfg, analysis.Options(map_layers=()))
     acc.add([constructed_layer(probs, np.ones((s, 2, 8), np.float32))])
     r = acc.result()
     np.testing.assert_allclose(r["per_layer"][0]["f_attn_per_head"], [0.9, 0.1])
@@ -67,7 +72,7 @@ def test_sink_heads_and_f_attn_per_head():
 def test_sparsity_before_after_the_gate_and_with_the_mean_gate():
     """SDPA output of 1e-1 everywhere; headwise gate 1e-3 on half the tokens, 1 on the other half.
     Before: nothing below 1e-2. Gated: half the values are 1e-4 (< 1e-3 and < 1e-2). Scaled by the
-    mean gate (~0.5): nothing below either threshold."""
+    mean gate (~0.5) instead: nothing below either threshold."""
     n, h, k = 8, 2, 4
     y = np.full((n, h, k), 0.1, np.float32)
     scores = np.ones((n, h, 1), np.float32)
@@ -75,14 +80,22 @@ def test_sparsity_before_after_the_gate_and_with_the_mean_gate():
     cfg = dataclasses.replace(TINY, num_layers=1, q_heads=h, kv_heads=h, head_dim=k,
                               gate=GateSpec(granularity="headwise"))
     probs = np.tril(np.ones((n, n)))[None, None].repeat(h, 1) / np.arange(1, n + 1)[:, None]
-    acc = analysis.Measurements(cfg)
-    acc.add([constructed_layer(probs, y, scores)])
+    acc = analysis.Measurements(cfg, analysis.Options(map_len=n))
+    acc.add([constructed_layer(probs, y, scores, gated=y * scores)])
     sp = acc.result()["per_layer"][0]["sparsity"]
     assert sp["sdpa_out"] == {"0.01": 0.0, "0.001": 0.0}
     assert sp["gated"] == {"0.01": 0.5, "0.001": 0.5}
     assert sp["mean_gate_scaled"] == {"0.01": 0.0, "0.001": 0.0}
     hist = acc.result()["gate_histogram"]
     assert sum(hist["all_layers"]) == n * h and hist["all_layers"][0] == n // 2 * h
+    # mean_gate_scaled uses the mean over all the data: |0.1 * 0.5005| = 0.05005 is below 0.06
+    # and above 0.04 (the per-batch means, 1e-3 and 1, would put it below both or neither;
+    # the histogram resolves 2.3%).
+    acc = analysis.Measurements(cfg, analysis.Options(map_len=n, sparsity_thresholds=(0.06, 0.04)))
+    for half in (slice(0, n // 2), slice(n // 2, n)):  # two batches with different mean gates
+        probs_half = probs[:, :, : n // 2, : n // 2] / probs[:, :, : n // 2, : n // 2].sum(-1, keepdims=True)
+        acc.add([constructed_layer(probs_half, y[half], scores[half], gated=y[half] * scores[half])])
+    assert acc.result()["per_layer"][0]["sparsity"]["mean_gate_scaled"] == {"0.06": 1.0, "0.04": 0.0}
 
 
 def direct_layers(model, tokens_BxS):
@@ -99,24 +112,53 @@ def direct_layers(model, tokens_BxS):
     return out
 
 
-@pytest.mark.parametrize("gate", [None, GateSpec(), GateSpec(position="value", granularity="headwise")])
+GATES = [None, GateSpec(), GateSpec(position="value", granularity="headwise"),
+         GateSpec(sharing="head_shared"), GateSpec(form="additive", activation="silu"),
+         GateSpec(input_dependent=False), GateSpec(position="dense", activation="ns_sigmoid")]
+
+
+@pytest.mark.parametrize("gate", GATES + ["moe", "remat"])
 def test_m_act_and_gate_score_equal_direct_computations(gate):
-    model = Transformer(dataclasses.replace(TINY, gate=gate), rngs=nnx.Rngs(0))
+    cfg = dataclasses.replace(TINY, gate=GateSpec())
+    if gate == "moe":
+        cfg = dataclasses.replace(cfg, moe=MoESpec(num_experts=4, top_k=2, expert_width=16))
+    elif gate == "remat":
+        cfg = dataclasses.replace(cfg, remat="full")
+    else:
+        cfg = dataclasses.replace(TINY, gate=gate)
+    gate = cfg.gate
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, TINY.vocab_size)
+    before = np.asarray(model(tokens))
     r = analysis.summarize(model, tokens)
-    for row, (h, scores) in zip(r["per_layer"], direct_layers(model, tokens)):
-        assert row["m_act"] == pytest.approx(float(np.abs(h).max()), rel=1e-6)
+    direct = direct_layers(model, tokens)
+    for row, (h, scores) in zip(r["per_layer"], direct):
+        assert row["m_act"] == pytest.approx(float(np.abs(h).max()), rel=1e-5)
         if gate is None:
             assert "gate_score" not in row
         else:
-            assert row["gate_score"] == pytest.approx(float(scores.mean()), rel=1e-5)
+            assert row["gate_score"] == pytest.approx(float(np.broadcast_to(scores, (24,) + scores.shape[1:]).mean()), rel=1e-5, abs=1e-7)
             assert ("gated" in row["sparsity"]) == (gate.position == "sdpa")
-    assert r["overall"]["m_act"] == pytest.approx(max(float(np.abs(h).max()) for h, _ in direct_layers(model, tokens)))
-    # Collecting does not change what the model computes.
-    np.testing.assert_array_equal(model(tokens), model(tokens))
-    logits_after = model(tokens)
-    analysis.collect(model, tokens)
-    np.testing.assert_allclose(model(tokens), logits_after, rtol=0, atol=0)
+            assert ("mean_gate_scaled" in row["sparsity"]) == (gate.position == "sdpa" and gate.form == "multiplicative")
+    maxima = [float(np.abs(h).max()) for h, _ in direct]
+    assert r["overall"]["m_act"] == pytest.approx(np.mean(maxima), rel=1e-5)  # Sec. 4.3: mean over layers
+    assert r["overall"]["m_act_max"] == pytest.approx(max(maxima), rel=1e-5)
+    np.testing.assert_array_equal(np.asarray(model(tokens)), before)  # collecting changes nothing
+
+
+def test_gated_sparsity_is_what_the_gate_returns():
+    """An input-independent sigmoid gate pushed to ~0 (theta = -40): every gated SDPA value is
+    below 1e-3 while the SDPA output itself is not; pushed to 1 (theta = +40) gating changes nothing."""
+    cfg = dataclasses.replace(TINY, gate=GateSpec(input_dependent=False))
+    tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, TINY.vocab_size)
+    for theta, gated_share in ((-40.0, 1.0), (40.0, None)):
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        for blk in model.blocks:
+            blk.attn.gate.theta[...] = jnp.full_like(blk.attn.gate.theta[...], theta)
+        for row in analysis.summarize(model, tokens)["per_layer"]:
+            sp = row["sparsity"]
+            assert sp["sdpa_out"]["0.001"] < 0.5
+            assert sp["gated"]["0.001"] == (gated_share if gated_share is not None else sp["sdpa_out"]["0.001"])
 
 
 def test_measure_streams_batches_and_leaves_padding_out():
@@ -143,8 +185,10 @@ def test_measure_streams_batches_and_leaves_padding_out():
         assert a["m_act"] == pytest.approx(b["m_act"], rel=1e-5)
         assert a["f_attn"] == pytest.approx(b["f_attn"], rel=1e-5)
         assert a["gate_score"] == pytest.approx(b["gate_score"], rel=1e-5)
+        for kind in ("sdpa_out", "gated", "mean_gate_scaled"):
+            assert a["sparsity"][kind] == pytest.approx(b["sparsity"][kind], abs=1e-9)
     assert sorted(three["attn_maps"]) == ["0", "1", "2"]  # first, middle and last layer
-    m1, m3 = np.asarray(one["attn_maps"]["2"]), np.asarray(three["attn_maps"]["2"])
-    np.testing.assert_allclose(m3[:, :12, :12], m1, rtol=1e-5, atol=1e-7)  # [heads, query, key]
-    np.testing.assert_allclose(m1.sum(-1), 1.0, rtol=1e-5)  # each query row is a distribution
-    assert np.all(m3[:, 12:] == 0)  # padding queries are in no row's first document
+    m1, m3 = np.asarray(one["attn_maps"]["2"]), np.asarray(three["attn_maps"]["2"])  # [heads, query, key]
+    np.testing.assert_allclose(m3[:, :12, :12], m1[:, :12, :12], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m1[:, :12].sum(-1), 1.0, rtol=1e-5)  # each query row is a distribution
+    assert np.all(m3[:, 12:] == 0)  # padding queries (and positions past the rows) are in no document

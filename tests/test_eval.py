@@ -61,6 +61,7 @@ def test_eval_writes_every_field_and_figure(runs):
         assert set(row["sparsity"]) == {"sdpa_out", "gated", "mean_gate_scaled"}
     assert sum(m["gate_histogram"]["all_layers"]) == m["counts"]["tokens"] * 3 * 4 * 8
     assert sorted(m["attn_maps"]) == ["0", "2"]
+    assert m["overall"]["m_act"] == pytest.approx(sum(r["m_act"] for r in m["per_layer"]) / 3)
     for png in ("per_layer", "sparsity", "f_attn_heads", "attention_maps", "gate_scores"):
         assert (runs["sdpa_elementwise"] / "eval" / f"{png}.png").stat().st_size > 10_000
     assert "gate score (mean)" in (runs["sdpa_elementwise"] / "eval" / "results.md").read_text()
@@ -81,6 +82,8 @@ def test_ungated_runs_report_gate_fields_as_absent_and_step_selects_a_checkpoint
     assert "gate_score" not in res["measurements"]["overall"] and "gate_histogram" not in res["measurements"]
     assert all("gate_score" not in r and set(r["sparsity"]) == {"sdpa_out"} for r in res["measurements"]["per_layer"])
     assert res["measured_on"]["batches"] == 2  # one per domain
+    bad = run_eval("--workdir", runs["baseline"], "--map-layers", "0,3")
+    assert bad.returncode == 2 and "--map-layers" in bad.stderr and "0..2" in bad.stderr
     bad = run_eval("--workdir", runs["baseline"], "--step", 5)
     assert bad.returncode == 2 and "--step" in bad.stderr and "saved steps [" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -90,7 +93,13 @@ def test_compare_prints_a_table_4_row_per_run_and_overlays_curves(runs, tmp_path
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("| ")]
     assert lines[0].startswith("| run | variant | step | PPL code | PPL docs | gate score | M-Act | F-Attn")
-    assert lines[1].startswith("| baseline |") and "| - |" in lines[1]  # no gate score
-    assert lines[2].startswith("| sdpa_elementwise |")
+    # The baseline's results.json was of step 3 (the test before): compare re-evaluates the latest.
+    assert lines[1].startswith("| baseline | baseline | 6 |") and "| - |" in lines[1]  # no gate score
+    assert lines[2].startswith("| sdpa_elementwise | sdpa_elementwise | 6 |")
+    saved = json.loads((tmp_path / "results.json").read_text())
+    for name, row in zip(("baseline", "sdpa_elementwise"), lines[1:3]):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3] == f"{saved[name]['perplexity']['code']['ppl']:.2f}"
+        assert cells[6] == f"{saved[name]['overall']['m_act']:.2f}"
     assert (tmp_path / "per_layer.png").stat().st_size > 10_000
     assert set(json.loads((tmp_path / "results.json").read_text())) == {"baseline", "sdpa_elementwise"}
