@@ -38,10 +38,15 @@ def _fit_mesh(cfg):
 def restore(workdir: str | Path, step: int | None = None, overrides: list[str] = ()):
     """(cfg, model, step) of `workdir`'s checkpoint `step` (default: the latest) with the run's own
     config plus `overrides`, on the devices present now; scanned layers are unrolled, as the
-    measurements need."""
+    measurements need, and a pallas-attention run uses the xla attention off TPU (unless
+    `model.attention_impl` is overridden)."""
     from gattn.model import unscanned  # noqa: PLC0415
 
     cfg = _fit_mesh(config_lib.load_run(workdir, overrides))
+    chosen = any("model.attention_impl" in o for o in overrides)
+    if cfg.model.attention_impl == "pallas" and jax.default_backend() != "tpu" and not chosen:
+        # Off TPU the kernel runs in interpret mode (~100x slower); the xla path computes the same.
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="xla"))
     mngr = checkpoint.manager(Path(workdir), cfg.train.keep_checkpoints, cfg.train.checkpoint_every)
     try:
         steps = mngr.all_steps()

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -39,12 +40,22 @@ TABLE6 = {2: ("switch_kv_8top8", "38"), 3: ("switch_kv_4top4", "13"), 4: ("switc
 
 
 @functools.lru_cache(maxsize=None)
-def count_params(cfg: ModelConfig) -> int:
-    """Number of parameters of the model `cfg` describes; no weight is allocated."""
+def _count_built(cfg: ModelConfig) -> int:
     from gattn.model import Transformer  # noqa: PLC0415 (keeps `--help` free of model imports)
 
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Number of parameters of the model `cfg` describes; no weight is allocated. The blocks are
+    identical, so the abstract model is built with one and two layers only (building all of a
+    paper-size model's layers abstractly takes seconds): one + (L - 1) x (two - one)."""
+    if cfg.num_layers <= 2:
+        return _count_built(cfg)
+    one = _count_built(dataclasses.replace(cfg, num_layers=1, scan_layers=False))
+    two = _count_built(dataclasses.replace(cfg, num_layers=2, scan_layers=False))
+    return one + (cfg.num_layers - 1) * (two - one)
 
 
 def activated_params(cfg: ModelConfig) -> int:

@@ -208,8 +208,9 @@ def test_config_name_lists_match_the_implementations():
     assert set(config.GATE_ACTIVATIONS) == set(gates.ACTIVATIONS)
 
 
-@pytest.mark.parametrize("variant", ["sdpa_elementwise", "sdpa_headwise", "v_elementwise",
-                                     "sdpa_rmsnorm_gate"])
+@pytest.mark.parametrize("variant", ["sdpa_elementwise", "sdpa_headwise",  # the others: -m slow
+                                     pytest.param("v_elementwise", marks=pytest.mark.slow),
+                                     pytest.param("sdpa_rmsnorm_gate", marks=pytest.mark.slow)])
 def test_pallas_attention_matches_xla_in_loss_and_gradients(variant):
     """attention_impl='pallas' (interpret mode here) trains the same model: the fused sigmoid
     SDPA gate (first two), a gate the kernel does not fuse (G2), and a gate behind a non-linearity."""

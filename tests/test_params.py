@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from gattn import params, variants
-from gattn.config import ModelConfig
+from gattn.config import ModelConfig, MoESpec
 from gattn.model import Transformer
 
 SMALL = ModelConfig(vocab_size=64, d_model=48, num_layers=2, q_heads=4, kv_heads=2, head_dim=8, d_ff=96)
@@ -49,6 +49,15 @@ def test_eval_shape_count_equals_materialised_count():
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     real = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert params.count_params(cfg) == real
+
+
+@pytest.mark.parametrize("name", ["sdpa_elementwise", "sandwich_norm", "switch_kv_4top4"])
+@pytest.mark.parametrize("scan", [False, True])
+def test_count_from_one_and_two_layers_equals_building_every_layer(name, scan):
+    cfg = dataclasses.replace(variants.apply(name, SMALL), num_layers=5, scan_layers=scan)
+    assert params.count_params(cfg) == params._count_built(cfg)
+    moe = dataclasses.replace(cfg, moe=MoESpec(num_experts=4, top_k=2, expert_width=16))
+    assert params.count_params(moe) == params._count_built(moe)
 
 
 def test_variant_lists_cover_the_paper_rows():
