@@ -77,7 +77,7 @@ def table(rows: list[dict]) -> str:
               ("gate score (mean)", lambda r: f"{r['gate_score']:.3f}" if "gate_score" in r else "-"),
               ("F-Attn (first token)", lambda r: f"{r['f_attn']:.3f}"),
               ("sink heads (F-Attn > 0.3)", lambda r: f"{r['sink_head_share']:.0%}"),
-              ("M-Act (mean over layers of max |hidden|)", lambda r: f"{r['m_act']:.1f}"),
+              ("M-Act (mean over layers of max abs hidden)", lambda r: f"{r['m_act']:.1f}"),
               ("tokens/s", lambda r: f"{r['tokens_per_sec']:,.0f}" if r["tokens_per_sec"] else "-")]
     out = ["| | " + " | ".join(r["variant"] for r in rows) + " |",
            "|---|" + "---|" * len(rows)]
