@@ -22,10 +22,13 @@ def per_layer(runs: dict[str, dict], path: Path, title: str = "") -> Path:
     gated runs."""
     fig, axes = _subplots(1, len(PER_LAYER), figsize=(4.2 * len(PER_LAYER), 3.6))
     for ax, (key, label, log) in zip(axes, PER_LAYER):
-        for name, m in runs.items():
+        for j, (name, m) in enumerate(runs.items()):  # one colour per run in every panel
             rows = m["per_layer"]
             if key in rows[0]:
-                ax.plot([r["layer"] for r in rows], [r[key] for r in rows], marker="o", label=name)
+                ax.plot([r["layer"] for r in rows], [r[key] for r in rows], marker="o", label=name,
+                        color=f"C{j % 10}")
+        if key == "sink_head_share":
+            ax.set_ylim(-0.03, 1.03)
         ax.set(xlabel="layer", title=label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if log:
