@@ -103,3 +103,23 @@ def test_compare_prints_a_table_4_row_per_run_and_overlays_curves(runs, tmp_path
         assert cells[6] == f"{saved[name]['overall']['m_act']:.2f}"
     assert (tmp_path / "per_layer.png").stat().st_size > 10_000
     assert set(json.loads((tmp_path / "results.json").read_text())) == {"baseline", "sdpa_elementwise"}
+
+
+def test_eval_restores_onto_another_device_count(runs, tmp_path):
+    """Trained on one device, evaluated on 8 simulated devices with a (4, 1, 2) mesh: the same
+    perplexity and measurements as on one device."""
+    import os
+
+    one = run_eval("--workdir", runs["sdpa_elementwise"], "--no-figures", "--max-batches", 1, "--out", tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    eight = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--workdir", str(runs["sdpa_elementwise"]),
+                            "--no-figures", "--max-batches", "1", "--out", str(tmp_path / "eight"),
+                            "--config.mesh.model=2"], capture_output=True, text=True, timeout=300, env=env)
+    assert eight.returncode == 0, eight.stderr
+    assert "note:" not in eight.stderr  # the requested mesh fitted: no fallback to data-only
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "eight"))
+    for domain in ("code", "docs"):
+        assert b["perplexity"][domain]["ppl"] == pytest.approx(a["perplexity"][domain]["ppl"], rel=1e-4)
+    for key in ("m_act", "f_attn", "gate_score"):
+        assert b["measurements"]["overall"][key] == pytest.approx(a["measurements"]["overall"][key], rel=1e-4)
