@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gattn.config import ConfigError
+
 # Histogram range of each gate activation's scores (values outside land in the edge bins).
 GATE_RANGES = {"sigmoid": (0.0, 1.0), "ns_sigmoid": (0.5, 1.0), "silu": (-0.5, 3.0), "identity": (-3.0, 3.0)}
 # |gate input| histogram for `mean_gate_scaled`: 100 log bins per decade over [1e-12, 1e4), so a
@@ -102,6 +104,14 @@ def collect(model, tokens_BxS, segment_ids_BxS=None, positions_BxS=None, *,
     return [{k: np.asarray(v, np.float32) for k, v in layer.items()} for layer in layers]
 
 
+def check_map_layers(map_layers, num_layers: int, field: str = "map_layers") -> tuple[int, ...]:
+    """`map_layers` as a tuple, or ConfigError (naming `field`) for a layer the model lacks."""
+    for i in map_layers:
+        if not 0 <= i < num_layers:
+            raise ConfigError(field, i, f"layers 0..{num_layers - 1} of this model")
+    return tuple(map_layers)
+
+
 @dataclasses.dataclass
 class Options:
     sink_threshold: float = 0.3          # a head with F-Attn above this is a sink head
@@ -121,11 +131,8 @@ class Measurements:
         self.gated = gate is not None
         self.gate_on_sdpa = self.gated and gate.position == "sdpa"
         self.gate_range = GATE_RANGES[gate.activation] if self.gated else None
-        self.map_layers = (tuple(self.opts.map_layers) if self.opts.map_layers is not None
+        self.map_layers = (check_map_layers(self.opts.map_layers, n) if self.opts.map_layers is not None
                            else tuple(sorted({0, n // 2, n - 1})))
-        for i in self.map_layers:
-            if not 0 <= i < n:
-                raise ValueError(f"map_layers: layer {i} does not exist (the model has {n} layers)")
         t, l_ = len(self.opts.sparsity_thresholds), self.opts.map_len
         self.m_act = np.zeros(n)
         self.f_attn_sum, self.f_attn_count = np.zeros((n, model_cfg.q_heads)), 0
@@ -145,7 +152,7 @@ class Measurements:
         thresholds = np.asarray(self.opts.sparsity_thresholds)
         # Attention maps: only queries in each row's first document (later ones start elsewhere).
         l_ = min(self.opts.map_len, s)
-        in_first_BxL = (np.cumsum(seg[:, :l_] != seg[:, :1], axis=1) == 0) & (seg[:, :1] != 0)
+        in_first_BxL = (np.asarray(document_starts(jnp.asarray(seg[:, :l_]))) == 0) & (seg[:, :l_] != 0)
         for i, layer in enumerate(layers):
             self.m_act[i] = max(self.m_act[i], float(np.abs(layer["block_out"][valid_N]).max(initial=0.0)))
             self.f_attn_sum[i] += (layer["first_probs"] * keep_BxS[:, None, :]).sum(axis=(0, 2))
@@ -166,6 +173,11 @@ class Measurements:
         self.gate_count += int(valid_N.sum())
         self.values += int(valid_N.sum()) * layers[0]["sdpa_out"][0].size
         self.map_queries[:l_] += in_first_BxL.sum(axis=0)
+
+    def add_batch(self, model, tokens_BxS, segment_ids_BxS=None, positions_BxS=None) -> None:
+        """Runs `collect` on model inputs with this accumulator's map options and adds the result."""
+        self.add(collect(model, tokens_BxS, segment_ids_BxS, positions_BxS, map_layers=self.map_layers,
+                         map_len=self.opts.map_len), segment_ids_BxS)
 
     def _count_below(self, key, layer, values, thresholds):
         self.below[key][layer] += (np.abs(values).reshape(-1, 1) < thresholds).sum(axis=0)
@@ -231,8 +243,7 @@ def measure(model, batches, options: Options | None = None) -> dict:
         step = rows or len(tokens)
         for r in range(0, len(tokens), step):
             sl = slice(r, r + step)
-            acc.add(collect(model, tokens[sl], seg[sl], pos[sl], map_layers=acc.map_layers,
-                            map_len=acc.opts.map_len), seg[sl])
+            acc.add_batch(model, tokens[sl], seg[sl], pos[sl])
     return acc.result()
 
 
@@ -240,6 +251,5 @@ def summarize(model, tokens_BxS, segment_ids_BxS=None, positions_BxS=None,
               options: Options | None = None) -> dict:
     """The statistics of one batch of model inputs ([B, S] tokens), per layer and overall."""
     acc = Measurements(model.cfg, options)
-    acc.add(collect(model, tokens_BxS, segment_ids_BxS, positions_BxS, map_layers=acc.map_layers,
-                    map_len=acc.opts.map_len), segment_ids_BxS)
+    acc.add_batch(model, tokens_BxS, segment_ids_BxS, positions_BxS)
     return acc.result()

@@ -86,7 +86,8 @@ def _check(prompts, max_new_tokens: int, max_len: int | None) -> int:
     return need if max_len is None else max_len
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= n (padded lengths that reuse compilations)."""
     return -(-n // multiple) * multiple
 
 
@@ -100,8 +101,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
     _check(prompts, max_new_tokens, max_len)
     s = max(len(p) for p in prompts)
     if max_len is None:
-        max_len = _round_up(s + max_new_tokens, pad_multiple)
-    s = min(_round_up(s, pad_multiple), max_len - max_new_tokens)
+        max_len = round_up(s + max_new_tokens, pad_multiple)
+    s = min(round_up(s, pad_multiple), max_len - max_new_tokens)
     tokens_BxS = np.zeros((len(prompts), s), np.int32)
     valid_BxS = np.zeros((len(prompts), s), bool)
     for row, p in enumerate(prompts):

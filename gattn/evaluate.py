@@ -35,41 +35,38 @@ def _fit_mesh(cfg):
         return dataclasses.replace(cfg, mesh=MeshConfig())
 
 
-def restore(workdir: str | Path, step: int | None = None, overrides: list[str] = ()):
+def saved_steps(workdir: str | Path) -> list[int]:
+    """The steps of the complete checkpoints in WORKDIR/checkpoints, in order."""
+    mngr = checkpoint.manager(Path(workdir), 1, 1)
+    try:
+        return sorted(mngr.all_steps())
+    finally:
+        mngr.close()
+
+
+def restore(workdir: str | Path, step: int | None = None, overrides: list[str] = (), *, run_cfg=None):
     """(cfg, model, step) of `workdir`'s checkpoint `step` (default: the latest) with the run's own
-    config plus `overrides`, on the devices present now; scanned layers are unrolled, as the
-    measurements need, and a pallas-attention run uses the xla attention off TPU (unless
-    `model.attention_impl` is overridden)."""
+    config plus `overrides` (`run_cfg`, if the caller has loaded it already), on the devices present
+    now; scanned layers are unrolled, as the measurements need, and a pallas-attention run uses the
+    xla attention off TPU (unless `model.attention_impl` is overridden)."""
     from gattn.model import unscanned  # noqa: PLC0415
 
-    cfg = _fit_mesh(config_lib.load_run(workdir, overrides))
+    cfg = _fit_mesh(run_cfg if run_cfg is not None else config_lib.load_run(workdir, overrides))
     chosen = any("model.attention_impl" in o for o in overrides)
     if cfg.model.attention_impl == "pallas" and jax.default_backend() != "tpu" and not chosen:
         # Off TPU the kernel runs in interpret mode (~100x slower); the xla path computes the same.
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="xla"))
-    mngr = checkpoint.manager(Path(workdir), cfg.train.keep_checkpoints, cfg.train.checkpoint_every)
-    try:
-        steps = mngr.all_steps()
-    finally:
-        mngr.close()
+    steps = saved_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {Path(workdir) / 'checkpoints'}")
     if step is not None and step not in steps:
-        raise ConfigError("--step", step, f"one of the saved steps {sorted(steps)}")
-    step = max(steps) if step is None else step
+        raise ConfigError("--step", step, f"one of the saved steps {steps}")
+    step = steps[-1] if step is None else step
     model = trainer.load_model(cfg, workdir, step)
     if cfg.model.scan_layers:
         model = unscanned(model)
         cfg = dataclasses.replace(cfg, model=model.cfg)
     return cfg, model, step
-
-
-def latest_step(workdir: str | Path) -> int | None:
-    mngr = checkpoint.manager(Path(workdir), 1, 1)
-    try:
-        return mngr.latest_step()
-    finally:
-        mngr.close()
 
 
 def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[str] = (),
@@ -82,10 +79,9 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     workdir = Path(workdir)
     options = options or analysis.Options()
     run_cfg = config_lib.load_run(workdir, overrides)
-    for i in options.map_layers or ():  # checked before anything is restored
-        if not 0 <= i < run_cfg.model.num_layers:
-            raise ConfigError("--map-layers", i, f"layers 0..{run_cfg.model.num_layers - 1} of this model")
-    cfg, model, step = restore(workdir, step, overrides)
+    # Checked before anything is restored, named as eval.py's flag.
+    analysis.check_map_layers(options.map_layers or (), run_cfg.model.num_layers, "--map-layers")
+    cfg, model, step = restore(workdir, step, overrides, run_cfg=run_cfg)
     out_dir = out_path(workdir, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(cfg, workdir)
@@ -166,7 +162,7 @@ def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, ov
     for w in workdirs:
         path = Path(w) / "eval" / "results.json"
         res = json.loads(path.read_text()) if path.is_file() else None
-        if res is None or res["step"] != latest_step(w):  # missing or of an older checkpoint
+        if res is None or res["step"] != max(saved_steps(w), default=None):  # missing or of an older checkpoint
             res = evaluate(w, overrides=overrides, **eval_kwargs)
         runs[_label(Path(w), res, runs)] = res
     out_dir = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(w).absolute() for w in workdirs])) / "compare"

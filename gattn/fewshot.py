@@ -133,7 +133,7 @@ def loglikelihood(model, requests: list[tuple[list[int], list[int]]], *, batch_s
             if max_len is not None:
                 seq = seq[-max_len:]
             seqs.append((seq, min(len(cont), len(seq) - 1)))
-        length = -(-max(len(s) for s, _ in seqs) // 32) * 32
+        length = decode.round_up(max(len(s) for s, _ in seqs), 32)
         tokens = np.zeros((batch_size, length), np.int32)
         segments = np.zeros((batch_size, length), np.int32)
         for row, (seq, _) in enumerate(seqs):

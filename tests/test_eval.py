@@ -39,9 +39,9 @@ def runs(tmp_path_factory):
     return dirs
 
 
-def run_eval(*args):
+def run_eval(*args, env=None):
     return subprocess.run([sys.executable, str(ROOT / "eval.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_eval_writes_every_field_and_figure(runs):
@@ -113,9 +113,8 @@ def test_eval_restores_onto_another_device_count(runs, tmp_path):
     one = run_eval("--workdir", runs["sdpa_elementwise"], "--no-figures", "--max-batches", 1, "--out", tmp_path / "one")
     assert one.returncode == 0, one.stderr
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    eight = subprocess.run([sys.executable, str(ROOT / "eval.py"), "--workdir", str(runs["sdpa_elementwise"]),
-                            "--no-figures", "--max-batches", "1", "--out", str(tmp_path / "eight"),
-                            "--config.mesh.model=2"], capture_output=True, text=True, timeout=300, env=env)
+    eight = run_eval("--workdir", runs["sdpa_elementwise"], "--no-figures", "--max-batches", 1,
+                     "--out", tmp_path / "eight", "--config.mesh.model=2", env=env)
     assert eight.returncode == 0, eight.stderr
     assert "note:" not in eight.stderr  # the requested mesh fitted: no fallback to data-only
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "eight"))
