@@ -2,6 +2,8 @@
 
     python eval.py --workdir DIR [--step N] [--tasks FILE.jsonl,...] [--shots K] [--config.FIELD=VALUE ...]
     python eval.py --compare DIR1 DIR2 ... [--out DIR]
+    python eval.py --workdir DIR --ruler --lengths 512,1024,2048,4096 [--config.model.yarn.factor=4]
+    python eval.py --ruler --lengths 512,1024,2048,4096 --compare DIR1 DIR2 ... [RULER.json ...]
 
 Restores the Orbax checkpoint of DIR (the latest, or --step N) onto the devices present, with the
 run's own config (DIR/config.json) plus any overrides, and writes DIR/eval/results.json,
@@ -10,7 +12,10 @@ the gate score and its histogram, F-Attn (first-token attention, per head, sink-
 M-Act (max hidden activation), SDPA-output sparsity before and after the gate, and per-head
 attention maps. --tasks adds few-shot evaluation (gattn/fewshot.py). --compare prints a
 Table-4-like table across runs (evaluating those without results) and overlays their per-layer
-curves in one figure.
+curves in one figure. --ruler runs the RULER-style long-context benchmark instead (gattn/ruler.py)
+at the given lengths and writes ruler.json, ruler.md and ruler.png: per task and length, the
+exact-match score, seconds and peak memory; with --compare, a Table-5-like table of several
+checkpoints (run folders, or ruler.json files of earlier evaluations such as a YaRN one).
 """
 
 import argparse
@@ -23,6 +28,13 @@ from gattn.runtime import ensure_malloc_tunables
 
 def _layers(text):
     return tuple(int(x) for x in text.split(",")) if text else None
+
+
+def _lengths(text):
+    try:
+        return sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, e.g. 512,1024; got {text!r}") from None
 
 
 def main(argv=None):
@@ -42,9 +54,19 @@ def main(argv=None):
     ap.add_argument("--shots", type=int, default=0, help="in-context examples per few-shot prompt")
     ap.add_argument("--limit", type=int, help="evaluate only the first N examples of each task")
     ap.add_argument("--no-figures", action="store_true")
+    ruler = ap.add_argument_group("long context (RULER-style, gattn/ruler.py)")
+    ruler.add_argument("--ruler", action="store_true", help="run the long-context benchmark instead")
+    ruler.add_argument("--lengths", type=_lengths, help="context lengths in tokens, e.g. 512,1024,2048,4096")
+    ruler.add_argument("--ruler-tasks", help="comma-separated subset of the tasks (default: all six)")
+    ruler.add_argument("--samples", type=int, default=8, help="samples per task and length")
+    ruler.add_argument("--seed", type=int, default=0, help="the generator's seed")
+    ruler.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill pass "
+                       "(bounds the attention memory of long prompts)")
     args, overrides = config_lib.parse_args(ap, argv)
     if bool(args.workdir) == bool(args.compare):
         ap.error("give either --workdir DIR or --compare DIR1 DIR2 ...")
+    if args.ruler:
+        return _ruler(args, overrides)
     for name in ("max_batches", "map_len", "limit", "batch_rows"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -65,6 +87,34 @@ def main(argv=None):
     print(evaluate.report(results))
     print(json.dumps({"results": str(evaluate.out_path(args.workdir, args.out) / "results.json"),
                       "figures": results.get("figures", [])}))
+    return 0
+
+
+def _ruler(args, overrides):
+    from gattn.ruler import TASKS  # noqa: PLC0415 (no JAX)
+
+    if not args.lengths:
+        raise config_lib.ConfigError("--lengths", args.lengths, "comma-separated token counts, e.g. 512,1024,2048")
+    tasks = tuple(args.ruler_tasks.split(",")) if args.ruler_tasks else TASKS
+    for task in tasks:
+        if task not in TASKS:
+            raise config_lib.ConfigError("--ruler-tasks", task, f"one of {', '.join(TASKS)}")
+    for name in ("samples", "prefill_chunk"):
+        if getattr(args, name) < 1:
+            raise config_lib.ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected a positive integer")
+
+    from gattn import evaluate  # noqa: PLC0415
+
+    kwargs = dict(tasks=tasks, num_samples=args.samples, seed=args.seed, prefill_chunk=args.prefill_chunk,
+                  overrides=overrides)
+    if args.compare:
+        print(evaluate.compare_ruler(args.compare, args.lengths, out_dir=args.out, **kwargs))
+        return 0
+    res = evaluate.evaluate_ruler(args.workdir, args.lengths, step=args.step, out_dir=args.out,
+                                  figures=not args.no_figures, **kwargs)
+    print(evaluate.ruler_table([res]) + "\n\n" + evaluate.ruler_task_table(res))
+    print(json.dumps({"results": str(evaluate.out_path(args.workdir, args.out) / "ruler.json"),
+                      "figures": res.get("figures", [])}))
     return 0
 
 

@@ -1,8 +1,9 @@
 """Train a model: python train.py --config configs/NAME.py --workdir DIR [--steps N] [--variant NAME]
-                                  [--config.FIELD=VALUE ...]
+                                  [--init-from RUN_DIR] [--config.FIELD=VALUE ...]
 
 Rerunning the same command in the same DIR resumes from the latest complete checkpoint. Writes
-DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/ and DIR/summary.json.
+DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/ and DIR/summary.json. --init-from starts a
+new run from another run's parameters (continued training, e.g. configs/extend_tiny.py).
 """
 
 import argparse
@@ -18,8 +19,12 @@ def main(argv=None):
     ap.add_argument("--workdir", required=True, help="run directory (created; resumed if it exists)")
     ap.add_argument("--steps", type=int, help="total training steps (sets train.steps)")
     ap.add_argument("--variant", help="a registered variant (python -m gattn.variants)")
+    ap.add_argument("--init-from", metavar="RUN_DIR", help="start from this run's parameters "
+                    "(sets train.init_from; its latest checkpoint, or --config.train.init_step=N)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args, overrides = config_lib.parse_args(ap, argv, steps_set_train_steps=True)
+    if args.init_from:
+        overrides.append(f"train.init_from={args.init_from}")
     cfg = config_lib.load(args.config, overrides, variant=args.variant)
 
     from gattn import trainer  # noqa: PLC0415 (config errors come before any JAX import)

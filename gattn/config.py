@@ -192,6 +192,49 @@ class SwitchHeadsSpec:
 
 
 @dataclass(frozen=True)
+class YarnSpec:
+    """YaRN RoPE scaling (Peng et al. 2023, "NTK-by-parts" with attention temperature), applied at
+    eval time to a trained checkpoint or for continued training; the paper's Table 5 extends 32k
+    models to 128k with it (factor 4).
+
+    factor:           s, how many times the context is stretched.
+    original_len:     L, the context length the checkpoint was trained at.
+    beta_fast, beta_slow: the ramp. A RoPE dimension pair that turns more than beta_fast times
+                      within L keeps its frequency (extrapolated); one that turns fewer than
+                      beta_slow times is divided by s (interpolated); between them, a linear blend.
+    attention_factor: sqrt(1/t), multiplying q and k after RoPE (logits by 1/t);
+                      None = the paper's 0.1 ln(s) + 1.
+    """
+
+    factor: float = 1.0
+    original_len: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+
+    def __post_init__(self):
+        _positive("factor", self.factor)
+        if self.factor < 1:
+            raise ConfigError("factor", self.factor, "expected a number >= 1 (the context is stretched, not shrunk)")
+        if not isinstance(self.original_len, int) or isinstance(self.original_len, bool) or self.original_len < 1:
+            raise ConfigError("original_len", self.original_len,
+                              "expected the context length the checkpoint was trained at (an integer > 0)")
+        _positive("beta_fast", self.beta_fast)
+        _positive("beta_slow", self.beta_slow)
+        if self.beta_slow >= self.beta_fast:
+            raise ConfigError("beta_slow", self.beta_slow, f"expected < beta_fast ({self.beta_fast})")
+        if self.attention_factor is not None:
+            _positive("attention_factor", self.attention_factor)
+
+    @property
+    def temperature_factor(self) -> float:
+        """sqrt(1/t): the given attention_factor, or 0.1 ln(s) + 1."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only LM: pre-RMSNorm blocks of GQA attention (with an optional gate) and SwiGLU."""
 
@@ -205,6 +248,7 @@ class ModelConfig:
     ffn_activation: str = "silu"
     tie_embeddings: bool = False
     rope_base: float = 10_000.0
+    yarn: YarnSpec | None = None           # YaRN context extension (Table 5); None = plain RoPE.
     qk_norm: bool = False
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -258,6 +302,8 @@ class ModelConfig:
             raise ConfigError("gate", self.gate, "expected a GateSpec or None")
         if self.switch_heads is not None and not isinstance(self.switch_heads, SwitchHeadsSpec):
             raise ConfigError("switch_heads", self.switch_heads, "expected a SwitchHeadsSpec or None")
+        if self.yarn is not None and not isinstance(self.yarn, YarnSpec):
+            raise ConfigError("yarn", self.yarn, "expected a YarnSpec or None")
         if self.moe is not None and not isinstance(self.moe, MoESpec):
             raise ConfigError("moe", self.moe, "expected a MoESpec or None")
         if self.moe is not None and self.match_ffn_params:
@@ -349,6 +395,11 @@ class TrainConfig:
     max_bad_steps: int = 10         # consecutive non-finite steps before the run stops
     spike_window: int = 50          # loss spike: loss > median of the last `window` + margin
     spike_margin: float = 0.5
+    # Continued training (e.g. the paper's context extension: a new RoPE base and seq_len): a new
+    # run starts from the parameters of run directory `init_from` (its latest checkpoint, or step
+    # `init_step`) with a fresh optimizer and schedule. Ignored once this run has a checkpoint.
+    init_from: str = ""
+    init_step: int | None = None
 
     def __post_init__(self):
         _integer("seed", self.seed, zero_ok=True)
@@ -360,6 +411,12 @@ class TrainConfig:
             _positive(name, getattr(self, name))
         for name in ("min_learning_rate", "weight_decay", "grad_clip"):
             _positive(name, getattr(self, name), zero_ok=True)
+        if not isinstance(self.init_from, str):
+            raise ConfigError("init_from", self.init_from, "expected a run directory or ''")
+        if self.init_step is not None:
+            _integer("init_step", self.init_step)
+            if not self.init_from:
+                raise ConfigError("init_step", self.init_step, "only with init_from (a run directory)")
         if self.lr_preset:
             _choice("lr_preset", self.lr_preset, tuple(LR_PRESETS))
         peak, floor, warmup = self.schedule
@@ -441,26 +498,29 @@ def _coerce(path: str, text: str, hint: Any) -> Any:
 
 def _build(cfg: Any, tree: dict, prefix: str) -> Any:
     """Returns `cfg` with every override in `tree` ({field: text or subtree}) applied at once, so
-    that cross-field checks see the final values whatever the order on the command line."""
-    fields = {f.name for f in dataclasses.fields(cfg)}
-    hints = typing.get_type_hints(type(cfg))
+    that cross-field checks see the final values whatever the order on the command line. `cfg` may
+    be a dataclass type: an absent sub-config is created from its defaults and the given fields."""
+    cls = cfg if isinstance(cfg, type) else type(cfg)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
     changes = {}
     for name, value in tree.items():
         path = f"{prefix}.{name}" if prefix else name
         if name not in fields:
             raise ConfigError(path, value if isinstance(value, str) else None,
-                              f"unknown field; {type(cfg).__name__} has {', '.join(sorted(fields))}")
+                              f"unknown field; {cls.__name__} has {', '.join(sorted(fields))}")
         if isinstance(value, str):
             changes[name] = _coerce(path, value, hints[name])
             continue
-        child = getattr(cfg, name)
-        if child is None:  # setting a field of an absent sub-config creates it with defaults
-            child = next((a for a in typing.get_args(hints[name]) if dataclasses.is_dataclass(a)), None)()
+        child = None if isinstance(cfg, type) else getattr(cfg, name)
+        if child is None:  # a field of an absent sub-config: built from its defaults and these fields
+            child = next((a for a in (hints[name], *typing.get_args(hints[name]))
+                          if dataclasses.is_dataclass(a)), None)
         if not dataclasses.is_dataclass(child):
             raise ConfigError(path, None, f"{path} is a value, not a nested config")
         changes[name] = _build(child, value, path)
     try:
-        return dataclasses.replace(cfg, **changes)
+        return cls(**changes) if isinstance(cfg, type) else dataclasses.replace(cfg, **changes)
     except ConfigError as e:
         raise e.under(prefix) from None
 
@@ -532,7 +592,14 @@ def load_run(workdir: str | Path, overrides: list[str] = ()) -> Config:
     if not path.is_file():
         raise ConfigError("--workdir", str(workdir), "expected a run directory holding config.json "
                           "(written by train.py)")
-    return apply_overrides(from_dict(Config, json.loads(path.read_text())), list(overrides))
+    cfg = from_dict(Config, json.loads(path.read_text()))
+    overrides = list(overrides)
+    names = [o.removeprefix("--").removeprefix("config.").partition("=")[0].strip() for o in overrides]
+    if (any(n.startswith("model.yarn.") for n in names) and "model.yarn.original_len" not in names
+            and cfg.model.yarn is None):
+        # YaRN on a trained checkpoint: the context it was trained at is the run's own seq_len.
+        overrides.append(f"model.yarn.original_len={cfg.train.seq_len}")
+    return apply_overrides(cfg, overrides)
 
 
 def parse_args(parser, argv=None, *, steps_set_train_steps: bool = False):

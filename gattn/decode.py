@@ -55,10 +55,27 @@ def _step(graphdef, state, tokens_B, cache):
     return jnp.argmax(logits_Bx1xV[:, 0], axis=-1).astype(jnp.int32), cache
 
 
-def prefill(model: Transformer, tokens_BxS: jax.Array, valid_BxS: jax.Array, cache: dict):
-    """(logits [B, S, V], cache): runs a block of tokens (False in `valid_BxS` = padding) into the
-    cache after what it holds."""
-    return _prefill(*nnx.split(model), jnp.asarray(tokens_BxS), jnp.asarray(valid_BxS, bool), cache)
+def prefill(model: Transformer, tokens_BxS, valid_BxS, cache: dict, *, chunk: int | None = None,
+            last_only: bool = False):
+    """(logits, cache): runs a block of tokens (False in `valid_BxS` = padding) into the cache
+    after what it holds. With `chunk`, `chunk` tokens at a time: each layer then holds one
+    [chunk, cache length] attention matrix per head instead of [S, cache length], so a long
+    prompt fits in memory; the result is the same. Logits are [B, S, V], or [B, V] of the last
+    position with `last_only` (a long prompt's [S, V] logits are themselves large)."""
+    graphdef, state = nnx.split(model)
+    tokens_BxS, valid_BxS = np.asarray(tokens_BxS), np.asarray(valid_BxS, bool)
+    s = tokens_BxS.shape[1]
+    chunk = s if chunk is None else chunk
+    if chunk < 1:
+        raise ValueError(f"prefill chunk = {chunk}: expected >= 1")
+    pieces = []
+    for start in range(0, s, chunk):
+        logits, cache = _prefill(graphdef, state, jnp.asarray(tokens_BxS[:, start:start + chunk]),
+                                 jnp.asarray(valid_BxS[:, start:start + chunk]), cache)
+        pieces.append(logits[:, -1] if last_only else logits)
+    if last_only:
+        return pieces[-1], cache
+    return (pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)), cache
 
 
 def _stopped(tokens: list[int], eos_id: int | None, stop: Stop) -> list[int] | None:
@@ -93,13 +110,17 @@ def round_up(n: int, multiple: int) -> int:
 
 def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              eos_id: int | None = None, stop: Stop = None, max_len: int | None = None,
-             pad_multiple: int = 16) -> list[list[int]]:
+             pad_multiple: int = 16, prefill_chunk: int | None = None) -> list[list[int]]:
     """Greedy continuation of each prompt (at most `max_new_tokens` tokens, stopped as the module
     docstring says), batched with a kv cache of `max_len` slots. The padded prompt length and the
     default max_len are rounded up to a multiple of `pad_multiple`, so that calls with similar
-    lengths reuse the compiled prefill and step."""
+    lengths reuse the compiled prefill and step. `prefill_chunk` runs the prompts `prefill_chunk`
+    tokens at a time (memory-bounded prefill for long prompts; the prompt length is then padded
+    to a multiple of it where the cache allows)."""
     _check(prompts, max_new_tokens, max_len)
     s = max(len(p) for p in prompts)
+    if prefill_chunk is not None and prefill_chunk < s:
+        pad_multiple = prefill_chunk
     if max_len is None:
         max_len = round_up(s + max_new_tokens, pad_multiple)
     s = min(round_up(s, pad_multiple), max_len - max_new_tokens)
@@ -110,9 +131,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
         valid_BxS[row, s - len(p):] = True
     graphdef, state = nnx.split(model)
     cache = model.init_cache(len(prompts), max_len)
-    logits_BxSxV, cache = _prefill(graphdef, state, jnp.asarray(tokens_BxS), jnp.asarray(valid_BxS),
-                                   cache)
-    next_B = jnp.argmax(logits_BxSxV[:, -1], axis=-1).astype(jnp.int32)
+    logits_BxV, cache = prefill(model, tokens_BxS, valid_BxS, cache, chunk=prefill_chunk, last_only=True)
+    next_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     generated = [[] for _ in prompts]
     outputs: list[list[int] | None] = [None] * len(prompts)
     for step in range(max_new_tokens):

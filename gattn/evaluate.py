@@ -4,6 +4,8 @@ comparison of several runs (Table 4 of the paper, for your checkpoints).
 
     evaluate(workdir)  ->  WORKDIR/eval/results.json, results.md, *.png
     compare([dir, ...]) -> a Table-4-like markdown table and one overlay figure of per-layer curves
+    evaluate_ruler(workdir, lengths) -> WORKDIR/eval/ruler.json, ruler.md, ruler.png (gattn.ruler)
+    compare_ruler([dir or ruler.json, ...]) -> a Table-5-like table and accuracy against length
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from gattn import analysis, checkpoint, plots, sharding, trainer
+from gattn import analysis, checkpoint, plots, ruler, sharding, trainer
 from gattn import config as config_lib
 from gattn.config import ConfigError, MeshConfig
 from gattn.data import pipeline
@@ -198,3 +200,113 @@ def table(runs: dict[str, dict]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
+
+
+# --------------------------------------------------------------------------- long context (RULER)
+
+
+def evaluate_ruler(workdir: str | Path, lengths: list[int], *, step: int | None = None,
+                   overrides: list[str] = (), tasks: tuple[str, ...] = ruler.TASKS, num_samples: int = 8,
+                   seed: int = 0, batch_size: int = 4, prefill_chunk: int = 512,
+                   out_dir: str | Path | None = None, figures: bool = True) -> dict:
+    """The RULER-style benchmark (gattn/ruler.py) on `workdir`'s checkpoint at each length, with
+    the run's config plus `overrides` (e.g. a new rope_base, or YaRN: model.yarn.factor=4; its
+    original_len defaults to the run's train.seq_len). Writes ruler.json, ruler.md, ruler.png."""
+    workdir = Path(workdir)
+    run_cfg = config_lib.load_run(workdir, overrides)
+    tokenizer = load_tokenizer(run_cfg, workdir)
+
+    def count(text):
+        return len(tokenizer.encode(text))
+
+    # Checked before anything is restored (other samples' keys and numbers take a few more tokens).
+    short = {t: n + 16 for t, n in ruler.shortest(tasks, count, seed).items() if n + 16 > min(lengths)}
+    if short:
+        raise ConfigError("--lengths", min(lengths), "every length must hold each task's instructions and "
+                          f"answer: {', '.join(f'{t} needs about {n}' for t, n in short.items())}")
+    cfg, model, step = restore(workdir, step, overrides, run_cfg=run_cfg)
+    res = ruler.run(model, tokenizer, lengths, tasks=tasks, num_samples=num_samples, seed=seed,
+                    batch_size=batch_size, prefill_chunk=prefill_chunk)
+    yarn = dataclasses.asdict(cfg.model.yarn) if cfg.model.yarn else None
+    label = workdir.name + (f" + YaRN x{yarn['factor']:g}" if yarn else "")
+    res = {"label": label, "workdir": str(workdir), "step": step, "variant": cfg.variant,
+           "trained_len": cfg.train.seq_len, "rope_base": cfg.model.rope_base, "yarn": yarn, **res}
+    out_dir = out_path(workdir, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "ruler.json").write_text(json.dumps(res, indent=1))
+    (out_dir / "ruler.md").write_text(ruler_table([res]) + "\n\n" + ruler_task_table(res) + "\n")
+    if figures:
+        res["figures"] = [str(plots.ruler({label: res}, out_dir / "ruler.png"))]
+    return res
+
+
+def compare_ruler(entries: list[str | Path], lengths: list[int], *, out_dir: str | Path | None = None,
+                  **ruler_kwargs) -> str:
+    """Table 5 across checkpoints: each entry is a run directory (its eval/ruler.json is reused when
+    it covers `lengths` with the same tasks, samples and seed at the latest checkpoint; otherwise the
+    run is evaluated) or a ruler.json written earlier (e.g. a YaRN evaluation with --out). Writes
+    ruler_table.md, ruler.json and ruler.png to `out_dir` (default COMMON_PARENT/compare)."""
+    want = {k: ruler_kwargs[k] for k in ("num_samples", "seed") if k in ruler_kwargs}
+    want["tasks"] = list(ruler_kwargs.get("tasks", ruler.TASKS))
+    results = []
+    for entry in map(Path, entries):
+        if entry.is_file() or (entry / "ruler.json").is_file() and not (entry / "config.json").is_file():
+            results.append(json.loads((entry if entry.is_file() else entry / "ruler.json").read_text()))
+            continue
+        path = entry / "eval" / "ruler.json"
+        res = json.loads(path.read_text()) if path.is_file() else None
+        fresh = (res is not None and not ruler_kwargs.get("overrides") and set(lengths) <= set(res["lengths"])
+                 and all(res.get(k) == v for k, v in want.items())
+                 and res["step"] == max(saved_steps(entry), default=None))
+        results.append(res if fresh else evaluate_ruler(entry, lengths, **ruler_kwargs))
+    for r in results:  # the requested lengths only, in the order asked
+        r["per_length"] = {str(n): r["per_length"][str(n)] for n in sorted(lengths) if str(n) in r["per_length"]}
+    parent = os.path.commonpath([Path(e).absolute() if Path(e).is_dir() else Path(e).absolute().parent for e in entries])
+    out_dir = Path(out_dir) if out_dir else Path(parent) / "compare"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = ruler_table(results)
+    (out_dir / "ruler_table.md").write_text(text + "\n")
+    (out_dir / "ruler.json").write_text(json.dumps(results, indent=1))
+    labels = [r["label"] if r["label"] not in [q["label"] for q in results[:i]] else f"{r['label']} ({r['workdir']})"
+              for i, r in enumerate(results)]
+    plots.ruler(dict(zip(labels, results)), out_dir / "ruler.png")
+    return text
+
+
+def ruler_table(results: list[dict]) -> str:
+    """Markdown like the paper's Table 5: one row per checkpoint, the mean exact-match score over
+    tasks at each length; a YaRN row also shows its change against the same run without YaRN."""
+    lengths = sorted({int(n) for r in results for n in r["per_length"]})
+    head = ["checkpoint", "trained at", "RoPE base", "YaRN"] + [_length_name(n) for n in lengths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        plain = next((q for q in results if q["workdir"] == r["workdir"] and not q["yarn"]), None) if r["yarn"] else None
+        cells = [r["label"], str(r["trained_len"]), f"{r['rope_base']:,.0f}",
+                 f"x{r['yarn']['factor']:g} from {r['yarn']['original_len']}" if r["yarn"] else "-"]
+        for n in map(str, lengths):
+            if n not in r["per_length"]:
+                cells.append("-")
+                continue
+            score = r["per_length"][n]["exact"]
+            delta = (f" ({score - plain['per_length'][n]['exact']:+.1f})"
+                     if plain is not None and n in plain["per_length"] else "")
+            cells.append(f"{score:.1f}{delta}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ruler_task_table(res: dict) -> str:
+    """Exact-match (and partial) score of each task at each length, and the cost of each length."""
+    lengths = list(res["per_length"])
+    lines = ["| task | " + " | ".join(_length_name(int(n)) for n in lengths) + " |", "|" + "---|" * (len(lengths) + 1)]
+    for task in res["tasks"]:
+        lines.append(f"| {task} | " + " | ".join(
+            f"{res['per_length'][n]['tasks'][task]['exact']:.0f} ({res['per_length'][n]['tasks'][task]['partial']:.0f})"
+            for n in lengths) + " |")
+    lines.append("| seconds | " + " | ".join(f"{res['per_length'][n]['seconds']:.0f}" for n in lengths) + " |")
+    lines.append("| peak memory (MiB) | " + " | ".join(f"{res['per_length'][n]['peak_rss_mb']:.0f}" for n in lengths) + " |")
+    return "\n".join(lines)
+
+
+def _length_name(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)

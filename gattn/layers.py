@@ -1,4 +1,4 @@
-"""Small building blocks: parameters with logical axis names, dense, RMSNorm, RoPE, SwiGLU.
+"""Small building blocks: parameters with logical axis names, dense, RMSNorm, RoPE (and YaRN), SwiGLU.
 
 Shapes are carried in names: N = tokens (batch * sequence, the residual stream is 2-D), D =
 d_model, H = heads, K = head_dim, F = FFN width, V = vocabulary.
@@ -6,11 +6,14 @@ d_model, H = heads, K = head_dim, F = FFN width, V = vocabulary.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from gattn.config import ModelConfig
+from gattn.config import ModelConfig, YarnSpec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -54,19 +57,44 @@ class RMSNorm(nnx.Module):
         return rms_norm(x, self.scale[...], self.eps)
 
 
-def rope_frequencies(head_dim: int, base: float) -> jax.Array:
-    """theta_i = base^(-2i/head_dim) for i < head_dim/2."""
-    return base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+def rope_frequencies(head_dim: int, base: float, yarn: YarnSpec | None = None) -> tuple[np.ndarray, float]:
+    """(theta [head_dim/2], scale): the rotation frequency of each dimension pair and the factor
+    on q and k after rotating. Plain RoPE: theta_i = base^(-2i/head_dim), scale 1.
+
+    YaRN (Peng et al. 2023, "NTK-by-parts" and temperature): pair i turns L theta_i / (2 pi) times
+    within the original context L. Pairs that turn more than beta_fast times keep theta_i, pairs
+    that turn fewer than beta_slow times get theta_i / s, and between the two dimensions (floored
+    and ceiled, as the reference code does) the ramp blends linearly; scale = sqrt(1/t) =
+    0.1 ln s + 1 unless attention_factor is given. Host constants: the config is static.
+    """
+    theta = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if yarn is None:
+        return theta.astype(np.float32), 1.0
+
+    def dim_turning(turns):  # the (fractional) dimension whose pair turns `turns` times in L
+        return head_dim * math.log(yarn.original_len / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(dim_turning(yarn.beta_fast)), 0)
+    high = min(math.ceil(dim_turning(yarn.beta_slow)), head_dim - 1)
+    high = high + 0.001 if high == low else high
+    ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low), 0.0, 1.0)  # 0: keep, 1: interpolate
+    theta = theta * (1 - ramp) + theta / yarn.factor * ramp
+    return theta.astype(np.float32), yarn.temperature_factor
 
 
-def apply_rope(x_NxHxK: jax.Array, positions_N: jax.Array, base: float) -> jax.Array:
+def apply_rope(x_NxHxK: jax.Array, positions_N: jax.Array, base: float,
+               yarn: YarnSpec | None = None) -> jax.Array:
     """Rotary embedding in the rotate-half layout (pairs dimension i with i + K/2), the layout of
     Qwen/Llama checkpoints, so converted weights need no permutation. Computed as
     x * cos + rotate_half(x) * sin with full-width [N, 1, K] tables: on CPU this form is ~10 ms
-    per layer (fwd+bwd, peer shapes) faster than combining the halves with [N, 1, K/2] tables."""
+    per layer (fwd+bwd, peer shapes) faster than combining the halves with [N, 1, K/2] tables.
+    With `yarn`, the frequencies and the scale of `rope_frequencies`."""
     k = x_NxHxK.shape[-1]
-    angles_NxK2 = positions_N.astype(jnp.float32)[:, None] * rope_frequencies(k, base)[None, :]
+    theta, scale = rope_frequencies(k, base, yarn)
+    angles_NxK2 = positions_N.astype(jnp.float32)[:, None] * jnp.asarray(theta)[None, :]
     cos, sin = jnp.cos(angles_NxK2), jnp.sin(angles_NxK2)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     cos_Nx1xK = jnp.concatenate([cos, cos], axis=-1)[:, None, :]
     sin_Nx1xK = jnp.concatenate([-sin, sin], axis=-1)[:, None, :]
     x = x_NxHxK.astype(jnp.float32)

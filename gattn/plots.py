@@ -1,7 +1,7 @@
 """Figures of the paper's measurements (matplotlib, written as PNG): per-layer curves (Fig. 2 left,
 Fig. 6), the gate-score histogram (Fig. 3), SDPA-output sparsity (Fig. 5), per-head F-Attn, and
 per-head attention maps (Fig. 2 right). Each takes `gattn.analysis` results (`measurements` in
-eval.py's results.json) and a path."""
+eval.py's results.json) and a path; `ruler` takes gattn.ruler results (Table 5 as a figure)."""
 
 from __future__ import annotations
 
@@ -109,6 +109,33 @@ def attention_maps(m: dict, path: Path, name: str = "", max_heads: int = 8) -> P
     for ax in axes[-1]:
         ax.set_xlabel("key position")
     fig.suptitle(f"{name}: mean attention maps (sqrt of the probability)")
+    return _save(fig, path)
+
+
+def ruler(runs: dict[str, dict], path: Path) -> Path:
+    """Table 5 as a figure: exact-match score against context length, the mean over tasks and each
+    task, one line per checkpoint (name -> gattn.ruler results); the trained length is marked."""
+    tasks = list(next(iter(runs.values()))["tasks"])
+    panels = ["mean over tasks"] + tasks
+    cols = min(4, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = _subplots(rows, cols, figsize=(3.8 * cols, 3.2 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for j, (name, r) in enumerate(runs.items()):
+            lengths = [int(n) for n in r["per_length"]]
+            ys = [(v["exact"] if panel == panels[0] else v["tasks"].get(panel, {}).get("exact", np.nan))
+                  for v in r["per_length"].values()]
+            ax.plot(lengths, ys, marker="o", color=f"C{j % 10}", label=name)
+            ax.axvline(r["trained_len"], color=f"C{j % 10}", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ticks = sorted({int(n) for r in runs.values() for n in r["per_length"]})
+        ax.set_xticks(ticks, [str(n) for n in ticks], rotation=45 if len(ticks) > 4 else 0)
+        ax.set(xlabel="context length (tokens)", ylabel="exact match (%)", title=panel, ylim=(-3, 103))
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("RULER-style long-context accuracy (dotted: the length each checkpoint was trained at)")
     return _save(fig, path)
 
 

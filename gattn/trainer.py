@@ -24,9 +24,10 @@ import optax
 from flax import nnx
 
 from gattn import checkpoint, optim, sharding
+from gattn import config as config_lib
 from gattn.config import Config, ConfigError
 from gattn.data import pipeline
-from gattn.data.tokenizer import load_tokenizer
+from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 from gattn.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum
 from gattn.model import Transformer
 
@@ -200,10 +201,70 @@ class MetricsLog:
             self.tb.close()
 
 
+def _source_run(cfg: Config) -> Config:
+    """The config of run directory `train.init_from` (a clear error if it is not a run)."""
+    try:
+        return config_lib.load_run(cfg.train.init_from)
+    except ConfigError:
+        raise ConfigError("train.init_from", cfg.train.init_from,
+                          "expected a run directory holding config.json and checkpoints/") from None
+
+
+def with_source_tokenizer(cfg: Config, workdir: Path) -> Config:
+    """A continued run (train.init_from) reads text with its source run's tokenizer: the file is
+    copied into WORKDIR/tokenizer and named by data.tokenizer (unless the user set one)."""
+    if not cfg.train.init_from or cfg.data.tokenizer:
+        return cfg
+    src = _source_run(cfg)
+    path = tokenizer_path(src, Path(cfg.train.init_from))
+    if not path.is_file():
+        raise ConfigError("train.init_from", cfg.train.init_from, f"its tokenizer {path} is missing")
+    copy = workdir / "tokenizer" / f"init-from-{path.name}"
+    if not copy.is_file():
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.with_suffix(".tmp").write_bytes(path.read_bytes())
+        copy.with_suffix(".tmp").rename(copy)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(copy.absolute())))
+
+
+def initial_params(cfg: Config, params):
+    """The parameters of run `train.init_from` (its checkpoint `train.init_step`, default the
+    latest), restored into the layout and shardings of `params` (this run's). Refused, before any
+    array is read, unless every parameter has the same name, shape and dtype: continued training
+    may change what no parameter depends on (rope_base, yarn, seq_len, the data, the schedule)."""
+    src_dir, src = cfg.train.init_from, _source_run(cfg)
+    theirs = nnx.state(nnx.eval_shape(lambda: Transformer(src.model, rngs=nnx.Rngs(0))), nnx.Param)
+
+    def layout(tree):
+        return {jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"):
+                (tuple(v.shape), str(v.dtype)) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+    mine, theirs = layout(params), layout(theirs)
+    for name in sorted(set(mine) | set(theirs)):
+        if mine.get(name) != theirs.get(name):
+            raise ConfigError("train.init_from", src_dir,
+                              f"its parameter {name} is {theirs.get(name) or 'absent'} but this model's is "
+                              f"{mine.get(name) or 'absent'}: a continued run keeps the architecture "
+                              "(rope_base, yarn, seq_len, data and schedule may change)")
+    mngr = checkpoint.manager(Path(src_dir), 1, 1)
+    try:
+        steps = sorted(mngr.all_steps())
+        step = cfg.train.init_step if cfg.train.init_step is not None else (steps[-1] if steps else None)
+        if step not in steps:
+            raise ConfigError("train.init_step" if cfg.train.init_step is not None else "train.init_from",
+                              step if cfg.train.init_step is not None else src_dir,
+                              f"one of the saved steps {steps} of {src_dir}" if steps else "a run with a checkpoint")
+        return checkpoint.restore_params(mngr, checkpoint.abstract(params), step)
+    finally:
+        mngr.close()
+
+
 def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
-    """Trains `cfg` in `workdir` (resuming if it holds a checkpoint); returns the summary."""
+    """Trains `cfg` in `workdir` (resuming if it holds a checkpoint; else starting from the
+    parameters of `train.init_from` when set); returns the summary."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    cfg = with_source_tokenizer(cfg, workdir)
     run_config = json.loads(json.dumps(dataclasses.asdict(cfg)))
     t = cfg.train
     tokenizer = load_tokenizer(cfg, workdir)
@@ -227,6 +288,12 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     if restored is not None:
         state, data_state, meta = restored
         pipeline.set_state(data, data_state)
+    elif t.init_from:
+        try:
+            state = {**state, "params": initial_params(cfg, state["params"])}
+        except ConfigError:
+            mngr.close()
+            raise
     (workdir / "config.json").write_text(json.dumps(run_config, indent=2))
     start = int(state["step"])
     log = MetricsLog(workdir, start)

@@ -31,24 +31,29 @@ def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Pat
     return path
 
 
-def load_tokenizer(cfg, workdir: Path) -> spm.SentencePieceProcessor:
-    """The user's model file (data.tokenizer), or the cached one for this corpus with
-    model.vocab_size pieces, trained on first use."""
+def tokenizer_path(cfg, workdir: Path) -> Path:
+    """The SentencePiece file a run uses: the user's (data.tokenizer) or the one cached in
+    WORKDIR/tokenizer for this corpus and model.vocab_size (which may not exist yet)."""
     data, vocab = cfg.data, cfg.model.vocab_size
     if data.tokenizer:
         path = Path(data.tokenizer).expanduser()
         if not path.is_file():
             raise ConfigError("data.tokenizer", data.tokenizer, "expected an existing SentencePiece .model file")
-    else:
-        if vocab < 260:
-            raise ConfigError("model.vocab_size", vocab,
-                              "expected >= 260 to train a tokenizer (256 byte pieces + 4 specials)")
-        fp = corpus.fingerprint(data.source, data.code_max_bytes)
-        path = workdir / "tokenizer" / f"spm-{fp}-{vocab}.model"
-        if not path.is_file():
-            train_tokenizer(data.source, data.code_max_bytes, vocab, path)
-    sp = spm.SentencePieceProcessor(model_file=str(path))
-    if sp.get_piece_size() > vocab:
+        return path
+    if vocab < 260:
         raise ConfigError("model.vocab_size", vocab,
+                          "expected >= 260 to train a tokenizer (256 byte pieces + 4 specials)")
+    return Path(workdir) / "tokenizer" / f"spm-{corpus.fingerprint(data.source, data.code_max_bytes)}-{vocab}.model"
+
+
+def load_tokenizer(cfg, workdir: Path) -> spm.SentencePieceProcessor:
+    """The user's model file (data.tokenizer), or the cached one for this corpus with
+    model.vocab_size pieces, trained on first use."""
+    path = tokenizer_path(cfg, workdir)
+    if not path.is_file():
+        train_tokenizer(cfg.data.source, cfg.data.code_max_bytes, cfg.model.vocab_size, path)
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    if sp.get_piece_size() > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size,
                           f"expected >= the tokenizer's {sp.get_piece_size()} pieces ({path})")
     return sp
