@@ -126,7 +126,7 @@ class Attention(nnx.Module):
                  and cfg.sdpa_nonlinearity == "none" and not self.collect_intermediates)
         gate_logits = self.gate.logits(x_NxD).reshape(b, s, hq, -1) if fused else None
         impl = "xla" if self.collect_intermediates else cfg.attention_impl
-        options = (dict(block_q=cfg.attention_block_q) if impl == "xla" else
+        options = (dict(block_q=cfg.attention_block_q, query_chunk=cfg.attention_query_chunk) if impl == "xla" else
                    dict(block_q=cfg.flash_block_q, block_k=cfg.flash_block_k))
         out = kernels.attention(
             q.reshape(b, s, hq, k), kk.reshape(b, s, hk, k), v.reshape(b, s, hk, k), gate_logits,

@@ -22,6 +22,17 @@ def manager(workdir: Path, keep: int, every: int) -> ocp.CheckpointManager:
                                  item_names=("state", "data", "meta"))
 
 
+def saved_steps(workdir: str | Path) -> list[int]:
+    """The steps of the complete checkpoints in WORKDIR/checkpoints, in order (none: [])."""
+    if not (Path(workdir) / "checkpoints").is_dir():  # (a manager would create the folder)
+        return []
+    mngr = manager(Path(workdir), 1, 1)
+    try:
+        return sorted(mngr.all_steps())
+    finally:
+        mngr.close()
+
+
 def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, meta: dict,
          force: bool = False) -> bool:
     """Saves (asynchronously) when `step` is on the save interval, or always with `force`.

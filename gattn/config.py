@@ -267,6 +267,8 @@ class ModelConfig:
     remat: str = "none"
     attention_impl: str = "xla"
     attention_block_q: int = 128           # causal query block of the xla path (0 = no blocking).
+    attention_query_chunk: int = 0         # > 0: xla path runs queries this many at a time in a loop
+                                           # (memory O(chunk * S) per layer; long contexts on CPU).
     flash_block_q: int = 512               # query / key blocks of the pallas kernel (multiples of 8;
     flash_block_k: int = 512               # TPU wants multiples of 128).
 
@@ -274,6 +276,7 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "num_layers", "q_heads", "kv_heads", "head_dim", "d_ff"):
             _integer(name, getattr(self, name))
         _integer("attention_block_q", self.attention_block_q, zero_ok=True)
+        _integer("attention_query_chunk", self.attention_query_chunk, zero_ok=True)
         for name in ("flash_block_q", "flash_block_k"):
             _integer(name, getattr(self, name))
             if getattr(self, name) % 8:

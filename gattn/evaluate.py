@@ -37,15 +37,6 @@ def _fit_mesh(cfg):
         return dataclasses.replace(cfg, mesh=MeshConfig())
 
 
-def saved_steps(workdir: str | Path) -> list[int]:
-    """The steps of the complete checkpoints in WORKDIR/checkpoints, in order."""
-    mngr = checkpoint.manager(Path(workdir), 1, 1)
-    try:
-        return sorted(mngr.all_steps())
-    finally:
-        mngr.close()
-
-
 def restore(workdir: str | Path, step: int | None = None, overrides: list[str] = (), *, run_cfg=None):
     """(cfg, model, step) of `workdir`'s checkpoint `step` (default: the latest) with the run's own
     config plus `overrides` (`run_cfg`, if the caller has loaded it already), on the devices present
@@ -58,7 +49,7 @@ def restore(workdir: str | Path, step: int | None = None, overrides: list[str] =
     if cfg.model.attention_impl == "pallas" and jax.default_backend() != "tpu" and not chosen:
         # Off TPU the kernel runs in interpret mode (~100x slower); the xla path computes the same.
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="xla"))
-    steps = saved_steps(workdir)
+    steps = checkpoint.saved_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"no checkpoint in {Path(workdir) / 'checkpoints'}")
     if step is not None and step not in steps:
@@ -164,7 +155,7 @@ def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, ov
     for w in workdirs:
         path = Path(w) / "eval" / "results.json"
         res = json.loads(path.read_text()) if path.is_file() else None
-        if res is None or res["step"] != max(saved_steps(w), default=None):  # missing or of an older checkpoint
+        if res is None or res["step"] != max(checkpoint.saved_steps(w), default=None):  # missing or of an older checkpoint
             res = evaluate(w, overrides=overrides, **eval_kwargs)
         runs[_label(Path(w), res, runs)] = res
     out_dir = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(w).absolute() for w in workdirs])) / "compare"
@@ -257,7 +248,7 @@ def compare_ruler(entries: list[str | Path], lengths: list[int], *, out_dir: str
         res = json.loads(path.read_text()) if path.is_file() else None
         fresh = (res is not None and not ruler_kwargs.get("overrides") and set(lengths) <= set(res["lengths"])
                  and all(res.get(k) == v for k, v in want.items())
-                 and res["step"] == max(saved_steps(entry), default=None))
+                 and res["step"] == max(checkpoint.saved_steps(entry), default=None))
         results.append(res if fresh else evaluate_ruler(entry, lengths, **ruler_kwargs))
     for r in results:  # the requested lengths only, in the order asked
         r["per_length"] = {str(n): r["per_length"][str(n)] for n in sorted(lengths) if str(n) in r["per_length"]}

@@ -227,33 +227,39 @@ def with_source_tokenizer(cfg: Config, workdir: Path) -> Config:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(copy.absolute())))
 
 
-def initial_params(cfg: Config, params):
-    """The parameters of run `train.init_from` (its checkpoint `train.init_step`, default the
-    latest), restored into the layout and shardings of `params` (this run's). Refused, before any
-    array is read, unless every parameter has the same name, shape and dtype: continued training
-    may change what no parameter depends on (rope_base, yarn, seq_len, the data, the schedule)."""
+def check_source(cfg: Config) -> int:
+    """The checkpoint step of run `train.init_from` that this run starts from (`train.init_step`,
+    default its latest), after checking, before any array is read, that every parameter has the
+    same name, shape and dtype in both models: continued training may change what no parameter
+    depends on (rope_base, yarn, seq_len, the data, the schedule), not the architecture."""
     src_dir, src = cfg.train.init_from, _source_run(cfg)
-    theirs = nnx.state(nnx.eval_shape(lambda: Transformer(src.model, rngs=nnx.Rngs(0))), nnx.Param)
 
-    def layout(tree):
+    def layout(model_cfg):
+        params = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)
         return {jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"):
-                (tuple(v.shape), str(v.dtype)) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+                (tuple(v.shape), str(v.dtype)) for p, v in jax.tree_util.tree_leaves_with_path(params)}
 
-    mine, theirs = layout(params), layout(theirs)
+    mine, theirs = layout(cfg.model), layout(src.model)
     for name in sorted(set(mine) | set(theirs)):
         if mine.get(name) != theirs.get(name):
             raise ConfigError("train.init_from", src_dir,
                               f"its parameter {name} is {theirs.get(name) or 'absent'} but this model's is "
                               f"{mine.get(name) or 'absent'}: a continued run keeps the architecture "
                               "(rope_base, yarn, seq_len, data and schedule may change)")
-    mngr = checkpoint.manager(Path(src_dir), 1, 1)
+    steps = checkpoint.saved_steps(Path(src_dir))
+    step = cfg.train.init_step if cfg.train.init_step is not None else (steps[-1] if steps else None)
+    if step not in steps:
+        raise ConfigError("train.init_step" if cfg.train.init_step is not None else "train.init_from",
+                          step if cfg.train.init_step is not None else src_dir,
+                          f"one of the saved steps {steps} of {src_dir}" if steps else "a run with a checkpoint")
+    return step
+
+
+def initial_params(cfg: Config, params, step: int):
+    """The parameters of run `train.init_from` at `step` (see `check_source`), restored into the
+    layout and shardings of `params` (this run's)."""
+    mngr = checkpoint.manager(Path(cfg.train.init_from), 1, 1)
     try:
-        steps = sorted(mngr.all_steps())
-        step = cfg.train.init_step if cfg.train.init_step is not None else (steps[-1] if steps else None)
-        if step not in steps:
-            raise ConfigError("train.init_step" if cfg.train.init_step is not None else "train.init_from",
-                              step if cfg.train.init_step is not None else src_dir,
-                              f"one of the saved steps {steps} of {src_dir}" if steps else "a run with a checkpoint")
         return checkpoint.restore_params(mngr, checkpoint.abstract(params), step)
     finally:
         mngr.close()
@@ -263,6 +269,9 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint; else starting from the
     parameters of `train.init_from` when set); returns the summary."""
     workdir = Path(workdir)
+    # A continued run's source is checked before anything is written (and only until it has a
+    # checkpoint of its own: resuming never reads the source again).
+    source_step = check_source(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = with_source_tokenizer(cfg, workdir)
     run_config = json.loads(json.dumps(dataclasses.asdict(cfg)))
@@ -288,12 +297,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     if restored is not None:
         state, data_state, meta = restored
         pipeline.set_state(data, data_state)
-    elif t.init_from:
-        try:
-            state = {**state, "params": initial_params(cfg, state["params"])}
-        except ConfigError:
-            mngr.close()
-            raise
+    elif source_step is not None:
+        state = {**state, "params": initial_params(cfg, state["params"], source_step)}
     (workdir / "config.json").write_text(json.dumps(run_config, indent=2))
     start = int(state["step"])
     log = MetricsLog(workdir, start)

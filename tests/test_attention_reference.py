@@ -568,17 +568,17 @@ KERNEL_SEGMENTS = {
 }
 
 
-_kernel = jax.jit(attention_xla, static_argnames=("causal", "block_q", "return_probs"))
+_kernel = jax.jit(attention_xla, static_argnames=("causal", "block_q", "query_chunk", "return_probs"))
 
 
 @pytest.mark.parametrize("hk,block_q", [(4, 4), (2, 2), (1, 8)],
                          ids=["mha_block4", "gqa2_block2", "mqa_block8"])
 @pytest.mark.parametrize("seg_name", list(KERNEL_SEGMENTS))
 def test_kernel_blocked_causal_equals_unblocked_and_reference(hk, block_q, seg_name):
-    """attention_xla with causal query blocks (block_q < S, S a multiple of block_q) gives the
-    unblocked result and the numpy reference, outputs and probabilities; probabilities sum to 1
-    over keys for real queries, are zero on padding queries, above the diagonal and across
-    segments."""
+    """attention_xla with causal query blocks (block_q < S, S a multiple of block_q), and with the
+    sequential query chunks of long contexts (query_chunk = block_q), gives the unblocked result
+    and the numpy reference, outputs and probabilities; probabilities sum to 1 over keys for real
+    queries, are zero on padding queries, above the diagonal and across segments."""
     seg = KERNEL_SEGMENTS[seg_name]
     q, k, v = kernel_inputs(hk=hk, seed=block_q + hk)
     segj = None if seg is None else jnp.asarray(seg)
@@ -586,8 +586,12 @@ def test_kernel_blocked_causal_equals_unblocked_and_reference(hk, block_q, seg_n
                            segment_ids=segj, block_q=block_q, return_probs=True)
     o_full, p_full = _kernel(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True,
                              segment_ids=segj, block_q=0, return_probs=True)
+    o_chk, p_chk = _kernel(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True,
+                           segment_ids=segj, query_chunk=block_q, return_probs=True)
     o_ref, p_ref = np_sdpa(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), seg)
     o_blk, p_blk, o_full, p_full = map(np.asarray, (o_blk, p_blk, o_full, p_full))
+    np.testing.assert_allclose(o_chk, o_full, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(p_chk, p_full, rtol=1e-5, atol=1e-7)
     b, s, hq, _ = q.shape
     assert o_blk.shape == q.shape and p_blk.shape == (b, hq, s, s)
     np.testing.assert_allclose(o_blk, o_full, rtol=1e-5, atol=1e-6)
@@ -605,6 +609,21 @@ def test_kernel_blocked_causal_equals_unblocked_and_reference(hk, block_q, seg_n
         cross = seg[:, :, None] != seg[:, None, :]  # [B, S, T]
         assert np.all(p_blk[np.broadcast_to(cross[:, None], p_blk.shape)] == 0.0)
     assert np.all(np.isfinite(o_blk)) and np.all(np.isfinite(p_blk))
+
+
+def test_query_chunks_give_the_gradients_of_one_pass():
+    """The sequential query loop (query_chunk) differentiates to the one-pass gradients, with a
+    gate and packed segments: long-context continued training may use it."""
+    q, k, v = kernel_inputs(hk=2, seed=5)
+    gate = jnp.asarray(np.random.default_rng(6).normal(size=q.shape).astype(np.float32))
+    seg = jnp.asarray(KERNEL_SEGMENTS["packed_with_padding"])
+
+    def loss(chunk):
+        return jax.jit(jax.grad(lambda qq, kk, vv, gg: jnp.sum(jnp.sin(attention_xla(
+            qq, kk, vv, gg, segment_ids=seg, block_q=0, query_chunk=chunk))), argnums=(0, 1, 2, 3)))
+
+    for a, b in zip(loss(4)(q, k, v, gate), loss(0)(q, k, v, gate)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_kernel_fully_padded_row_is_zero_and_finite():

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from gattn import decode, variants
-from gattn.config import ModelConfig, MoESpec
+from gattn.config import ModelConfig, MoESpec, YarnSpec
 from gattn.model import Transformer, unscanned
 
 TINY = ModelConfig(vocab_size=96, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=16,
@@ -79,6 +79,7 @@ def with_(name, **changes):
     with_("dense_output"),
     with_("v_head_shared", switch_heads=variants.apply("switch_kv_4top4", TINY).switch_heads),
     with_("sdpa_input_independent", sdpa_nonlinearity="rmsnorm"),
+    with_("sdpa_headwise", rope_base=1e6, yarn=YarnSpec(4.0, 4)),  # context extension (Table 5)
     pytest.param(variants.apply("sdpa_elementwise", MOE), id="moe+sdpa_elementwise"),
 ])
 def test_cached_logits_equal_the_full_forward(cfg):
@@ -148,3 +149,25 @@ def test_requests_that_do_not_fit_are_refused(model):
         decode.generate(model, [[1], []], max_new_tokens=4)
     fits = decode.generate(model, PROMPTS, max_new_tokens=9, max_len=16)
     assert [len(g) for g in fits] == [9, 9, 9]
+
+
+def test_chunked_prefill_equals_one_shot_prefill(model):
+    """A 13-token prompt (and a left-padded 7-token one) prefilled 4 tokens at a time: the same
+    logits at every real position (a pad query sees no key; its output means nothing) and the
+    same cache as one pass; generation with a prefill chunk gives the same tokens."""
+    rows = [list(range(1, 14)), PROMPTS[1]]
+    tokens, valid = padded(rows)
+    one, one_cache = decode.prefill(model, tokens, valid, decode.init_cache(model, 2, 20))
+    chunked, cache = decode.prefill(model, tokens, valid, decode.init_cache(model, 2, 20), chunk=4)
+    np.testing.assert_allclose(chunked[valid], one[valid], rtol=1e-5, atol=1e-5)
+    last, _ = decode.prefill(model, tokens, valid, decode.init_cache(model, 2, 20), chunk=4, last_only=True)
+    np.testing.assert_allclose(last, one[:, -1], rtol=1e-5, atol=1e-5)
+    assert int(cache["index"]) == int(one_cache["index"]) == 13
+    np.testing.assert_array_equal(cache["valid"], one_cache["valid"])
+    for name in ("k", "v"):  # [L, B, T, Hk, K] at the real tokens' slots
+        np.testing.assert_allclose(cache[name][:, :, :13][:, valid], one_cache[name][:, :, :13][:, valid],
+                                   rtol=1e-5, atol=1e-5)
+    want = decode.generate(model, rows, max_new_tokens=5, max_len=24, pad_multiple=1)
+    assert decode.generate(model, rows, max_new_tokens=5, max_len=24, prefill_chunk=4) == want
+    with pytest.raises(ValueError, match="chunk"):
+        decode.prefill(model, tokens, valid, decode.init_cache(model, 2, 20), chunk=0)

@@ -122,3 +122,40 @@ def test_eval_restores_onto_another_device_count(runs, tmp_path):
         assert b["perplexity"][domain]["ppl"] == pytest.approx(a["perplexity"][domain]["ppl"], rel=1e-4)
     for key in ("m_act", "f_attn", "gate_score"):
         assert b["measurements"]["overall"][key] == pytest.approx(a["measurements"]["overall"][key], rel=1e-4)
+
+
+def test_ruler_with_yarn_and_a_table_5_comparison(runs, tmp_path):
+    """eval.py --ruler at two lengths with YaRN switched on at eval time (its original length is
+    the run's own seq_len), then --compare of the plain run against that result: a Table-5 row each,
+    the YaRN row with its change against the plain one; bad lengths are refused before restoring."""
+    run, tasks = runs["sdpa_elementwise"], "niah_single,common_words"
+    common = ["--ruler", "--lengths", "512,1024", "--samples", 2, "--ruler-tasks", tasks]
+    out = run_eval("--workdir", run, *common, "--config.model.yarn.factor=4", "--out", tmp_path / "yarn")
+    assert out.returncode == 0, out.stderr
+    yarn = json.loads((tmp_path / "yarn" / "ruler.json").read_text())
+    assert yarn["yarn"]["factor"] == 4 and yarn["yarn"]["original_len"] == 32 == yarn["trained_len"]
+    assert yarn["label"] == "sdpa_elementwise + YaRN x4" and yarn["tasks"] == tasks.split(",")
+    assert list(yarn["per_length"]) == ["512", "1024"]
+    for n, res in yarn["per_length"].items():
+        for task in tasks.split(","):
+            r = res["tasks"][task]
+            assert 0 <= r["exact"] <= r["partial"] <= 100 and len(r["examples"]) == 2
+        assert res["exact"] == sum(res["tasks"][t]["exact"] for t in res["tasks"]) / 2
+        assert res["seconds"] > 0 and res["peak_rss_mb"] > 100
+    assert yarn["per_length"]["1024"]["peak_rss_mb"] >= yarn["per_length"]["512"]["peak_rss_mb"]
+    assert (tmp_path / "yarn" / "ruler.png").stat().st_size > 10_000
+
+    cmp = run_eval(*common, "--compare", run, tmp_path / "yarn" / "ruler.json", "--out", tmp_path / "cmp")
+    assert cmp.returncode == 0, cmp.stderr
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in (tmp_path / "cmp" / "ruler_table.md").read_text().splitlines()[2:]]
+    plain = json.loads((run / "eval" / "ruler.json").read_text())
+    assert [r[0] for r in rows] == ["sdpa_elementwise", "sdpa_elementwise + YaRN x4"]
+    for col, n in ((4, "512"), (5, "1024")):
+        p, y = plain["per_length"][n]["exact"], yarn["per_length"][n]["exact"]
+        assert rows[0][col] == f"{p:.1f}" and rows[1][col] == f"{y:.1f} ({y - p:+.1f})"
+    assert (tmp_path / "cmp" / "ruler.png").stat().st_size > 10_000
+
+    short = run_eval("--workdir", run, "--ruler", "--lengths", "64,512")
+    assert short.returncode == 2 and "--lengths" in short.stderr and "niah_single needs" in short.stderr
+    assert run_eval("--workdir", run, "--ruler").returncode == 2

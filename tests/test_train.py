@@ -179,3 +179,37 @@ def test_moe_run_logs_its_auxiliary_losses(config_file, tmp_path):
         assert 0.5 < row["moe/lbl"] < 4.0  # E * sum_e f_e p_e: 1 when balanced, E at worst
         assert row["moe/z_loss"] > 0 and row["moe/dropped"] == 0 and row["moe/max_over_mean_load"] >= 1
         assert np.isfinite(row["loss"])
+
+
+def test_continued_training_starts_from_another_runs_parameters(config_file, tmp_path):
+    """The context-extension protocol: a new run with a new RoPE base and sequence length starts
+    from a trained run's checkpoint, with its tokenizer; another architecture or a step that was
+    never saved is refused before anything is written."""
+    import jax
+    from flax import nnx
+
+    from gattn import config as config_lib, trainer
+
+    base, ext = tmp_path / "base", tmp_path / "ext"
+    subprocess.run(train_cmd(config_file, base, "--steps", "6"), check=True, capture_output=True, timeout=300)
+    for extra, names in ((["--config.model.d_ff=96"], ("train.init_from", "blocks.0.ffn.w1", "(32, 64)")),
+                         (["--config.train.init_step=4"], ("train.init_step", "6]"))):
+        bad = subprocess.run(train_cmd(config_file, tmp_path / "bad", "--init-from", base, "--steps", "4", *extra),
+                             capture_output=True, text=True, timeout=300)
+        assert bad.returncode == 2 and all(n in bad.stderr for n in names), bad.stderr
+        assert not (tmp_path / "bad").exists()
+
+    subprocess.run(train_cmd(config_file, ext, "--init-from", base, "--steps", "4", "--config.model.rope_base=1e6",
+                             "--config.train.seq_len=64"), check=True, capture_output=True, timeout=300)
+    cfg = config_lib.load_run(ext)
+    assert (cfg.model.rope_base, cfg.train.seq_len, cfg.train.init_from) == (1e6, 64, str(base))
+    (src_tok,) = (base / "tokenizer").glob("*.model")
+    assert Path(cfg.data.tokenizer).parent == ext / "tokenizer"
+    assert Path(cfg.data.tokenizer).read_bytes() == src_tok.read_bytes()
+    # What the run started from is the source's step-6 parameters, exactly.
+    _, state = trainer.init_state(cfg)
+    start = trainer.initial_params(cfg, state["params"], trainer.check_source(cfg))
+    src = nnx.state(trainer.load_model(config_lib.load_run(base), base), nnx.Param)
+    jax.tree.map(np.testing.assert_array_equal, start, src)
+    first = losses(ext)[1][1]["loss"]
+    assert first < losses(base)[1][1]["loss"]  # not a fresh start

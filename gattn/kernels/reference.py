@@ -56,10 +56,17 @@ def _block(q_BHGQK, k_BHTK, v_BHTK, bias, scale):
 
 
 def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
-                  sm_scale: float | None = None, block_q: int = 128, return_probs: bool = False):
+                  sm_scale: float | None = None, block_q: int = 128, query_chunk: int = 0,
+                  return_probs: bool = False):
     """softmax(q k^T * sm_scale + mask) v [* sigmoid(gate)]. Returns o [B, S, Hq, K] (and probs
     [B, Hq, S, T] in float32 if `return_probs`). `gate`: logits [B, S, Hq, K] (elementwise) or
-    [B, S, Hq] / [B, S, Hq, 1] (headwise), applied in float32 after the attention."""
+    [B, S, Hq] / [B, S, Hq, 1] (headwise), applied in float32 after the attention.
+
+    `block_q`: causal query blocks, each multiplying only the keys it can see (all blocks are one
+    program, so XLA may keep every block's scores live at once: ~S^2/2 per layer). `query_chunk`
+    > 0 (dividing S) instead runs the queries `query_chunk` at a time in a sequential loop over
+    all keys: memory O(query_chunk * T) per layer at any length, for long contexts on CPU, at the
+    price of the masked upper triangle's FLOPs."""
     check_inputs(q, k, v, segment_ids, gate)
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
@@ -68,28 +75,44 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
     q5 = q.reshape(b, s, hk, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, G, S, K]
     k4, v4 = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hk, T, K]
 
-    blocked = causal and block_q and s == t and s > block_q and s % block_q == 0
-    bq = block_q if blocked else s
-    outs, probs = [], []
-    for i in range(s // bq):
-        q0, kv_end = i * bq, ((i + 1) * bq if blocked else t)
+    def bias_for(q0, bq, kv_end):
         bias = jnp.zeros((bq, kv_end), jnp.float32)
         if causal:  # query at absolute position q0 + r sees keys at <= q0 + r (+ t - s offset)
             rows = jnp.arange(bq)[:, None] + q0 + (t - s)
             bias = jnp.where(jnp.arange(kv_end)[None, :] <= rows, bias, _NEG)
         bias = bias[None, None, None]
         if segment_ids is not None:
-            same = segment_ids[:, q0:q0 + bq, None] == segment_ids[:, None, :kv_end]
+            q_ids = jax.lax.dynamic_slice_in_dim(segment_ids, q0, bq, axis=1)
+            same = q_ids[:, :, None] == segment_ids[:, None, :kv_end]
             bias = jnp.where(same[:, None, None], bias, _NEG)
-        o, p = _block(q5[:, :, :, q0:q0 + bq], k4[:, :, :kv_end], v4[:, :, :kv_end], bias, scale)
-        outs.append(o)
-        if return_probs:
-            probs.append(jnp.pad(p, ((0, 0),) * 4 + ((0, t - kv_end),)))
-    o = jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]
+        return bias
+
+    if query_chunk and s > query_chunk and s % query_chunk == 0:
+        def chunk(i):
+            q0 = i * query_chunk
+            q_c = jax.lax.dynamic_slice_in_dim(q5, q0, query_chunk, axis=3)
+            o, p = _block(q_c, k4, v4, bias_for(q0, query_chunk, t), scale)
+            return (o, p) if return_probs else (o, None)
+
+        o_n, p_n = jax.lax.map(chunk, jnp.arange(s // query_chunk))  # [n, B, Hk, G, chunk, ...]
+        o = jnp.moveaxis(o_n, 0, 3).reshape(b, hk, g, s, d)
+        p = None if p_n is None else jnp.moveaxis(p_n, 0, 3).reshape(b, hk, g, s, t)
+    else:
+        blocked = causal and block_q and s == t and s > block_q and s % block_q == 0
+        bq = block_q if blocked else s
+        outs, probs = [], []
+        for i in range(s // bq):
+            q0, kv_end = i * bq, ((i + 1) * bq if blocked else t)
+            o, p = _block(q5[:, :, :, q0:q0 + bq], k4[:, :, :kv_end], v4[:, :, :kv_end],
+                          bias_for(q0, bq, kv_end), scale)
+            outs.append(o)
+            if return_probs:
+                probs.append(jnp.pad(p, ((0, 0),) * 4 + ((0, t - kv_end),)))
+        o = jnp.concatenate(outs, axis=3) if len(outs) > 1 else outs[0]
+        p = (jnp.concatenate(probs, axis=3) if len(probs) > 1 else probs[0]) if return_probs else None
     o = o.transpose(0, 3, 1, 2, 4).reshape(b, s, hq, d)
-    p = None
-    if return_probs:
-        p = (jnp.concatenate(probs, axis=3) if len(probs) > 1 else probs[0]).reshape(b, hq, s, t)
+    if p is not None:
+        p = p.reshape(b, hq, s, t)
     if segment_ids is not None:  # padding queries: zero output, zero attention row
         valid = segment_ids != 0
         o = jnp.where(valid[:, :, None, None], o, 0).astype(o.dtype)

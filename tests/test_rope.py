@@ -1,0 +1,74 @@
+"""RoPE and YaRN (gattn/layers.py): YaRN at scale 1 is plain RoPE; its frequencies follow the
+NTK-by-parts ramp of Peng et al. 2023; its temperature scales the logits; the config switch works
+on a built model."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gattn import config as C
+from gattn.config import ConfigError, ModelConfig, YarnSpec
+from gattn.layers import apply_rope, rope_frequencies
+from gattn.model import Transformer
+
+
+def test_yarn_at_scale_1_is_plain_rope():
+    plain, one = rope_frequencies(64, 1e4), rope_frequencies(64, 1e4, YarnSpec(1.0, 256))
+    np.testing.assert_array_equal(plain[0], one[0])
+    assert plain[1] == one[1] == 1.0
+    x = jax.random.normal(jax.random.key(0), (9, 3, 64))
+    pos = jnp.arange(9) * 37
+    np.testing.assert_array_equal(apply_rope(x, pos, 1e4), apply_rope(x, pos, 1e4, YarnSpec(1.0, 256)))
+    cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=1, q_heads=2, kv_heads=1, head_dim=16, d_ff=32)
+    tokens = jnp.arange(24).reshape(2, 12) % 64
+    a = Transformer(cfg, rngs=nnx.Rngs(0))(tokens)
+    b = Transformer(dataclasses.replace(cfg, yarn=YarnSpec(1.0, 8)), rngs=nnx.Rngs(0))(tokens)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_yarn_frequencies_follow_the_formula():
+    """head_dim 32, base 1e4, L = 128, s = 4. Pair i turns L theta_i / (2 pi) times within L; it
+    turns beta_fast = 32 times at dim 32 ln(128 / (64 pi)) / (2 ln 1e4) = -0.78 (floored, clipped: 0)
+    and beta_slow = 1 time at dim 32 ln(128 / (2 pi)) / (2 ln 1e4) = 5.24 (ceiled: 6). Pair 0 keeps
+    its frequency, pairs >= 6 are divided by s, pair 3 is halfway: theta (1/2 + 1/(2 s))."""
+    theta = 1e4 ** (-np.arange(16) * 2 / 32)
+    got, scale = rope_frequencies(32, 1e4, YarnSpec(4.0, 128))
+    assert got[0] == pytest.approx(theta[0], rel=1e-6)
+    assert got[1] == pytest.approx(theta[1] * (5 / 6 + 1 / 24), rel=1e-6)
+    assert got[3] == pytest.approx(theta[3] * (0.5 + 0.125), rel=1e-6)
+    np.testing.assert_allclose(got[6:], theta[6:] / 4, rtol=1e-6)
+    assert scale == pytest.approx(0.1 * math.log(4) + 1)
+    assert rope_frequencies(32, 1e4, YarnSpec(4.0, 128, attention_factor=1.5))[1] == 1.5
+    # A longer original context moves the ramp to lower frequencies (higher dims).
+    later, _ = rope_frequencies(32, 1e4, YarnSpec(4.0, 4096))
+    assert later[6] > got[6] and later[-1] == pytest.approx(theta[-1] / 4, rel=1e-6)
+
+
+def test_interpolated_pairs_at_position_s_p_equal_plain_rope_at_p_and_q_k_carry_the_temperature():
+    yarn = YarnSpec(4.0, 128)
+    x = jax.random.normal(jax.random.key(1), (3, 2, 32))
+    plain = apply_rope(x, jnp.asarray([0, 5, 11]), 1e4)
+    stretched = apply_rope(x, jnp.asarray([0, 20, 44]), 1e4, yarn) / yarn.temperature_factor
+    lowfreq = np.r_[6:16, 22:32]  # rotate-half layout: pair i is dims i and i + 16
+    np.testing.assert_allclose(stretched[..., lowfreq], plain[..., lowfreq], rtol=1e-4, atol=1e-5)
+    # At position 0 nothing rotates: q and k are only scaled, so q.k grows by 1/t = scale^2.
+    np.testing.assert_allclose(apply_rope(x, jnp.zeros(3, int), 1e4, yarn)[0],
+                               x[0] * yarn.temperature_factor, rtol=1e-6)
+
+
+def test_yarn_is_a_command_line_switch_with_clear_errors():
+    cfg = C.apply_overrides(C.Config(), ["model.yarn.factor=8", "model.yarn.original_len=4096"])
+    assert cfg.model.yarn == YarnSpec(8.0, 4096)
+    assert C.apply_overrides(cfg, ["model.yarn=none"]).model.yarn is None
+    for overrides, field in ((["model.yarn.factor=4"], "model.yarn.original_len"),
+                             (["model.yarn.factor=0.5", "model.yarn.original_len=8"], "model.yarn.factor"),
+                             (["model.yarn.beta_slow=40", "model.yarn.original_len=8"], "model.yarn.beta_slow"),
+                             (["model.yarn.original_len=-3"], "model.yarn.original_len")):
+        with pytest.raises(ConfigError) as e:
+            C.apply_overrides(C.Config(), overrides)
+        assert e.value.field == field
