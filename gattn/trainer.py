@@ -23,11 +23,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from gattn import checkpoint, optim, sharding
-from gattn import config as config_lib
+from gattn import checkpoint, init_from, optim, sharding
 from gattn.config import Config, ConfigError
 from gattn.data import pipeline
-from gattn.data.tokenizer import load_tokenizer, tokenizer_path
+from gattn.data.tokenizer import load_tokenizer
 from gattn.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum
 from gattn.model import Transformer
 
@@ -201,79 +200,15 @@ class MetricsLog:
             self.tb.close()
 
 
-def _source_run(cfg: Config) -> Config:
-    """The config of run directory `train.init_from` (a clear error if it is not a run)."""
-    try:
-        return config_lib.load_run(cfg.train.init_from)
-    except ConfigError:
-        raise ConfigError("train.init_from", cfg.train.init_from,
-                          "expected a run directory holding config.json and checkpoints/") from None
-
-
-def with_source_tokenizer(cfg: Config, workdir: Path) -> Config:
-    """A continued run (train.init_from) reads text with its source run's tokenizer: the file is
-    copied into WORKDIR/tokenizer and named by data.tokenizer (unless the user set one)."""
-    if not cfg.train.init_from or cfg.data.tokenizer:
-        return cfg
-    src = _source_run(cfg)
-    path = tokenizer_path(src, Path(cfg.train.init_from))
-    if not path.is_file():
-        raise ConfigError("train.init_from", cfg.train.init_from, f"its tokenizer {path} is missing")
-    copy = workdir / "tokenizer" / f"init-from-{path.name}"
-    if not copy.is_file():
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        copy.with_suffix(".tmp").write_bytes(path.read_bytes())
-        copy.with_suffix(".tmp").rename(copy)
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(copy.absolute())))
-
-
-def check_source(cfg: Config) -> int:
-    """The checkpoint step of run `train.init_from` that this run starts from (`train.init_step`,
-    default its latest), after checking, before any array is read, that every parameter has the
-    same name, shape and dtype in both models: continued training may change what no parameter
-    depends on (rope_base, yarn, seq_len, the data, the schedule), not the architecture."""
-    src_dir, src = cfg.train.init_from, _source_run(cfg)
-
-    def layout(model_cfg):
-        params = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)
-        return {jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"):
-                (tuple(v.shape), str(v.dtype)) for p, v in jax.tree_util.tree_leaves_with_path(params)}
-
-    mine, theirs = layout(cfg.model), layout(src.model)
-    for name in sorted(set(mine) | set(theirs)):
-        if mine.get(name) != theirs.get(name):
-            raise ConfigError("train.init_from", src_dir,
-                              f"its parameter {name} is {theirs.get(name) or 'absent'} but this model's is "
-                              f"{mine.get(name) or 'absent'}: a continued run keeps the architecture "
-                              "(rope_base, yarn, seq_len, data and schedule may change)")
-    steps = checkpoint.saved_steps(Path(src_dir))
-    step = cfg.train.init_step if cfg.train.init_step is not None else (steps[-1] if steps else None)
-    if step not in steps:
-        raise ConfigError("train.init_step" if cfg.train.init_step is not None else "train.init_from",
-                          step if cfg.train.init_step is not None else src_dir,
-                          f"one of the saved steps {steps} of {src_dir}" if steps else "a run with a checkpoint")
-    return step
-
-
-def initial_params(cfg: Config, params, step: int):
-    """The parameters of run `train.init_from` at `step` (see `check_source`), restored into the
-    layout and shardings of `params` (this run's)."""
-    mngr = checkpoint.manager(Path(cfg.train.init_from), 1, 1)
-    try:
-        return checkpoint.restore_params(mngr, checkpoint.abstract(params), step)
-    finally:
-        mngr.close()
-
-
 def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint; else starting from the
     parameters of `train.init_from` when set); returns the summary."""
     workdir = Path(workdir)
     # A continued run's source is checked before anything is written (and only until it has a
     # checkpoint of its own: resuming never reads the source again).
-    source_step = check_source(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
+    source_step = init_from.check(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
     workdir.mkdir(parents=True, exist_ok=True)
-    cfg = with_source_tokenizer(cfg, workdir)
+    cfg = init_from.with_source_tokenizer(cfg, workdir)
     run_config = json.loads(json.dumps(dataclasses.asdict(cfg)))
     t = cfg.train
     tokenizer = load_tokenizer(cfg, workdir)
@@ -298,7 +233,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
         state, data_state, meta = restored
         pipeline.set_state(data, data_state)
     elif source_step is not None:
-        state = {**state, "params": initial_params(cfg, state["params"], source_step)}
+        state = {**state, "params": init_from.params(cfg, state["params"], source_step)}
     (workdir / "config.json").write_text(json.dumps(run_config, indent=2))
     start = int(state["step"])
     log = MetricsLog(workdir, start)

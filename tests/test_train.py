@@ -188,7 +188,7 @@ def test_continued_training_starts_from_another_runs_parameters(config_file, tmp
     import jax
     from flax import nnx
 
-    from gattn import config as config_lib, trainer
+    from gattn import config as config_lib, init_from, trainer
 
     base, ext = tmp_path / "base", tmp_path / "ext"
     subprocess.run(train_cmd(config_file, base, "--steps", "6"), check=True, capture_output=True, timeout=300)
@@ -208,7 +208,7 @@ def test_continued_training_starts_from_another_runs_parameters(config_file, tmp
     assert Path(cfg.data.tokenizer).read_bytes() == src_tok.read_bytes()
     # What the run started from is the source's step-6 parameters, exactly.
     _, state = trainer.init_state(cfg)
-    start = trainer.initial_params(cfg, state["params"], trainer.check_source(cfg))
+    start = init_from.params(cfg, state["params"], init_from.check(cfg))
     src = nnx.state(trainer.load_model(config_lib.load_run(base), base), nnx.Param)
     jax.tree.map(np.testing.assert_array_equal, start, src)
     first = losses(ext)[1][1]["loss"]
