@@ -121,21 +121,18 @@ def _number(rng: random.Random) -> str:
 
 def _niah(task: str, rng: random.Random, depth: float):
     """(build(n) -> prompt, answers, depth) of a needle task."""
+    n_keys = {"niah_multikey": 1 + NUM_DISTRACTORS, "niah_multiquery": NUM_VALUES}.get(task, 1)
     keys = []
-    while len(keys) < (NUM_VALUES if task == "niah_multiquery" else 1 + NUM_DISTRACTORS):
+    while len(keys) < n_keys:
         if (k := _key(rng)) not in keys:
             keys.append(k)
-    if task == "niah_multivalue":
-        needles = [(keys[0], _number(rng)) for _ in range(NUM_VALUES)]
-    else:
-        needles = [(k, _number(rng)) for k in keys]
+    per_key = NUM_VALUES if task == "niah_multivalue" else 1
+    needles = [(k, _number(rng)) for k in keys for _ in range(per_key)]
     asked = keys if task == "niah_multiquery" else keys[:1]
     answers = tuple(v for k, v in needles if k in asked)
+    # The first needle at `depth`; the others (distractors, more values, more keys) anywhere.
     depths = [depth] + [rng.random() for _ in needles[1:]]
     items = [(d, NEEDLE.format(key=k, value=v)) for d, (k, v) in zip(depths, needles)]
-    if task == "niah_single":
-        items = items[:1]
-        answers = answers[:1]
     many = len(answers) > 1
     names = ", ".join(asked[:-1]) + f" and {asked[-1]}" if len(asked) > 1 else asked[0]
     question = (f"\nWhat are all the special magic numbers for {names} mentioned in the provided text? "

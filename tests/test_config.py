@@ -153,6 +153,18 @@ def test_load_config_file_with_variant_and_overrides():
     assert e.value.field == "--config"
 
 
+def test_extension_preset_changes_only_what_no_parameter_depends_on():
+    """configs/extend_tiny.py: the tiny model with RoPE base 1M at 4x the sequence length."""
+    tiny, ext = C.load(ROOT / "configs/tiny.py"), C.load(ROOT / "configs/extend_tiny.py")
+    assert (ext.model.rope_base, ext.train.seq_len) == (1e6, 4 * tiny.train.seq_len)
+    assert dataclasses.replace(ext.model, rope_base=tiny.model.rope_base) == tiny.model
+    cfg = C.apply_overrides(C.Config(), ["train.init_from=runs/a", "train.init_step=400"])
+    assert (cfg.train.init_from, cfg.train.init_step) == ("runs/a", 400)
+    with pytest.raises(ConfigError) as e:
+        C.apply_overrides(C.Config(), ["train.init_step=400"])
+    assert e.value.field == "train.init_step"
+
+
 def test_bad_config_fails_before_any_jax_work():
     """Checking a config must not even import JAX (so errors come instantly)."""
     code = ("import sys\nfrom gattn import config as C\n"
