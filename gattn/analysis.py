@@ -22,11 +22,15 @@ Table 4's and Figures 2, 3, 5 and 6's quantities, per layer and overall:
 
 Tokens with segment id 0 (padding) are left out of every statistic. The first query of each
 document (which can only attend to itself) is left out of F-Attn.
+
+`window_perplexity` is the long-context measure of eval.py --ruler: held-out perplexity of
+windows of a given length, overall and in the window's second half.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -253,3 +257,31 @@ def summarize(model, tokens_BxS, segment_ids_BxS=None, positions_BxS=None,
     acc = Measurements(model.cfg, options)
     acc.add_batch(model, tokens_BxS, segment_ids_BxS, positions_BxS)
     return acc.result()
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _token_nll(graphdef, state, tokens_BxL1):
+    """Next-token loss of every position of rows of L + 1 tokens (one sequence each): [B, L]."""
+    logits = nnx.merge(graphdef, state)(tokens_BxL1[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, tokens_BxL1[:, 1:, None], axis=-1)[..., 0]
+
+
+def window_perplexity(model, stream, length: int) -> dict | None:
+    """Long-context perplexity: the model on `stream` (held-out documents concatenated with eos
+    between them) cut into consecutive windows of `length` + 1 tokens, each read as one sequence at
+    positions 0..length-1; over the whole windows and over their second halves, where a model
+    trained at length/2 meets positions it never saw. Give every length the same stream to compare
+    lengths on the same text. None if the stream is shorter than one window. Windows run one at a
+    time; set model.attention_query_chunk to bound a long window's memory."""
+    n = (len(stream) - 1) // length
+    if n < 1:
+        return None
+    graphdef, state = nnx.split(model)
+    nll = np.concatenate([np.asarray(_token_nll(graphdef, state, jnp.asarray(
+        stream[i * length:(i + 1) * length + 1][None], jnp.int32))) for i in range(n)])  # [n, L]
+
+    def ppl(x):
+        return float(np.exp(min(float(x.mean()), 50.0)))
+
+    return {"ppl": ppl(nll), "ppl_second_half": ppl(nll[:, length // 2:]), "windows": n}

@@ -140,19 +140,20 @@ class Attention(nnx.Module):
             self.sow(nnx.Intermediate, "sdpa_out", y)
         return self._output(y, x_NxD, sdpa_gate=not fused)
 
-    def decode(self, x_NxD, positions_N, k_BxTxHxK, v_BxTxHxK, mask_BxSxT, index):
+    def decode(self, x_NxD, positions_N, k_BxHxTxK, v_BxHxTxK, mask_BxSxT, index):
         """Cached attention for S new tokens per row (N = B * S): writes their k and v into the
         cache slots index..index+S-1, attends every new query over the cache slots `mask_BxSxT`
         shows it. Returns (out [N, D], k cache, v cache)."""
         cfg, n = self.cfg, x_NxD.shape[0]
-        b = k_BxTxHxK.shape[0]
+        b = k_BxHxTxK.shape[0]
         s = n // b
         q, kk, v = self._qkv(x_NxD, positions_N)
-        at = (0, index, 0, 0)
-        k_BxTxHxK = jax.lax.dynamic_update_slice(
-            k_BxTxHxK, kk.reshape(b, s, cfg.kv_heads, -1).astype(k_BxTxHxK.dtype), at)
-        v_BxTxHxK = jax.lax.dynamic_update_slice(
-            v_BxTxHxK, v.reshape(b, s, cfg.kv_heads, -1).astype(v_BxTxHxK.dtype), at)
-        out = kernels.attention_masked(q.reshape(b, s, cfg.q_heads, -1), k_BxTxHxK, v_BxTxHxK,
-                                       mask_BxSxT)
-        return self._output(out.reshape(n, cfg.q_heads, -1), x_NxD), k_BxTxHxK, v_BxTxHxK
+        at = (0, 0, index, 0)
+
+        def write(cache, new_NxHxK):
+            new = new_NxHxK.reshape(b, s, cfg.kv_heads, -1).transpose(0, 2, 1, 3)
+            return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), at)
+
+        k_BxHxTxK, v_BxHxTxK = write(k_BxHxTxK, kk), write(v_BxHxTxK, v)
+        out = kernels.attention_masked(q.reshape(b, s, cfg.q_heads, -1), k_BxHxTxK, v_BxHxTxK, mask_BxSxT)
+        return self._output(out.reshape(n, cfg.q_heads, -1), x_NxD), k_BxHxTxK, v_BxHxTxK

@@ -215,9 +215,17 @@ def evaluate_ruler(workdir: str | Path, lengths: list[int], *, step: int | None 
     if short:
         raise ConfigError("--lengths", min(lengths), "every length must hold each task's instructions and "
                           f"answer: {', '.join(f'{t} needs about {n}' for t, n in short.items())}")
-    cfg, model, step = restore(workdir, step, overrides, run_cfg=run_cfg)
+    if not any("model.attention_query_chunk" in o for o in overrides):
+        # Long windows for the perplexity: queries in chunks, so memory grows linearly with length.
+        overrides = [*overrides, f"model.attention_query_chunk={prefill_chunk}"]
+    cfg, model, step = restore(workdir, step, overrides)
     res = ruler.run(model, tokenizer, lengths, tasks=tasks, num_samples=num_samples, seed=seed,
                     batch_size=batch_size, prefill_chunk=prefill_chunk)
+    # The same text at every length: per domain, up to 4 windows of the longest length.
+    text = {d: t[:min(len(t) - 1, 4 * max(lengths)) + 1] for d, t in pipeline.held_out_text(cfg, tokenizer, workdir).items()}
+    for n, row in res["per_length"].items():
+        row["perplexity"] = {d: p for d, stream in text.items()
+                             if (p := analysis.window_perplexity(model, stream, int(n))) is not None}
     yarn = dataclasses.asdict(cfg.model.yarn) if cfg.model.yarn else None
     label = workdir.name + (f" + YaRN x{yarn['factor']:g}" if yarn else "")
     res = {"label": label, "workdir": str(workdir), "step": step, "variant": cfg.variant,
@@ -255,7 +263,7 @@ def compare_ruler(entries: list[str | Path], lengths: list[int], *, out_dir: str
     parent = os.path.commonpath([Path(e).absolute() if Path(e).is_dir() else Path(e).absolute().parent for e in entries])
     out_dir = Path(out_dir) if out_dir else Path(parent) / "compare"
     out_dir.mkdir(parents=True, exist_ok=True)
-    text = ruler_table(results)
+    text = ruler_table(results) + "\n\n" + perplexity_table(results)
     (out_dir / "ruler_table.md").write_text(text + "\n")
     (out_dir / "ruler.json").write_text(json.dumps(results, indent=1))
     labels = [r["label"] if r["label"] not in [q["label"] for q in results[:i]] else f"{r['label']} ({r['workdir']})"
@@ -286,14 +294,34 @@ def ruler_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def perplexity_table(results: list[dict]) -> str:
+    """Held-out perplexity of windows of each length (second half in parentheses), one row per
+    checkpoint and domain: where RULER scores are all zero, this still shows extrapolation."""
+    lengths = sorted({int(n) for r in results for n in r["per_length"]})
+    lines = ["| checkpoint | domain | " + " | ".join(_length_name(n) for n in lengths) + " |",
+             "|" + "---|" * (len(lengths) + 2)]
+    for r in results:
+        for domain in sorted({d for v in r["per_length"].values() for d in v.get("perplexity", {})}):
+            cells = [f"{p['ppl']:.1f} ({p['ppl_second_half']:.1f})"
+                     if (p := r["per_length"].get(str(n), {}).get("perplexity", {}).get(domain)) else "-"
+                     for n in lengths]
+            lines.append(f"| {r['label']} | {domain} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def ruler_task_table(res: dict) -> str:
-    """Exact-match (and partial) score of each task at each length, and the cost of each length."""
+    """Exact-match (and partial) score of each task at each length, held-out perplexity of windows
+    of that length (and of their second half), and the cost of each length."""
     lengths = list(res["per_length"])
     lines = ["| task | " + " | ".join(_length_name(int(n)) for n in lengths) + " |", "|" + "---|" * (len(lengths) + 1)]
     for task in res["tasks"]:
         lines.append(f"| {task} | " + " | ".join(
             f"{res['per_length'][n]['tasks'][task]['exact']:.0f} ({res['per_length'][n]['tasks'][task]['partial']:.0f})"
             for n in lengths) + " |")
+    for domain in sorted({d for r in res["per_length"].values() for d in r.get("perplexity", {})}):
+        lines.append(f"| PPL {domain} (second half) | " + " | ".join(
+            f"{p['ppl']:.1f} ({p['ppl_second_half']:.1f})" if (p := res["per_length"][n].get("perplexity", {}).get(domain))
+            else "-" for n in lengths) + " |")
     lines.append("| seconds | " + " | ".join(f"{res['per_length'][n]['seconds']:.0f}" for n in lengths) + " |")
     lines.append("| peak memory (MiB) | " + " | ".join(f"{res['per_length'][n]['peak_rss_mb']:.0f}" for n in lengths) + " |")
     return "\n".join(lines)

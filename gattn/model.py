@@ -63,12 +63,12 @@ class Block(nnx.Module):
             self.sow(nnx.Intermediate, "block_out", x_NxD)
         return x_NxD, aux
 
-    def decode(self, x_NxD, positions_N, k_BxTxHxK, v_BxTxHxK, mask_BxSxT, index):
+    def decode(self, x_NxD, positions_N, k_BxHxTxK, v_BxHxTxK, mask_BxSxT, index):
         """The block on S new tokens per row with this layer's kv cache: (x, k cache, v cache)."""
-        h, k_BxTxHxK, v_BxTxHxK = self.attn.decode(self.attn_norm(x_NxD), positions_N, k_BxTxHxK,
-                                                   v_BxTxHxK, mask_BxSxT, index)
+        h, k_BxHxTxK, v_BxHxTxK = self.attn.decode(self.attn_norm(x_NxD), positions_N, k_BxHxTxK,
+                                                   v_BxHxTxK, mask_BxSxT, index)
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
-        return self._ffn_residual(x_NxD)[0], k_BxTxHxK, v_BxTxHxK
+        return self._ffn_residual(x_NxD)[0], k_BxHxTxK, v_BxHxTxK
 
 
 class Transformer(nnx.Module):
@@ -138,13 +138,22 @@ class Transformer(nnx.Module):
         return logits_NxV.reshape(b, s, self.cfg.vocab_size)
 
     def init_cache(self, batch: int, max_len: int) -> dict:
-        """An empty kv cache: k, v [L, B, T, Hk, K] in the compute dtype (what SDPA attends to:
-        after QK-norm, K/V gates and RoPE), valid [B, T] (slots that hold a real token) and index
-        (int32, the next slot to write, shared by all rows)."""
+        """An empty kv cache: k and v per layer, [B, Hk, T, K] in the compute dtype (what SDPA
+        attends to: after QK-norm, K/V gates and RoPE; heads before slots, the layout attention
+        reads); valid [B, T] (slots that hold a real token); index (int32, the next slot to write,
+        shared by all rows). GQA: Hk = kv_heads, q_heads / kv_heads times smaller than MHA's.
+
+        A layer loop keeps a tuple of L per-layer arrays, each updated in place by a decode step;
+        a scanned model keeps one stacked [L, B, Hk, T, K] array, which its scan slices and
+        re-stacks every step (a copy of the whole cache: ~2x slower decoding at long lengths;
+        `unscanned(model)` decodes with the tuple)."""
         cfg = self.cfg
-        shape = (cfg.num_layers, batch, max_len, cfg.kv_heads, cfg.head_dim)
-        return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype),
-                "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
+        shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
+        if cfg.scan_layers:  # (two buffers: a decode step donates both)
+            k, v = (jnp.zeros((cfg.num_layers, *shape), self.dtype) for _ in "kv")
+        else:
+            k, v = (tuple(jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)) for _ in "kv")
+        return {"k": k, "v": v, "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
 
     def decode(self, tokens_BxS: jax.Array, positions_BxS: jax.Array, cache: dict,
                valid_BxS: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -175,11 +184,11 @@ class Transformer(nnx.Module):
             x_NxD, (k_L, v_L) = scan(x_NxD, self.blocks, cache["k"], cache["v"])
         else:
             ks, vs = [], []
-            for i, block in enumerate(self.blocks):
-                x_NxD, k, v = run(x_NxD, block, cache["k"][i], cache["v"][i])
+            for block, k, v in zip(self.blocks, cache["k"], cache["v"], strict=True):
+                x_NxD, k, v = run(x_NxD, block, k, v)
                 ks.append(k)
                 vs.append(v)
-            k_L, v_L = jnp.stack(ks), jnp.stack(vs)
+            k_L, v_L = tuple(ks), tuple(vs)
         cache = {"k": k_L, "v": v_L, "valid": valid_BxT, "index": index + s}
         return self._logits(x_NxD, b, s), cache
 

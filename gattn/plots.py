@@ -114,28 +114,40 @@ def attention_maps(m: dict, path: Path, name: str = "", max_heads: int = 8) -> P
 
 def ruler(runs: dict[str, dict], path: Path) -> Path:
     """Table 5 as a figure: exact-match score against context length, the mean over tasks and each
-    task, one line per checkpoint (name -> gattn.ruler results); the trained length is marked."""
-    tasks = list(next(iter(runs.values()))["tasks"])
-    panels = ["mean over tasks"] + tasks
+    task, then held-out perplexity of the windows' second half per domain (log scale); one line per
+    checkpoint (name -> gattn.ruler results); each checkpoint's trained length dotted."""
+    first = next(iter(runs.values()))
+    domains = sorted({d for r in runs.values() for v in r["per_length"].values() for d in v.get("perplexity", {})})
+    panels = ["mean over tasks"] + list(first["tasks"]) + [f"PPL {d}" for d in domains]
     cols = min(4, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = _subplots(rows, cols, figsize=(3.8 * cols, 3.2 * rows), squeeze=False)
+    ticks = sorted({int(n) for r in runs.values() for n in r["per_length"]})
     for ax, panel in zip(axes.flat, panels):
+        ppl = panel.startswith("PPL ")
         for j, (name, r) in enumerate(runs.items()):
-            lengths = [int(n) for n in r["per_length"]]
-            ys = [(v["exact"] if panel == panels[0] else v["tasks"].get(panel, {}).get("exact", np.nan))
-                  for v in r["per_length"].values()]
-            ax.plot(lengths, ys, marker="o", color=f"C{j % 10}", label=name)
+            if ppl:
+                ys = [v.get("perplexity", {}).get(panel[4:], {}).get("ppl_second_half", np.nan)
+                      for v in r["per_length"].values()]
+            elif panel == panels[0]:
+                ys = [v["exact"] for v in r["per_length"].values()]
+            else:
+                ys = [v["tasks"].get(panel, {}).get("exact", np.nan) for v in r["per_length"].values()]
+            ax.plot([int(n) for n in r["per_length"]], ys, marker="o", color=f"C{j % 10}", label=name)
             ax.axvline(r["trained_len"], color=f"C{j % 10}", ls=":", lw=1)
         ax.set_xscale("log", base=2)
-        ticks = sorted({int(n) for r in runs.values() for n in r["per_length"]})
         ax.set_xticks(ticks, [str(n) for n in ticks], rotation=45 if len(ticks) > 4 else 0)
-        ax.set(xlabel="context length (tokens)", ylabel="exact match (%)", title=panel, ylim=(-3, 103))
+        if ppl:
+            ax.set_yscale("log")
+            ax.set(xlabel="context length (tokens)", ylabel="perplexity, second half of the window",
+                   title=f"held-out {panel}")
+        else:
+            ax.set(xlabel="context length (tokens)", ylabel="exact match (%)", title=panel, ylim=(-3, 103))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle("RULER-style long-context accuracy (dotted: the length each checkpoint was trained at)")
+    fig.suptitle("long context: RULER-style accuracy and window perplexity (dotted: the trained length)")
     return _save(fig, path)
 
 

@@ -16,6 +16,9 @@ Every prompt fits `length` tokens of the run's tokenizer together with its answe
 counts as correct when the greedy output contains every expected string as a whole word (RULER's
 string_match_all, all or nothing: `exact`); `partial` is the share of expected strings found.
 `oracle` solves a prompt from its text alone: the test that the needles are really there.
+
+eval.py --ruler adds `analysis.window_perplexity` at each length: a measure small models show
+where their RULER scores are all zero.
 """
 
 from __future__ import annotations

@@ -88,15 +88,19 @@ def test_cached_logits_equal_the_full_forward(cfg):
     assert_matches_full_forward(build(cfg), ROWS)
 
 
-def test_unscanned_slices_the_stacked_layers_and_the_scanned_model_decodes():
-    loop = build(variants.apply("sdpa_elementwise", TINY))
+def scanned_twin(loop):
+    """The scan_layers model with `loop`'s weights, stacked."""
     cfg = dataclasses.replace(loop.cfg, scan_layers=True)
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     params = nnx.state(loop)
-    layers = [params["blocks"][i] for i in range(cfg.num_layers)]
-    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
-    scanned = nnx.merge(graphdef, params)
-    assert scanned.blocks.attn.wq[...].shape[0] == cfg.num_layers
+    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[params["blocks"][i] for i in range(cfg.num_layers)])
+    return nnx.merge(graphdef, params)
+
+
+def test_unscanned_slices_the_stacked_layers_and_the_scanned_model_decodes():
+    loop = build(variants.apply("sdpa_elementwise", TINY))
+    scanned = scanned_twin(loop)
+    assert scanned.blocks.attn.wq[...].shape[0] == loop.cfg.num_layers
 
     back = unscanned(scanned)
     assert not back.cfg.scan_layers and unscanned(back) is back
@@ -164,10 +168,20 @@ def test_chunked_prefill_equals_one_shot_prefill(model):
     np.testing.assert_allclose(last, one[:, -1], rtol=1e-5, atol=1e-5)
     assert int(cache["index"]) == int(one_cache["index"]) == 13
     np.testing.assert_array_equal(cache["valid"], one_cache["valid"])
-    for name in ("k", "v"):  # [L, B, T, Hk, K] at the real tokens' slots
-        np.testing.assert_allclose(cache[name][:, :, :13][:, valid], one_cache[name][:, :, :13][:, valid],
-                                   rtol=1e-5, atol=1e-5)
+    for name in ("k", "v"):  # [L, B, Hk, T, K] at the real tokens' slots
+        a, b = (np.moveaxis(np.asarray(c[name]), 3, 2)[:, :, :13][:, valid] for c in (cache, one_cache))
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     want = decode.generate(model, rows, max_new_tokens=5, max_len=24, pad_multiple=1)
     assert decode.generate(model, rows, max_new_tokens=5, max_len=24, prefill_chunk=4) == want
     with pytest.raises(ValueError, match="chunk"):
         decode.prefill(model, tokens, valid, decode.init_cache(model, 2, 20), chunk=0)
+
+
+def test_a_scanned_model_generates_what_its_unscanned_twin_generates(model):
+    """The scanned model's stacked cache and the layer loop's per-layer cache give the same
+    tokens (generate donates both kinds of cache to its step)."""
+    scanned, cfg = scanned_twin(model), model.cfg
+    assert scanned.init_cache(2, 8)["k"].shape == (cfg.num_layers, 2, cfg.kv_heads, 8, cfg.head_dim)
+    assert len(model.init_cache(2, 8)["k"]) == cfg.num_layers
+    want = decode.generate(model, PROMPTS, max_new_tokens=6, max_len=16)
+    assert decode.generate(scanned, PROMPTS, max_new_tokens=6, max_len=16) == want

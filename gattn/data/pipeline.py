@@ -91,3 +91,15 @@ def validation_batches(cfg, tokenizer, workdir: Path) -> dict[str, list[dict]]:
                              f"{cfg.data.eval_batch_size}x{cfg.train.seq_len + 1} tokens")
         out[domain] = batches
     return out
+
+
+def held_out_text(cfg, tokenizer, workdir: Path) -> dict[str, np.ndarray]:
+    """Per held-out domain, all of its documents tokenised (each followed by eos, as in training)
+    and concatenated in a fixed order: long-context evaluation cuts windows of any length from it."""
+    source = tfds_text.data_source(cfg.data, workdir, "validation")
+    tokenize = _tokenize(tokenizer)
+    out: dict[str, list] = {}
+    for i in range(len(source)):
+        ex = source[i]
+        out.setdefault(ex["domain"].decode(), []).append(tokenize(ex)["tokens"])
+    return {d: np.concatenate(parts) for d, parts in sorted(out.items())}

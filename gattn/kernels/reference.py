@@ -11,7 +11,9 @@ the output (and attention row) of a padding query is set to exactly zero, and no
 attends to padding.
 
 `attention_masked` takes an explicit [B, S, T] visibility mask instead (cached decoding: S new
-queries over T cache slots) and runs the same block computation.
+queries over T cache slots), with k/v in the kv cache's [B, Hk, T, K] layout, so a decode step
+reads the cache as it is (a transposed copy of a long cache per layer and token would cost more
+than the attention), and runs the same block computation.
 """
 
 from __future__ import annotations
@@ -124,14 +126,15 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
     return (o, p) if return_probs else o
 
 
-def attention_masked(q, k, v, mask_BxSxT, *, sm_scale: float | None = None):
+def attention_masked(q, k_BxHxTxK, v_BxHxTxK, mask_BxSxT, *, sm_scale: float | None = None):
     """softmax(q k^T * sm_scale, over the keys where mask_BxSxT is True) v: o [B, S, Hq, K].
-    q [B, S, Hq, K], k/v [B, T, Hk, K] (any T). A query that sees no key gets a finite output."""
-    check_inputs(q, k, v)
+    q [B, S, Hq, K]; k/v [B, Hk, T, K] (the kv cache's layout, any T). A query that sees no key
+    gets a finite output."""
+    check_inputs(q, k_BxHxTxK.transpose(0, 2, 1, 3), v_BxHxTxK.transpose(0, 2, 1, 3))  # shapes only
     b, s, hq, d = q.shape
-    hk = k.shape[2]
+    hk = k_BxHxTxK.shape[1]
     scale = d ** -0.5 if sm_scale is None else sm_scale
     q5 = q.reshape(b, s, hk, hq // hk, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, G, S, K]
     bias = jnp.where(mask_BxSxT, 0.0, _NEG).astype(jnp.float32)[:, None, None]
-    o, _ = _block(q5, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), bias, scale)
+    o, _ = _block(q5, k_BxHxTxK, v_BxHxTxK, bias, scale)
     return o.transpose(0, 3, 1, 2, 4).reshape(b, s, hq, d)
