@@ -192,3 +192,24 @@ def test_measure_streams_batches_and_leaves_padding_out():
     np.testing.assert_allclose(m3[:, :12, :12], m1[:, :12, :12], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(m1[:, :12].sum(-1), 1.0, rtol=1e-5)  # each query row is a distribution
     assert np.all(m3[:, 12:] == 0)  # padding queries (and positions past the rows) are in no document
+
+
+def test_window_perplexity_is_the_mean_next_token_loss_of_each_window():
+    """Three windows of 8 (+1) tokens cut from a 30-token stream, each read from position 0: the
+    perplexities equal exp of the mean loss computed from the logits directly; query-chunked
+    attention gives the same; a stream shorter than one window gives None."""
+    model = Transformer(TINY, rngs=nnx.Rngs(2))
+    stream = np.random.default_rng(3).integers(0, TINY.vocab_size, 30)
+    got = analysis.window_perplexity(model, stream, 8)
+    nll = []
+    for i in range(3):
+        w = jnp.asarray(stream[i * 8:i * 8 + 9][None])
+        logp = jax.nn.log_softmax(model(w[:, :-1]), axis=-1)[0]
+        nll.append(-np.asarray(logp)[np.arange(8), stream[i * 8 + 1:i * 8 + 9]])
+    nll = np.stack(nll)
+    assert got["windows"] == 3
+    assert got["ppl"] == pytest.approx(np.exp(nll.mean()), rel=1e-5)
+    assert got["ppl_second_half"] == pytest.approx(np.exp(nll[:, 4:].mean()), rel=1e-5)
+    chunked = Transformer(dataclasses.replace(TINY, attention_query_chunk=2), rngs=nnx.Rngs(2))
+    assert analysis.window_perplexity(chunked, stream, 8)["ppl"] == pytest.approx(got["ppl"], rel=1e-5)
+    assert analysis.window_perplexity(model, stream[:8], 8) is None

@@ -142,19 +142,24 @@ def test_ruler_with_yarn_and_a_table_5_comparison(runs, tmp_path):
             assert 0 <= r["exact"] <= r["partial"] <= 100 and len(r["examples"]) == 2
         assert res["exact"] == sum(res["tasks"][t]["exact"] for t in res["tasks"]) / 2
         assert res["seconds"] > 0 and res["peak_rss_mb"] > 100
+        ppl = res["perplexity"]["code"]  # the same held-out text at both lengths: 4 windows of 1024
+        assert ppl["windows"] == 4 * 1024 // int(n) and 1 < ppl["ppl"] < 512 and 1 < ppl["ppl_second_half"] < 512
     assert yarn["per_length"]["1024"]["peak_rss_mb"] >= yarn["per_length"]["512"]["peak_rss_mb"]
     assert (tmp_path / "yarn" / "ruler.png").stat().st_size > 10_000
 
     cmp = run_eval(*common, "--compare", run, tmp_path / "yarn" / "ruler.json", "--out", tmp_path / "cmp")
     assert cmp.returncode == 0, cmp.stderr
-    rows = [[c.strip() for c in line.strip("|").split("|")]
-            for line in (tmp_path / "cmp" / "ruler_table.md").read_text().splitlines()[2:]]
+    table5 = (tmp_path / "cmp" / "ruler_table.md").read_text().split("\n\n")[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table5.splitlines()[2:]]
     plain = json.loads((run / "eval" / "ruler.json").read_text())
     assert [r[0] for r in rows] == ["sdpa_elementwise", "sdpa_elementwise + YaRN x4"]
     for col, n in ((4, "512"), (5, "1024")):
         p, y = plain["per_length"][n]["exact"], yarn["per_length"][n]["exact"]
         assert rows[0][col] == f"{p:.1f}" and rows[1][col] == f"{y:.1f} ({y - p:+.1f})"
     assert (tmp_path / "cmp" / "ruler.png").stat().st_size > 10_000
+    code = next(line for line in (tmp_path / "cmp" / "ruler_table.md").read_text().splitlines()
+                if line.startswith("| sdpa_elementwise + YaRN x4 | code |"))
+    assert f"{yarn['per_length']['1024']['perplexity']['code']['ppl']:.1f}" in code
 
     short = run_eval("--workdir", run, "--ruler", "--lengths", "64,512")
     assert short.returncode == 2 and "--lengths" in short.stderr and "niah_single needs" in short.stderr
