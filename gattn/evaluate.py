@@ -260,15 +260,17 @@ def compare_ruler(entries: list[str | Path], lengths: list[int], *, out_dir: str
         results.append(res if fresh else evaluate_ruler(entry, lengths, **ruler_kwargs))
     for r in results:  # the requested lengths only, in the order asked
         r["per_length"] = {str(n): r["per_length"][str(n)] for n in sorted(lengths) if str(n) in r["per_length"]}
+    labels = [r["label"] for r in results]
+    for r in results:  # runs of the same name in different folders (e.g. main/ and extend/)
+        if labels.count(r["label"]) > 1:
+            r["label"] = f"{Path(r['workdir']).parent.name}/{r['label']}"
     parent = os.path.commonpath([Path(e).absolute() if Path(e).is_dir() else Path(e).absolute().parent for e in entries])
     out_dir = Path(out_dir) if out_dir else Path(parent) / "compare"
     out_dir.mkdir(parents=True, exist_ok=True)
     text = ruler_table(results) + "\n\n" + perplexity_table(results)
     (out_dir / "ruler_table.md").write_text(text + "\n")
     (out_dir / "ruler.json").write_text(json.dumps(results, indent=1))
-    labels = [r["label"] if r["label"] not in [q["label"] for q in results[:i]] else f"{r['label']} ({r['workdir']})"
-              for i, r in enumerate(results)]
-    plots.ruler(dict(zip(labels, results)), out_dir / "ruler.png")
+    plots.ruler({r["label"]: r for r in results}, out_dir / "ruler.png")
     return text
 
 

@@ -163,4 +163,3 @@ def test_ruler_with_yarn_and_a_table_5_comparison(runs, tmp_path):
 
     short = run_eval("--workdir", run, "--ruler", "--lengths", "64,512")
     assert short.returncode == 2 and "--lengths" in short.stderr and "niah_single needs" in short.stderr
-    assert run_eval("--workdir", run, "--ruler").returncode == 2

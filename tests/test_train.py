@@ -189,14 +189,16 @@ def test_continued_training_starts_from_another_runs_parameters(config_file, tmp
     from flax import nnx
 
     from gattn import config as config_lib, init_from, trainer
+    from gattn.config import ConfigError
 
     base, ext = tmp_path / "base", tmp_path / "ext"
-    subprocess.run(train_cmd(config_file, base, "--steps", "6"), check=True, capture_output=True, timeout=300)
-    for extra, names in ((["--config.model.d_ff=96"], ("train.init_from", "blocks.0.ffn.w1", "(32, 64)")),
-                         (["--config.train.init_step=4"], ("train.init_step", "6]"))):
-        bad = subprocess.run(train_cmd(config_file, tmp_path / "bad", "--init-from", base, "--steps", "4", *extra),
-                             capture_output=True, text=True, timeout=300)
-        assert bad.returncode == 2 and all(n in bad.stderr for n in names), bad.stderr
+    trainer.train(config_lib.load(config_file, ["train.steps=6"]), base, progress=False)
+    for extra, field, names in ((["model.d_ff=96"], "train.init_from", ("blocks.0.ffn.w1", "(32, 64)")),
+                                (["train.init_step=4"], "train.init_step", ("6]",))):
+        bad = config_lib.load(config_file, [f"train.init_from={base}", "train.steps=4", *extra])
+        with pytest.raises(ConfigError) as e:
+            trainer.train(bad, tmp_path / "bad", progress=False)
+        assert e.value.field == field and all(n in e.value.allowed for n in names), e.value
         assert not (tmp_path / "bad").exists()
 
     subprocess.run(train_cmd(config_file, ext, "--init-from", base, "--steps", "4", "--config.model.rope_base=1e6",
