@@ -58,13 +58,22 @@ def main(argv=None):
     ruler.add_argument("--ruler", action="store_true", help="run the long-context benchmark instead")
     ruler.add_argument("--lengths", type=_lengths, help="context lengths in tokens, e.g. 512,1024,2048,4096")
     ruler.add_argument("--ruler-tasks", help="comma-separated subset of the tasks (default: all six)")
-    ruler.add_argument("--samples", type=int, default=8, help="samples per task and length")
-    ruler.add_argument("--seed", type=int, default=0, help="the generator's seed")
-    ruler.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill pass "
-                       "(bounds the attention memory of long prompts)")
+    ruler.add_argument("--samples", type=int, help="samples per task and length (default 8)")
+    ruler.add_argument("--seed", type=int, help="the generator's seed (default 0)")
+    ruler.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill pass, and query "
+                       "chunk of the perplexity pass (default 512; bounds long-context memory)")
     args, overrides = config_lib.parse_args(ap, argv)
     if bool(args.workdir) == bool(args.compare):
         ap.error("give either --workdir DIR or --compare DIR1 DIR2 ...")
+    if args.compare and args.step is not None:
+        ap.error("--step applies to --workdir (a comparison uses each run's latest checkpoint)")
+    ruler_only = ("lengths", "ruler_tasks", "samples", "seed", "prefill_chunk")
+    if not args.ruler and any(getattr(args, name) is not None for name in ruler_only):
+        ap.error("--lengths, --ruler-tasks, --samples, --seed and --prefill-chunk need --ruler")
+    if args.ruler and any(getattr(args, n) is not None for n in ("max_batches", "map_layers", "batch_rows",
+                                                                 "tasks", "limit")):
+        ap.error("--ruler runs the long-context benchmark only: drop --max-batches, --map-layers, "
+                 "--batch-rows, --tasks and --limit (or run them without --ruler)")
     if args.ruler:
         return _ruler(args, overrides)
     for name in ("max_batches", "map_len", "limit", "batch_rows"):
@@ -99,6 +108,9 @@ def _ruler(args, overrides):
     for task in tasks:
         if task not in TASKS:
             raise config_lib.ConfigError("--ruler-tasks", task, f"one of {', '.join(TASKS)}")
+    for name, default in (("samples", 8), ("seed", 0), ("prefill_chunk", 512)):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     for name in ("samples", "prefill_chunk"):
         if getattr(args, name) < 1:
             raise config_lib.ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected a positive integer")

@@ -3,15 +3,15 @@ raise the RoPE base 10k -> 1M and continue training at 4x the sequence length (2
 the trained checkpoint, with a fresh optimizer and a short, lower-LR schedule:
 
     python train.py --config configs/extend_tiny.py --workdir workdir/extend/baseline \
-        --init-from workdir/main/baseline
+        --init-from workdir/main/baseline --variant baseline
 
 Then stretch it further at eval time without retraining (YaRN, 1024 -> 4096):
 
     python eval.py --workdir workdir/extend/baseline --ruler --lengths 512,1024,2048,4096 \
-        --config.model.yarn.factor=4
+        --config.model.yarn.factor=4 --out workdir/extend/baseline/eval_yarn
 
-The model fields must equal the source run's (train.init_from refuses a checkpoint whose
-parameters differ); on a TPU slice scale `seq_len` and the batch as the paper does (4k -> 32k).
+The model must be the source run's architecture (train.init_from refuses another one, naming the
+field); on a TPU slice scale `seq_len` and the batch as the paper does (4k -> 32k).
 """
 
 import dataclasses

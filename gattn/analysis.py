@@ -270,8 +270,10 @@ def _token_nll(graphdef, state, tokens_BxL1):
 def window_perplexity(model, stream, length: int) -> dict | None:
     """Long-context perplexity: the model on `stream` (held-out documents concatenated with eos
     between them) cut into consecutive windows of `length` + 1 tokens, each read as one sequence at
-    positions 0..length-1; over the whole windows and over their second halves, where a model
-    trained at length/2 meets positions it never saw. Give every length the same stream to compare
+    positions 0..length-1 (training instead restarts positions at each document and masks attention
+    across documents: this measures positions and context length, not document boundaries); over
+    the whole windows and over their second halves, where a model trained at length/2 meets
+    positions it never saw. Give every length the same stream to compare
     lengths on the same text. None if the stream is shorter than one window. Windows run one at a
     time; set model.attention_query_chunk to bound a long window's memory."""
     n = (len(stream) - 1) // length

@@ -40,7 +40,7 @@ def _positions(valid_BxS, cache):
     return jnp.maximum(before_Bx1 + jnp.cumsum(valid_BxS, axis=1, dtype=jnp.int32) - 1, 0)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)  # the cache is updated in place
 def _prefill(graphdef, state, tokens_BxS, valid_BxS, cache):
     model = nnx.merge(graphdef, state)
     return model.decode(tokens_BxS, _positions(valid_BxS, cache), cache, valid_BxS)
@@ -58,7 +58,7 @@ def _step(graphdef, state, tokens_B, cache):
 def prefill(model: Transformer, tokens_BxS, valid_BxS, cache: dict, *, chunk: int | None = None,
             last_only: bool = False):
     """(logits, cache): runs a block of tokens (False in `valid_BxS` = padding) into the cache
-    after what it holds. With `chunk`, `chunk` tokens at a time: each layer then holds one
+    after what it holds (the cache passed in is consumed: use the one returned). With `chunk`, `chunk` tokens at a time: each layer then holds one
     [chunk, cache length] attention matrix per head instead of [S, cache length], so a long
     prompt fits in memory; the result is the same. Logits are [B, S, V], or [B, V] of the last
     position with `last_only` (a long prompt's [S, V] logits are themselves large)."""

@@ -192,7 +192,6 @@ def table(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-
 # --------------------------------------------------------------------------- long context (RULER)
 
 
@@ -200,10 +199,12 @@ def evaluate_ruler(workdir: str | Path, lengths: list[int], *, step: int | None 
                    overrides: list[str] = (), tasks: tuple[str, ...] = ruler.TASKS, num_samples: int = 8,
                    seed: int = 0, batch_size: int = 4, prefill_chunk: int = 512,
                    out_dir: str | Path | None = None, figures: bool = True) -> dict:
-    """The RULER-style benchmark (gattn/ruler.py) on `workdir`'s checkpoint at each length, with
-    the run's config plus `overrides` (e.g. a new rope_base, or YaRN: model.yarn.factor=4; its
-    original_len defaults to the run's train.seq_len). Writes ruler.json, ruler.md, ruler.png."""
-    workdir = Path(workdir)
+    """The RULER-style benchmark (gattn/ruler.py) and the window perplexity on `workdir`'s
+    checkpoint at each length, with the run's config plus `overrides` (e.g. a new rope_base, or
+    YaRN: model.yarn.factor=4; its original_len defaults to the run's train.seq_len). Writes
+    ruler.json (which records the overrides), ruler.md and ruler.png to `out_dir` (default
+    WORKDIR/eval)."""
+    workdir = Path(workdir).absolute()
     run_cfg = config_lib.load_run(workdir, overrides)
     tokenizer = load_tokenizer(run_cfg, workdir)
 
@@ -215,21 +216,25 @@ def evaluate_ruler(workdir: str | Path, lengths: list[int], *, step: int | None 
     if short:
         raise ConfigError("--lengths", min(lengths), "every length must hold each task's instructions and "
                           f"answer: {', '.join(f'{t} needs about {n}' for t, n in short.items())}")
-    if not any("model.attention_query_chunk" in o for o in overrides):
-        # Long windows for the perplexity: queries in chunks, so memory grows linearly with length.
-        overrides = [*overrides, f"model.attention_query_chunk={prefill_chunk}"]
-    cfg, model, step = restore(workdir, step, overrides)
-    res = ruler.run(model, tokenizer, lengths, tasks=tasks, num_samples=num_samples, seed=seed,
-                    batch_size=batch_size, prefill_chunk=prefill_chunk)
+    chunked = [*overrides, f"model.attention_query_chunk={prefill_chunk}"]  # long windows: queries in chunks
+    cfg, model, step = restore(workdir, step, overrides if any("attention_query_chunk" in o for o in overrides)
+                               else chunked)
+    try:
+        res = ruler.run(model, tokenizer, lengths, tasks=tasks, num_samples=num_samples, seed=seed,
+                        batch_size=batch_size, prefill_chunk=prefill_chunk)
+    except ruler.TooShort as e:
+        raise ConfigError("--lengths", min(lengths), str(e)) from None
     # The same text at every length: per domain, up to 4 windows of the longest length.
-    text = {d: t[:min(len(t) - 1, 4 * max(lengths)) + 1] for d, t in pipeline.held_out_text(cfg, tokenizer, workdir).items()}
+    text = {d: t[:min(len(t) - 1, 4 * max(lengths)) + 1]
+            for d, t in pipeline.held_out_text(cfg, tokenizer, workdir).items()}
     for n, row in res["per_length"].items():
         row["perplexity"] = {d: p for d, stream in text.items()
                              if (p := analysis.window_perplexity(model, stream, int(n))) is not None}
     yarn = dataclasses.asdict(cfg.model.yarn) if cfg.model.yarn else None
     label = workdir.name + (f" + YaRN x{yarn['factor']:g}" if yarn else "")
     res = {"label": label, "workdir": str(workdir), "step": step, "variant": cfg.variant,
-           "trained_len": cfg.train.seq_len, "rope_base": cfg.model.rope_base, "yarn": yarn, **res}
+           "overrides": list(overrides), "trained_len": cfg.train.seq_len, "rope_base": cfg.model.rope_base,
+           "yarn": yarn, **res}
     out_dir = out_path(workdir, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "ruler.json").write_text(json.dumps(res, indent=1))
@@ -239,33 +244,44 @@ def evaluate_ruler(workdir: str | Path, lengths: list[int], *, step: int | None 
     return res
 
 
+def reusable(res: dict | None, workdir: Path, lengths, settings: dict) -> bool:
+    """Whether a run's earlier ruler.json answers a comparison: the latest checkpoint, every
+    requested length, and the same settings (tasks, samples, seed, overrides)."""
+    return (res is not None and set(lengths) <= set(res["lengths"])
+            and all(res.get(k) == v for k, v in settings.items())
+            and res["step"] == max(checkpoint.saved_steps(workdir), default=None))
+
+
 def compare_ruler(entries: list[str | Path], lengths: list[int], *, out_dir: str | Path | None = None,
                   **ruler_kwargs) -> str:
-    """Table 5 across checkpoints: each entry is a run directory (its eval/ruler.json is reused when
-    it covers `lengths` with the same tasks, samples and seed at the latest checkpoint; otherwise the
-    run is evaluated) or a ruler.json written earlier (e.g. a YaRN evaluation with --out). Writes
+    """Table 5 across checkpoints. Each entry is a run directory (its eval/ruler.json is reused if
+    `reusable`, else the run is evaluated with `ruler_kwargs`) or a ruler.json written earlier
+    (e.g. a YaRN evaluation with --out), which must have the same tasks, samples and seed. Writes
     ruler_table.md, ruler.json and ruler.png to `out_dir` (default COMMON_PARENT/compare)."""
-    want = {k: ruler_kwargs[k] for k in ("num_samples", "seed") if k in ruler_kwargs}
-    want["tasks"] = list(ruler_kwargs.get("tasks", ruler.TASKS))
+    settings = {"tasks": list(ruler_kwargs.get("tasks", ruler.TASKS)),
+                "num_samples": ruler_kwargs.get("num_samples", 8), "seed": ruler_kwargs.get("seed", 0)}
     results = []
     for entry in map(Path, entries):
         if entry.is_file() or (entry / "ruler.json").is_file() and not (entry / "config.json").is_file():
-            results.append(json.loads((entry if entry.is_file() else entry / "ruler.json").read_text()))
+            res = json.loads((entry if entry.is_file() else entry / "ruler.json").read_text())
+            for k, v in settings.items():
+                if res.get(k) != v:
+                    raise ConfigError("--compare", str(entry), f"it was evaluated with {k} = {res.get(k)!r}, "
+                                      f"this comparison uses {v!r}: pass the same --ruler-tasks, --samples, --seed")
+            results.append(res)
             continue
         path = entry / "eval" / "ruler.json"
         res = json.loads(path.read_text()) if path.is_file() else None
-        fresh = (res is not None and not ruler_kwargs.get("overrides") and set(lengths) <= set(res["lengths"])
-                 and all(res.get(k) == v for k, v in want.items())
-                 and res["step"] == max(checkpoint.saved_steps(entry), default=None))
-        results.append(res if fresh else evaluate_ruler(entry, lengths, **ruler_kwargs))
+        want = settings | {"overrides": list(ruler_kwargs.get("overrides", []))}
+        results.append(res if reusable(res, entry, lengths, want) else evaluate_ruler(entry, lengths, **ruler_kwargs))
     for r in results:  # the requested lengths only, in the order asked
         r["per_length"] = {str(n): r["per_length"][str(n)] for n in sorted(lengths) if str(n) in r["per_length"]}
     labels = [r["label"] for r in results]
     for r in results:  # runs of the same name in different folders (e.g. main/ and extend/)
         if labels.count(r["label"]) > 1:
             r["label"] = f"{Path(r['workdir']).parent.name}/{r['label']}"
-    parent = os.path.commonpath([Path(e).absolute() if Path(e).is_dir() else Path(e).absolute().parent for e in entries])
-    out_dir = Path(out_dir) if out_dir else Path(parent) / "compare"
+    parents = [Path(e).absolute() if Path(e).is_dir() else Path(e).absolute().parent for e in entries]
+    out_dir = Path(out_dir) if out_dir else Path(os.path.commonpath(parents)) / "compare"
     out_dir.mkdir(parents=True, exist_ok=True)
     text = ruler_table(results) + "\n\n" + perplexity_table(results)
     (out_dir / "ruler_table.md").write_text(text + "\n")

@@ -2,14 +2,16 @@
 the RoPE base and the sequence length of a trained model and trains on (Sec. 4.4).
 
 A new run starts from the source run's parameters with a fresh optimizer and its own schedule,
-reading text with the source's tokenizer. Only what no parameter depends on may differ (rope_base,
-yarn, seq_len, data, schedule): `check` compares every parameter's name, shape and dtype before
-anything is read or written.
+reading text with the source's tokenizer (copied to WORKDIR/tokenizer/init_from.model). The
+architecture stays: `check` compares the model configs (only `MAY_DIFFER` may change) and every
+parameter's name, shape and dtype, before anything is read or written. The sequence length, the
+data and the whole train config may change.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -18,42 +20,58 @@ from flax import nnx
 from gattn import checkpoint
 from gattn import config as config_lib
 from gattn.config import Config, ConfigError
-from gattn.data.tokenizer import tokenizer_path
+from gattn.data.tokenizer import INIT_FROM_TOKENIZER, tokenizer_path
 from gattn.model import Transformer
+
+# Model fields a continued run may change: positions, kernels and compilation, and MoE training
+# policy. Everything else (shapes, gates, norms, activations, routing) is the architecture.
+MAY_DIFFER = ("rope_base", "yarn", "attention_impl", "attention_block_q", "attention_query_chunk",
+              "flash_block_q", "flash_block_k", "remat", "dtype", "init_std", "moe.capacity_factor",
+              "moe.lbl_coef", "moe.lbl_scope", "moe.micro_batches", "moe.z_loss_coef")
 
 
 def source_config(cfg: Config) -> Config:
-    """The config of run directory `train.init_from` (a clear error if it is not a run)."""
+    """The config of run directory `train.init_from`."""
     try:
         return config_lib.load_run(cfg.train.init_from)
-    except ConfigError:
+    except ConfigError as e:
         raise ConfigError("train.init_from", cfg.train.init_from,
-                          "expected a run directory holding config.json and checkpoints/") from None
+                          f"expected a run directory holding a valid config.json ({e})") from None
 
 
-def with_source_tokenizer(cfg: Config, workdir: Path) -> Config:
-    """A continued run (train.init_from) reads text with its source run's tokenizer: the file is
-    copied into WORKDIR/tokenizer and named by data.tokenizer (unless the user set one)."""
-    if not cfg.train.init_from or cfg.data.tokenizer:
-        return cfg
-    copy = next(iter(sorted((workdir / "tokenizer").glob("init-from-*.model"))), None)
-    if copy is None:  # the first start (a resumed run uses its copy: the source may be gone)
-        path = tokenizer_path(source_config(cfg), Path(cfg.train.init_from))
-        if not path.is_file():
-            raise ConfigError("train.init_from", cfg.train.init_from, f"its tokenizer {path} is missing")
-        copy = workdir / "tokenizer" / f"init-from-{path.name}"
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        copy.with_suffix(".tmp").write_bytes(path.read_bytes())
-        copy.with_suffix(".tmp").rename(copy)
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(copy.absolute())))
+def copy_tokenizer(cfg: Config, workdir: Path) -> None:
+    """Copies the source run's tokenizer to WORKDIR/tokenizer/init_from.model, which
+    `tokenizer_path` then gives for this run (unless the user named one in data.tokenizer). Done
+    at the first start only: a resumed run keeps its copy (the source may be gone)."""
+    if cfg.data.tokenizer:
+        return
+    src = tokenizer_path(source_config(cfg), Path(cfg.train.init_from))
+    if not src.is_file():
+        raise ConfigError("train.init_from", cfg.train.init_from, f"its tokenizer {src} is missing")
+    copy = Path(workdir) / "tokenizer" / INIT_FROM_TOKENIZER
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.with_suffix(".tmp").write_bytes(src.read_bytes())
+    copy.with_suffix(".tmp").rename(copy)  # atomic
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def check(cfg: Config) -> int:
     """The checkpoint step of run `train.init_from` that this run starts from (`train.init_step`,
-    default its latest), after checking, before any array is read, that every parameter has the
-    same name, shape and dtype in both models: continued training may change what no parameter
-    depends on (rope_base, yarn, seq_len, the data, the schedule), not the architecture."""
+    default its latest), after checking that both models have the same architecture: the same
+    model config but for `MAY_DIFFER`, and every parameter with the same name, shape and dtype."""
     src_dir, src = cfg.train.init_from, source_config(cfg)
+    mine, theirs = (_flat(json.loads(json.dumps(dataclasses.asdict(m)))) for m in (cfg.model, src.model))
+    for key in sorted(set(mine) | set(theirs)):
+        if not key.startswith(MAY_DIFFER) and mine.get(key) != theirs.get(key):
+            raise ConfigError(f"model.{key}", mine.get(key),
+                              f"the source run {src_dir} has {theirs.get(key)!r}: a continued run keeps "
+                              f"the architecture (the model may change only {', '.join(MAY_DIFFER)})")
 
     def layout(model_cfg):
         params = nnx.state(nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)
@@ -65,8 +83,7 @@ def check(cfg: Config) -> int:
         if mine.get(name) != theirs.get(name):
             raise ConfigError("train.init_from", src_dir,
                               f"its parameter {name} is {theirs.get(name) or 'absent'} but this model's is "
-                              f"{mine.get(name) or 'absent'}: a continued run keeps the architecture "
-                              "(rope_base, yarn, seq_len, data and schedule may change)")
+                              f"{mine.get(name) or 'absent'}: a continued run keeps the architecture")
     steps = checkpoint.saved_steps(Path(src_dir))
     step = cfg.train.init_step if cfg.train.init_step is not None else (steps[-1] if steps else None)
     if step not in steps:

@@ -53,9 +53,10 @@ NEEDLE_RE = re.compile(r"One of the special magic numbers for ([\w-]+) is: (\d+)
 class TooShort(ValueError):
     """A length that cannot hold a task's fixed text (instructions, needles, question) and answer."""
 
-    def __init__(self, need: int):
+    def __init__(self, need: int, task: str = "", length: int = 0):
         self.need = need
-        super().__init__(f"needs {need} tokens before any haystack")
+        super().__init__(f"RULER task {task} needs {need} tokens before any haystack; "
+                         f"length {length} is too short" if task else f"needs {need} tokens before any haystack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +218,7 @@ def generate(task: str, length: int, num_samples: int, count_tokens: Callable[[s
         try:
             prompt = _fit(build, most, count_tokens, budget)
         except TooShort as e:
-            raise TooShort(e.need + ANSWER_TOKENS[task]) from None
+            raise TooShort(e.need + ANSWER_TOKENS[task], task, length) from None
         samples.append(Sample(task, length, prompt, answers, ANSWER_TOKENS[task], depth))
     return samples
 

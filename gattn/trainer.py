@@ -208,7 +208,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     # checkpoint of its own: resuming never reads the source again).
     source_step = init_from.check(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
     workdir.mkdir(parents=True, exist_ok=True)
-    cfg = init_from.with_source_tokenizer(cfg, workdir)
+    if source_step is not None:
+        init_from.copy_tokenizer(cfg, workdir)
     run_config = json.loads(json.dumps(dataclasses.asdict(cfg)))
     t = cfg.train
     tokenizer = load_tokenizer(cfg, workdir)

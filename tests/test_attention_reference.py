@@ -576,7 +576,7 @@ _kernel = jax.jit(attention_xla, static_argnames=("causal", "block_q", "query_ch
 @pytest.mark.parametrize("seg_name", list(KERNEL_SEGMENTS))
 def test_kernel_blocked_causal_equals_unblocked_and_reference(hk, block_q, seg_name):
     """attention_xla with causal query blocks (block_q < S, S a multiple of block_q), and with the
-    sequential query chunks of long contexts (query_chunk = block_q), gives the unblocked result
+    sequential query chunks of long contexts (a last chunk padded), gives the unblocked result
     and the numpy reference, outputs and probabilities; probabilities sum to 1 over keys for real
     queries, are zero on padding queries, above the diagonal and across segments."""
     seg = KERNEL_SEGMENTS[seg_name]
@@ -587,7 +587,7 @@ def test_kernel_blocked_causal_equals_unblocked_and_reference(hk, block_q, seg_n
     o_full, p_full = _kernel(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True,
                              segment_ids=segj, block_q=0, return_probs=True)
     o_chk, p_chk = _kernel(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True,
-                           segment_ids=segj, query_chunk=block_q, return_probs=True)
+                           segment_ids=segj, query_chunk=block_q + 1, return_probs=True)  # 16 % chunk != 0
     o_ref, p_ref = np_sdpa(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), seg)
     o_blk, p_blk, o_full, p_full = map(np.asarray, (o_blk, p_blk, o_full, p_full))
     np.testing.assert_allclose(o_chk, o_full, rtol=1e-5, atol=1e-6)

