@@ -114,8 +114,8 @@ def attention_maps(m: dict, path: Path, name: str = "", max_heads: int = 8) -> P
 
 def ruler(runs: dict[str, dict], path: Path) -> Path:
     """Table 5 as a figure: exact-match score against context length, the mean over tasks and each
-    task, then held-out perplexity of the windows' second half per domain (log scale); one line per
-    checkpoint (name -> gattn.ruler results); each checkpoint's trained length dotted."""
+    task, then the held-out window perplexity per domain (the same text at every length); one line
+    per checkpoint (name -> eval.py --ruler results); each checkpoint's trained length dotted."""
     first = next(iter(runs.values()))
     domains = sorted({d for r in runs.values() for v in r["per_length"].values() for d in v.get("perplexity", {})})
     panels = ["mean over tasks"] + list(first["tasks"]) + [f"PPL {d}" for d in domains]
@@ -127,7 +127,7 @@ def ruler(runs: dict[str, dict], path: Path) -> Path:
         ppl = panel.startswith("PPL ")
         for j, (name, r) in enumerate(runs.items()):
             if ppl:
-                ys = [v.get("perplexity", {}).get(panel[4:], {}).get("ppl_second_half", np.nan)
+                ys = [v.get("perplexity", {}).get(panel[4:], {}).get("ppl", np.nan)
                       for v in r["per_length"].values()]
             elif panel == panels[0]:
                 ys = [v["exact"] for v in r["per_length"].values()]
@@ -138,9 +138,7 @@ def ruler(runs: dict[str, dict], path: Path) -> Path:
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [str(n) for n in ticks], rotation=45 if len(ticks) > 4 else 0)
         if ppl:
-            ax.set_yscale("log")
-            ax.set(xlabel="context length (tokens)", ylabel="perplexity, second half of the window",
-                   title=f"held-out {panel}")
+            ax.set(xlabel="context length (tokens)", ylabel="window perplexity", title=f"held-out {panel}")
         else:
             ax.set(xlabel="context length (tokens)", ylabel="exact match (%)", title=panel, ylim=(-3, 103))
         ax.grid(alpha=0.3)
