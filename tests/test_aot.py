@@ -22,6 +22,8 @@ _spec.loader.exec_module(aot)
     pytest.param("moe_15a2b", ["model.num_layers=1", "model.vocab_size=32768",
                                "model.moe.num_experts=16", "train.seq_len=1024"], "v5p:2x2x1", (1, 2, 2),
                  marks=pytest.mark.slow),  # ~60 s of compiling: `pytest -m slow`
+    pytest.param("extend_1p7b_32k", ["model.num_layers=1", "model.vocab_size=32768"], "v5e:2x2", (1, 1, 4),
+                 marks=pytest.mark.slow),  # a 32k row through the Pallas kernel: ~40 s
 ])
 def test_preset_train_step_compiles_for_tpu_and_fits(preset, overrides, topology, mesh):
     cfg = config_lib.load(params.preset_path(preset), overrides, variant="sdpa_elementwise")
@@ -41,3 +43,6 @@ def test_presets_have_the_papers_sizes():
         dense = config_lib.load(params.preset_path(name)).model
         assert 1.65e9 < params.count_params(dense) == params.activated_params(dense) < 1.8e9
     assert config_lib.load(params.preset_path("dense_1p7b_48l")).model.num_layers == 48
+    dense, ext = (config_lib.load(params.preset_path(n)) for n in ("dense_1p7b", "extend_1p7b_32k"))
+    assert ext.model == dense.model and ext.train.seq_len == 32_768  # init_from accepts it
+    assert 75e9 < ext.train.batch_size * ext.train.seq_len * ext.train.steps < 85e9  # ~80B tokens
