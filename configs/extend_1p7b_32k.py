@@ -17,19 +17,13 @@ per shard on 64 v5p chips (data 16, model 4).
 """
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
-
-def _dense():
-    spec = importlib.util.spec_from_file_location("gattn_config_dense_1p7b", Path(__file__).with_name("dense_1p7b.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+from gattn.config import load
 
 
 def get_config():
-    cfg = _dense()
+    cfg = load(Path(__file__).with_name("dense_1p7b.py"))
     train = dataclasses.replace(cfg.train, seq_len=32_768, batch_size=64, steps=38_000, lr_preset="",
                                 learning_rate=1e-4, min_learning_rate=1e-5, warmup_steps=500,
                                 eval_every=1000, checkpoint_every=500)

@@ -15,19 +15,13 @@ field); on a TPU slice scale `seq_len` and the batch as the paper does (4k -> 32
 """
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
-
-def _tiny():
-    spec = importlib.util.spec_from_file_location("gattn_config_tiny", Path(__file__).with_name("tiny.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+from gattn.config import load
 
 
 def get_config():
-    cfg = _tiny()
+    cfg = load(Path(__file__).with_name("tiny.py"))
     model = dataclasses.replace(cfg.model, rope_base=1_000_000.0)
     train = dataclasses.replace(cfg.train, seq_len=1024, batch_size=4, steps=100, learning_rate=1e-3,
                                 min_learning_rate=1e-5, warmup_steps=10, eval_every=50,
