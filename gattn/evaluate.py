@@ -297,7 +297,8 @@ def ruler_table(results: list[dict]) -> str:
     head = ["checkpoint", "trained at", "RoPE base", "YaRN"] + [_length_name(n) for n in lengths]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        plain = next((q for q in results if q["workdir"] == r["workdir"] and not q["yarn"]), None) if r["yarn"] else None
+        plain = (next((q for q in results if q["workdir"] == r["workdir"] and not q["yarn"]), None)
+                 if r["yarn"] else None)
         cells = [r["label"], str(r["trained_len"]), f"{r['rope_base']:,.0f}",
                  f"x{r['yarn']['factor']:g} from {r['yarn']['original_len']}" if r["yarn"] else "-"]
         for n in map(str, lengths):
