@@ -97,8 +97,8 @@ class Attention(nnx.Module):
         q = self._gate_at("query", q, x_NxD)
         kk = self._gate_at("key", kk, x_NxD)
         v = self._gate_at("value", v, x_NxD)
-        q = apply_rope(q, positions_N, cfg.rope_base, cfg.yarn)
-        kk = apply_rope(kk, positions_N, cfg.rope_base, cfg.yarn)
+        q = apply_rope(q, positions_N, cfg.rope_base, cfg.yarn, cfg.rope_dim)
+        kk = apply_rope(kk, positions_N, cfg.rope_base, cfg.yarn, cfg.rope_dim)
         return q, kk, v
 
     def _output(self, y_NxHxK, x_NxD, *, sdpa_gate: bool = True):

@@ -249,6 +249,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     rope_base: float = 10_000.0
     yarn: YarnSpec | None = None           # YaRN context extension (Table 5); None = plain RoPE.
+    rope_dim: int | None = None            # dims of each head that rotate (the first rope_dim);
+                                           # None = all of head_dim. Qwen3-Next rotates head_dim / 4.
     qk_norm: bool = False
     norm_eps: float = 1e-6
     init_std: float = 0.02
@@ -291,6 +293,11 @@ class ModelConfig:
             raise ConfigError("rope_base", self.rope_base, "expected a number > 1")
         if self.head_dim % 2:
             raise ConfigError("head_dim", self.head_dim, "RoPE needs an even head_dim")
+        if self.rope_dim is not None:
+            _integer("rope_dim", self.rope_dim)
+            if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+                raise ConfigError("rope_dim", self.rope_dim,
+                                  f"expected an even number of dims <= head_dim ({self.head_dim}), or None")
         _choice("ffn_activation", self.ffn_activation, FFN_ACTIVATIONS)
         _choice("sdpa_nonlinearity", self.sdpa_nonlinearity, SDPA_NONLINEARITIES)
         _choice("param_dtype", self.param_dtype, DTYPES)

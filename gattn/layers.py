@@ -83,12 +83,17 @@ def rope_frequencies(head_dim: int, base: float, yarn: YarnSpec | None = None) -
 
 
 def apply_rope(x_NxHxK: jax.Array, positions_N: jax.Array, base: float,
-               yarn: YarnSpec | None = None) -> jax.Array:
+               yarn: YarnSpec | None = None, rope_dim: int | None = None) -> jax.Array:
     """Rotary embedding in the rotate-half layout (pairs dimension i with i + K/2), the layout of
     Qwen/Llama checkpoints, so converted weights need no permutation. Computed as
     x * cos + rotate_half(x) * sin with full-width [N, 1, K] tables: on CPU this form is ~10 ms
     per layer (fwd+bwd, peer shapes) faster than combining the halves with [N, 1, K/2] tables.
-    With `yarn`, the frequencies and the scale of `rope_frequencies`."""
+    With `yarn`, the frequencies and the scale of `rope_frequencies`. With `rope_dim` < K
+    (partial rotary, as Qwen3-Next), only the first rope_dim dims rotate, as a head of that size
+    (pairs i and i + rope_dim/2, frequencies over rope_dim); the rest pass through unchanged."""
+    if rope_dim is not None and rope_dim < x_NxHxK.shape[-1]:
+        rotated = apply_rope(x_NxHxK[..., :rope_dim], positions_N, base, yarn)
+        return jnp.concatenate([rotated, x_NxHxK[..., rope_dim:]], axis=-1)
     k = x_NxHxK.shape[-1]
     theta, scale = rope_frequencies(k, base, yarn)
     angles_NxK2 = positions_N.astype(jnp.float32)[:, None] * jnp.asarray(theta)[None, :]

@@ -79,7 +79,7 @@ def with_(name, **changes):
     with_("dense_output"),
     with_("v_head_shared", switch_heads=variants.apply("switch_kv_4top4", TINY).switch_heads),
     with_("sdpa_input_independent", sdpa_nonlinearity="rmsnorm"),
-    with_("sdpa_headwise", rope_base=1e6, yarn=YarnSpec(4.0, 4)),  # context extension (Table 5)
+    with_("sdpa_headwise", rope_base=1e6, yarn=YarnSpec(4.0, 4), rope_dim=8),  # Table 5; partial rotary
     pytest.param(variants.apply("sdpa_elementwise", MOE), id="moe+sdpa_elementwise"),
 ])
 def test_cached_logits_equal_the_full_forward(cfg):

@@ -72,3 +72,25 @@ def test_yarn_is_a_command_line_switch_with_clear_errors():
         with pytest.raises(ConfigError) as e:
             C.apply_overrides(C.Config(), overrides)
         assert e.value.field == field
+
+
+def test_partial_rotary_rotates_the_first_rope_dim_dims_as_qwen3_next_does():
+    """rope_dim = K / 4: the first 8 of 32 dims rotate as a head of 8 (pairs i and i + 4, the
+    frequencies over 8 dims), written out in numpy as Hugging Face's apply_rotary_pos_emb with
+    partial_rotary_factor does; the other 24 pass through. rope_dim = K is plain RoPE."""
+    x = np.asarray(jax.random.normal(jax.random.key(2), (5, 3, 32)))
+    pos = np.array([0, 1, 7, 100, 4095])
+    r = 8
+    inv_freq = 1.0 / 1e6 ** (np.arange(0, r, 2) / r)
+    emb = np.concatenate([pos[:, None] * inv_freq] * 2, axis=-1)[:, None, :]  # [N, 1, r]
+    x_rot = x[..., :r]
+    rotate_half = np.concatenate([-x_rot[..., r // 2:], x_rot[..., :r // 2]], axis=-1)
+    want = np.concatenate([x_rot * np.cos(emb) + rotate_half * np.sin(emb), x[..., r:]], axis=-1)
+    got = apply_rope(jnp.asarray(x), jnp.asarray(pos), 1e6, rope_dim=r)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(apply_rope(jnp.asarray(x), jnp.asarray(pos), 1e6, rope_dim=32),
+                                  apply_rope(jnp.asarray(x), jnp.asarray(pos), 1e6))
+    for bad in (7, 34, 0):
+        with pytest.raises(ConfigError) as e:
+            ModelConfig(head_dim=32, rope_dim=bad)
+        assert e.value.field == "rope_dim"
