@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from gattn.config import ConfigError
+from gattn.loss import token_nll
 
 # Histogram range of each gate activation's scores (values outside land in the edge bins).
 GATE_RANGES = {"sigmoid": (0.0, 1.0), "ns_sigmoid": (0.5, 1.0), "silu": (-0.5, 3.0), "identity": (-3.0, 3.0)}
@@ -262,9 +263,7 @@ def summarize(model, tokens_BxS, segment_ids_BxS=None, positions_BxS=None,
 @functools.partial(jax.jit, static_argnums=0)
 def _token_nll(graphdef, state, tokens_BxL1):
     """Next-token loss of every position of rows of L + 1 tokens (one sequence each): [B, L]."""
-    logits = nnx.merge(graphdef, state)(tokens_BxL1[:, :-1])
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, tokens_BxL1[:, 1:, None], axis=-1)[..., 0]
+    return token_nll(nnx.merge(graphdef, state)(tokens_BxL1[:, :-1]), tokens_BxL1[:, 1:])
 
 
 def window_perplexity(model, stream, length: int) -> dict | None:
@@ -273,9 +272,9 @@ def window_perplexity(model, stream, length: int) -> dict | None:
     positions 0..length-1 (training instead restarts positions at each document and masks attention
     across documents: this measures positions and context length, not document boundaries); over
     the whole windows and over their second halves, where a model trained at length/2 meets
-    positions it never saw. Give every length the same stream to compare
-    lengths on the same text. None if the stream is shorter than one window. Windows run one at a
-    time; set model.attention_query_chunk to bound a long window's memory."""
+    positions it never saw. Give every length the same stream to compare lengths on the same
+    text. None if the stream is shorter than one window. Windows run one at a time; set
+    model.attention_query_chunk to bound a long window's memory."""
     n = (len(stream) - 1) // length
     if n < 1:
         return None

@@ -595,6 +595,17 @@ def from_dict(cls: type, tree: dict, prefix: str = "") -> Any:
         raise e.under(prefix) from None
 
 
+def flat_fields(tree: Any) -> dict:
+    """{"model.gate.position": value, ...}: a config (or its JSON dict, as in config.json) as
+    dotted field paths, values as JSON would hold them (for comparing two configs field by field)."""
+    if dataclasses.is_dataclass(tree):
+        tree = json.loads(json.dumps(dataclasses.asdict(tree)))
+    out = {}
+    for k, v in tree.items():
+        out.update({f"{k}.{kk}": vv for kk, vv in flat_fields(v).items()} if isinstance(v, dict) else {k: v})
+    return out
+
+
 def load_run(workdir: str | Path, overrides: list[str] = ()) -> Config:
     """The config a run in `workdir` was trained with (its config.json), with `overrides` applied
     (e.g. `model.attention_impl=xla` or a mesh for the devices present now)."""

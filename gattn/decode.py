@@ -60,8 +60,9 @@ def prefill(model: Transformer, tokens_BxS, valid_BxS, cache: dict, *, chunk: in
     """(logits, cache): runs a block of tokens (False in `valid_BxS` = padding) into the cache
     after what it holds (the cache passed in is consumed: use the one returned). With `chunk`,
     `chunk` tokens at a time: each layer then holds one [chunk, cache length] attention matrix
-    per head instead of [S, cache length], so a long prompt fits in memory; the result is the same. Logits are [B, S, V], or [B, V] of the last
-    position with `last_only` (a long prompt's [S, V] logits are themselves large)."""
+    per head instead of [S, cache length], so a long prompt fits in memory; the result is the
+    same. Logits are [B, S, V], or [B, V] of the last position with `last_only` (a long prompt's
+    [S, V] logits are themselves large)."""
     graphdef, state = nnx.split(model)
     tokens_BxS, valid_BxS = np.asarray(tokens_BxS), np.asarray(valid_BxS, bool)
     s = tokens_BxS.shape[1]

@@ -216,9 +216,10 @@ def evaluate_ruler(workdir: str | Path, lengths: list[int], *, step: int | None 
     if short:
         raise ConfigError("--lengths", min(lengths), "every length must hold each task's instructions and "
                           f"answer: {', '.join(f'{t} needs about {n}' for t, n in short.items())}")
-    chunked = [*overrides, f"model.attention_query_chunk={prefill_chunk}"]  # long windows: queries in chunks
-    cfg, model, step = restore(workdir, step, overrides if any("attention_query_chunk" in o for o in overrides)
-                               else chunked)
+    if not any("attention_query_chunk" in o for o in overrides):  # long windows: queries in chunks
+        run_cfg = dataclasses.replace(run_cfg, model=dataclasses.replace(
+            run_cfg.model, attention_query_chunk=prefill_chunk))
+    cfg, model, step = restore(workdir, step, overrides, run_cfg=run_cfg)
     try:
         res = ruler.run(model, tokenizer, lengths, tasks=tasks, num_samples=num_samples, seed=seed,
                         batch_size=batch_size, prefill_chunk=prefill_chunk)
@@ -320,12 +321,20 @@ def perplexity_table(results: list[dict]) -> str:
     lines = ["| checkpoint | domain | " + " | ".join(_length_name(n) for n in lengths) + " |",
              "|" + "---|" * (len(lengths) + 2)]
     for r in results:
-        for domain in sorted({d for v in r["per_length"].values() for d in v.get("perplexity", {})}):
-            cells = [f"{p['ppl']:.1f} ({p['ppl_second_half']:.1f})"
-                     if (p := r["per_length"].get(str(n), {}).get("perplexity", {}).get(domain)) else "-"
-                     for n in lengths]
+        for domain in _ppl_domains(r):
+            cells = [_ppl_cell(r["per_length"].get(str(n), {}), domain) for n in lengths]
             lines.append(f"| {r['label']} | {domain} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ppl_domains(res: dict) -> list[str]:
+    return sorted({d for v in res["per_length"].values() for d in v.get("perplexity", {})})
+
+
+def _ppl_cell(row: dict, domain: str) -> str:
+    """A length's window perplexity of `domain`, its second half in parentheses ("-" if none)."""
+    p = row.get("perplexity", {}).get(domain)
+    return f"{p['ppl']:.1f} ({p['ppl_second_half']:.1f})" if p else "-"
 
 
 def ruler_task_table(res: dict) -> str:
@@ -337,10 +346,9 @@ def ruler_task_table(res: dict) -> str:
         lines.append(f"| {task} | " + " | ".join(
             f"{res['per_length'][n]['tasks'][task]['exact']:.0f} ({res['per_length'][n]['tasks'][task]['partial']:.0f})"
             for n in lengths) + " |")
-    for domain in sorted({d for r in res["per_length"].values() for d in r.get("perplexity", {})}):
-        lines.append(f"| PPL {domain} (second half) | " + " | ".join(
-            f"{p['ppl']:.1f} ({p['ppl_second_half']:.1f})" if (p := res["per_length"][n].get("perplexity", {}).get(domain))
-            else "-" for n in lengths) + " |")
+    for domain in _ppl_domains(res):
+        lines.append(f"| PPL {domain} (second half) | "
+                     + " | ".join(_ppl_cell(res["per_length"][n], domain) for n in lengths) + " |")
     lines.append("| seconds | " + " | ".join(f"{res['per_length'][n]['seconds']:.0f}" for n in lengths) + " |")
     lines.append("| peak memory (MiB) | " + " | ".join(f"{res['per_length'][n]['peak_rss_mb']:.0f}" for n in lengths) + " |")
     return "\n".join(lines)

@@ -10,8 +10,6 @@ data and the whole train config may change.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
 
 import jax
@@ -19,7 +17,7 @@ from flax import nnx
 
 from gattn import checkpoint
 from gattn import config as config_lib
-from gattn.config import Config, ConfigError
+from gattn.config import Config, ConfigError, flat_fields
 from gattn.data.tokenizer import INIT_FROM_TOKENIZER, tokenizer_path
 from gattn.model import Transformer
 
@@ -54,19 +52,12 @@ def copy_tokenizer(cfg: Config, workdir: Path) -> None:
     copy.with_suffix(".tmp").rename(copy)  # atomic
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def check(cfg: Config) -> int:
     """The checkpoint step of run `train.init_from` that this run starts from (`train.init_step`,
     default its latest), after checking that both models have the same architecture: the same
     model config but for `MAY_DIFFER`, and every parameter with the same name, shape and dtype."""
     src_dir, src = cfg.train.init_from, source_config(cfg)
-    mine, theirs = (_flat(json.loads(json.dumps(dataclasses.asdict(m)))) for m in (cfg.model, src.model))
+    mine, theirs = flat_fields(cfg.model), flat_fields(src.model)
     for key in sorted(set(mine) | set(theirs)):
         if not key.startswith(MAY_DIFFER) and mine.get(key) != theirs.get(key):
             raise ConfigError(f"model.{key}", mine.get(key),

@@ -6,15 +6,20 @@ import jax
 import jax.numpy as jnp
 
 
-def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
-                  weights_BxS: jax.Array | None = None) -> jax.Array:
-    """Mean token cross-entropy (float32); `weights` (e.g. 0 for padding) weight each token."""
+def token_nll(logits_BxSxV: jax.Array, targets_BxS: jax.Array) -> jax.Array:
+    """Cross-entropy of each token (float32) [B, S], computed on the 2-D [N, V] logits."""
     v = logits_BxSxV.shape[-1]
     logits_NxV = logits_BxSxV.reshape(-1, v).astype(jnp.float32)
     targets_N = targets_BxS.reshape(-1)
     logz_N = jax.nn.logsumexp(logits_NxV, axis=-1)
     picked_N = jnp.take_along_axis(logits_NxV, targets_N[:, None], axis=-1)[:, 0]
-    nll_N = logz_N - picked_N
+    return (logz_N - picked_N).reshape(targets_BxS.shape)
+
+
+def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
+                  weights_BxS: jax.Array | None = None) -> jax.Array:
+    """Mean token cross-entropy (float32); `weights` (e.g. 0 for padding) weight each token."""
+    nll_N = token_nll(logits_BxSxV, targets_BxS).reshape(-1)
     if weights_BxS is None:
         return jnp.mean(nll_N)
     w_N = weights_BxS.reshape(-1).astype(jnp.float32)

@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 from gattn import checkpoint, init_from, optim, sharding
-from gattn.config import Config, ConfigError
+from gattn.config import Config, ConfigError, flat_fields
 from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer
 from gattn.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum
@@ -35,18 +35,11 @@ from gattn.model import Transformer
 RESUME_FIXED = ("model", "data", "train.seed", "train.batch_size", "train.seq_len")
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def check_resume(cfg: Config, saved: dict | None) -> None:
     """Refuses to resume a checkpoint under a different model, data or batch layout."""
     if not saved:
         return
-    now, then = _flat(json.loads(json.dumps(dataclasses.asdict(cfg)))), _flat(saved)
+    now, then = flat_fields(cfg), flat_fields(saved)
     for key in sorted(set(now) | set(then)):
         if key.startswith(RESUME_FIXED) and now.get(key) != then.get(key):
             raise ConfigError(key, now.get(key),
