@@ -57,6 +57,11 @@ class Attention(nnx.Module):
             if sw.targets == "kv":
                 self.k_experts = SwitchProjection(cfg, rngs=rngs)
         self.wo = param(rngs, (hq * k, d), ("heads", "embed"), std=std, dtype=pd)
+        if cfg.attention_bias:
+            self.bq = param(None, (hq * k,), ("heads",), dtype=pd)
+            self.bk = param(None, (hk * k,), ("kv_heads",), dtype=pd)
+            self.bv = param(None, (hk * k,), ("kv_heads",), dtype=pd)
+            self.bo = param(None, (d,), ("embed",), dtype=pd)
         if cfg.qk_norm:
             self.q_norm = param(None, (k,), ("head_dim",), value=1.0, dtype=pd)
             self.k_norm = param(None, (k,), ("head_dim",), value=1.0, dtype=pd)
@@ -77,15 +82,22 @@ class Attention(nnx.Module):
         keep = jax.nn.one_hot(top, sw.num_experts, dtype=s_NxHxE.dtype).sum(axis=-2)
         return s_NxHxE * keep
 
+    def _project(self, x_NxI, name: str):
+        """x W (+ b with attention_bias) for W_Q, W_K, W_V, W_O (name 'q', 'k', 'v', 'o')."""
+        out = dense(x_NxI, getattr(self, f"w{name}"), self.dtype)
+        if self.cfg.attention_bias:
+            out = out + getattr(self, f"b{name}")[...].astype(self.dtype)
+        return out
+
     def _qkv(self, x_NxD, positions_N):
         """q [N, Hq, K], k and v [N, Hk, K] as SDPA takes them: projected, QK-normed, gated,
         rotated."""
         cfg, n = self.cfg, x_NxD.shape[0]
         hq, hk, k = cfg.q_heads, cfg.kv_heads, cfg.head_dim
-        q = dense(x_NxD, self.wq, self.dtype).reshape(n, hq, k)
+        q = self._project(x_NxD, "q").reshape(n, hq, k)
         if cfg.switch_heads is None:
-            kk = dense(x_NxD, self.wk, self.dtype).reshape(n, hk, k)
-            v = dense(x_NxD, self.wv, self.dtype).reshape(n, hk, k)
+            kk = self._project(x_NxD, "k").reshape(n, hk, k)
+            v = self._project(x_NxD, "v").reshape(n, hk, k)
         else:
             weights = self._switch_weights(x_NxD)
             v = self.v_experts(x_NxD, weights)
@@ -109,7 +121,7 @@ class Attention(nnx.Module):
                               cfg.norm_eps)
         if sdpa_gate:
             y = self._gate_at("sdpa", y, x_NxD)
-        o_NxD = dense(y.reshape(n, -1), self.wo, self.dtype)
+        o_NxD = self._project(y.reshape(n, -1), "o")
         return self._gate_at("dense", o_NxD[:, None, :], x_NxD)[:, 0, :]
 
     def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch: tuple[int, int]):

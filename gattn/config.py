@@ -125,7 +125,9 @@ class GateSpec:
     def num_params(self, cfg: "ModelConfig") -> int:
         """Parameters this gate adds to one layer (Table 1's 'Added Param' / num_layers)."""
         heads, width = self.shape(cfg)
-        return heads * width * (cfg.d_model if self.input_dependent else 1)
+        if not self.input_dependent:
+            return heads * width
+        return heads * width * (cfg.d_model + cfg.attention_bias)
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,8 @@ class ModelConfig:
     rope_dim: int | None = None            # dims of each head that rotate (the first rope_dim);
                                            # None = all of head_dim. Qwen3-Next rotates head_dim / 4.
     qk_norm: bool = False
+    attention_bias: bool = False           # biases on W_Q, W_K, W_V, W_O and the gate's W_theta
+                                           # (Qwen3's attention_bias, the authors' release's qkv_bias).
     norm_eps: float = 1e-6
     init_std: float = 0.02
     # The paper's variant space.
@@ -304,7 +308,8 @@ class ModelConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("remat", self.remat, REMAT_POLICIES)
         _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
-        for name in ("tie_embeddings", "qk_norm", "sandwich_norm", "match_ffn_params", "scan_layers"):
+        for name in ("tie_embeddings", "qk_norm", "attention_bias", "sandwich_norm", "match_ffn_params",
+                     "scan_layers"):
             _bool(name, getattr(self, name))
         if self.output_clip is not None:
             _positive("output_clip", self.output_clip)
@@ -312,6 +317,8 @@ class ModelConfig:
             raise ConfigError("gate", self.gate, "expected a GateSpec or None")
         if self.switch_heads is not None and not isinstance(self.switch_heads, SwitchHeadsSpec):
             raise ConfigError("switch_heads", self.switch_heads, "expected a SwitchHeadsSpec or None")
+        if self.switch_heads is not None and self.attention_bias:
+            raise ConfigError("attention_bias", True, "switch heads (switch_heads is set) have no biases")
         if self.yarn is not None and not isinstance(self.yarn, YarnSpec):
             raise ConfigError("yarn", self.yarn, "expected a YarnSpec or None")
         if self.moe is not None and not isinstance(self.moe, MoESpec):

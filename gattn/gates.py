@@ -49,6 +49,8 @@ class Gate(nnx.Module):
         if spec.input_dependent:
             self.w = param(rngs, (cfg.d_model, self.heads * self.width), ("embed", axis or "mlp"),
                            std=cfg.init_std, dtype=pd)
+            if cfg.attention_bias:  # the gate's slice of a widened q_proj's bias (gattn/convert.py)
+                self.b = param(None, (self.heads * self.width,), (axis or "mlp",), dtype=pd)
         else:
             self.theta = param(None, (self.heads, self.width), (axis, None), value=0.0, dtype=pd)
         self.act = ACTIVATIONS[spec.activation]
@@ -58,7 +60,10 @@ class Gate(nnx.Module):
     def logits(self, x_NxD: jax.Array) -> jax.Array:
         """X W_theta as [N, heads, width] (or [1, heads, width] when input-independent)."""
         if self.spec.input_dependent:
-            return dense(x_NxD, self.w, self.dtype).reshape(-1, self.heads, self.width)
+            z = dense(x_NxD, self.w, self.dtype)
+            if hasattr(self, "b"):
+                z = z + self.b[...].astype(self.dtype)
+            return z.reshape(-1, self.heads, self.width)
         return self.theta[...][None]
 
     def scores(self, x_NxD: jax.Array) -> jax.Array:

@@ -10,6 +10,7 @@ data and the whole train config may change.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import jax
@@ -18,7 +19,7 @@ from flax import nnx
 from gattn import checkpoint
 from gattn import config as config_lib
 from gattn.config import Config, ConfigError, flat_fields
-from gattn.data.tokenizer import INIT_FROM_TOKENIZER, tokenizer_path
+from gattn.data.tokenizer import HF_TOKENIZER_DIR, INIT_FROM_TOKENIZER, tokenizer_path
 from gattn.model import Transformer
 
 # Model fields a continued run may change: positions, kernels and compilation, and MoE training
@@ -46,6 +47,9 @@ def copy_tokenizer(cfg: Config, workdir: Path) -> None:
     src = tokenizer_path(source_config(cfg), Path(cfg.train.init_from))
     if not src.is_file():
         raise ConfigError("train.init_from", cfg.train.init_from, f"its tokenizer {src} is missing")
+    if src.suffix == ".json":  # a Hugging Face tokenizer (a converted model): its folder, as is
+        shutil.copytree(src.parent, Path(workdir) / "tokenizer" / HF_TOKENIZER_DIR, dirs_exist_ok=True)
+        return
     copy = Path(workdir) / "tokenizer" / INIT_FROM_TOKENIZER
     copy.parent.mkdir(parents=True, exist_ok=True)
     copy.with_suffix(".tmp").write_bytes(src.read_bytes())

@@ -217,7 +217,12 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     graphdef, state = init_state(cfg, mesh)
     mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every)
     try:  # a checkpoint of another model or data is refused before any array is read
-        check_resume(cfg, (checkpoint.restore_meta(mngr) or {}).get("config"))
+        saved_meta = checkpoint.restore_meta(mngr) or {}
+        if "converted_from" in saved_meta:
+            raise ConfigError("--workdir", str(workdir),
+                              f"it holds a model converted from {saved_meta['converted_from']} (parameters "
+                              "only): train from it in a new run directory with --init-from")
+        check_resume(cfg, saved_meta.get("config"))
     except ConfigError:
         mngr.close()  # nothing was written: the workdir stays as it was
         raise

@@ -1,8 +1,10 @@
-"""A SentencePiece tokenizer trained locally on the training split, cached in the work directory."""
+"""A SentencePiece tokenizer trained locally on the training split, cached in the work directory;
+or a converted model's own Hugging Face tokenizer (WORKDIR/tokenizer/hf/tokenizer.json)."""
 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import sentencepiece as spm
@@ -12,6 +14,35 @@ from gattn.data import corpus
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 INIT_FROM_TOKENIZER = "init_from.model"  # a continued run's copy of its source's (gattn/init_from.py)
+HF_TOKENIZER_DIR = "hf"  # WORKDIR/tokenizer/hf/: a converted model's tokenizer.json (gattn/convert.py)
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json behind the SentencePiece methods gattn calls: encode (no
+    special tokens added), decode, eos_id (-1 if none; from tokenizer_config.json beside it),
+    get_piece_size."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer  # noqa: PLC0415
+
+        self.path, self.tok = Path(path), Tokenizer.from_file(str(path))
+        tc_path = self.path.with_name("tokenizer_config.json")
+        tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+        eos = tc.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        self._eos = tc.get("eos_token_id", self.tok.token_to_id(eos) if eos else None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(map(int, ids)), skip_special_tokens=False)
+
+    def eos_id(self) -> int:
+        return -1 if self._eos is None else int(self._eos)
+
+    def get_piece_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
 
 
 def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Path) -> Path:
@@ -33,15 +64,20 @@ def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Pat
 
 
 def tokenizer_path(cfg, workdir: Path) -> Path:
-    """The SentencePiece file a run uses: the user's (data.tokenizer); for a continued run
-    (train.init_from) the copy of its source's in WORKDIR/tokenizer; or the one cached in
-    WORKDIR/tokenizer for this corpus and model.vocab_size (which may not exist yet)."""
+    """The tokenizer file a run uses: the user's (data.tokenizer: a SentencePiece .model or a
+    Hugging Face tokenizer.json); a converted model's (WORKDIR/tokenizer/hf/tokenizer.json, also
+    what a run continued from one copies); for a continued run (train.init_from) the copy of its
+    source's in WORKDIR/tokenizer; or the one cached in WORKDIR/tokenizer for this corpus and
+    model.vocab_size (which may not exist yet)."""
     data, vocab = cfg.data, cfg.model.vocab_size
     if data.tokenizer:
         path = Path(data.tokenizer).expanduser()
         if not path.is_file():
-            raise ConfigError("data.tokenizer", data.tokenizer, "expected an existing SentencePiece .model file")
+            raise ConfigError("data.tokenizer", data.tokenizer,
+                              "expected an existing SentencePiece .model or Hugging Face tokenizer.json file")
         return path
+    if (Path(workdir) / "tokenizer" / HF_TOKENIZER_DIR / "tokenizer.json").is_file():
+        return Path(workdir) / "tokenizer" / HF_TOKENIZER_DIR / "tokenizer.json"
     if cfg.train.init_from:
         path = Path(workdir) / "tokenizer" / INIT_FROM_TOKENIZER
         if not path.is_file():
@@ -54,13 +90,13 @@ def tokenizer_path(cfg, workdir: Path) -> Path:
     return Path(workdir) / "tokenizer" / f"spm-{corpus.fingerprint(data.source, data.code_max_bytes)}-{vocab}.model"
 
 
-def load_tokenizer(cfg, workdir: Path) -> spm.SentencePieceProcessor:
-    """The user's model file (data.tokenizer), or the cached one for this corpus with
-    model.vocab_size pieces, trained on first use."""
+def load_tokenizer(cfg, workdir: Path) -> spm.SentencePieceProcessor | HFTokenizer:
+    """The tokenizer of `tokenizer_path`: a SentencePiece processor, trained on first use when it
+    is the cached one, or a Hugging Face tokenizer.json (`HFTokenizer`)."""
     path = tokenizer_path(cfg, workdir)
     if not path.is_file():
         train_tokenizer(cfg.data.source, cfg.data.code_max_bytes, cfg.model.vocab_size, path)
-    sp = spm.SentencePieceProcessor(model_file=str(path))
+    sp = HFTokenizer(path) if path.suffix == ".json" else spm.SentencePieceProcessor(model_file=str(path))
     if sp.get_piece_size() > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,
                           f"expected >= the tokenizer's {sp.get_piece_size()} pieces ({path})")

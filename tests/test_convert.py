@@ -1,0 +1,275 @@
+"""Hugging Face interop (gattn/convert.py): small random transformers models, saved with
+save_pretrained, converted, and compared with gattn's forward pass on the same tokens (float32).
+
+The authors' release is not in transformers: `release_model` builds it from its documented layout
+(their modeling_qwen3.py: q_proj widened per kv group, [queries of the group's heads | gates], the
+sigmoid gate on the SDPA output before o_proj) by replacing each Qwen3 layer's attention forward.
+"""
+
+import json
+import math
+import types
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from gattn import convert, evaluate
+from gattn.config import ConfigError
+from gattn.convert import ConversionError
+
+TOL = dict(rtol=2e-4, atol=2e-4)  # float32 logits of two implementations (values ~ 1-10)
+DIMS = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-6)
+TOKENS = np.random.default_rng(0).integers(0, 320, size=(2, 24))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory):
+    """A byte-level BPE tokenizer.json trained on a few lines (300 pieces, eos '<eos>')."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text = ["def f(x):\n    return x + 1\n", "The attention gate is a sigmoid of the input.\n"] * 50
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def randomize(model, seed=0, norm_center=1.0):
+    """Every weight random (norms around `norm_center`), so a misplaced tensor changes the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(norm_center + 0.2 * noise if "norm" in name else 0.1 * noise)
+    return model.eval()
+
+
+def save(model, path: Path, tokenizer_file, config_update=None):
+    model.save_pretrained(path)
+    (path / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    if config_update:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.update(config_update)
+        (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def hf_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.float().numpy()
+
+
+def gattn_logits(workdir) -> np.ndarray:
+    _, model, _ = evaluate.restore(workdir)
+    return np.asarray(model(jnp.asarray(TOKENS)))
+
+
+def release_forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
+    """The authors' gated attention (eager), from their modeling_qwen3.py's documented layout."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, repeat_kv
+
+    b, s, _ = hidden_states.shape
+    cfg, k = self.config, self.head_dim
+    hk = cfg.num_key_value_heads
+    groups = cfg.num_attention_heads // hk
+    q = self.q_proj(hidden_states).view(b, s, hk, -1)
+    q, gate = torch.split(q, [groups * k, q.shape[-1] - groups * k], dim=-1)
+    gate = gate.reshape(b, s, hk * groups, -1)  # [.., heads, 1 (headwise) or head_dim]
+    q = q.reshape(b, s, -1, k).transpose(1, 2)
+    kk = self.k_proj(hidden_states).view(b, s, -1, k).transpose(1, 2)
+    v = self.v_proj(hidden_states).view(b, s, -1, k).transpose(1, 2)
+    if cfg.use_qk_norm:
+        q, kk = self.q_norm(q), self.k_norm(kk)
+    q, kk = apply_rotary_pos_emb(q, kk, *position_embeddings)
+    kk, v = repeat_kv(kk, groups), repeat_kv(v, groups)
+    scores = q @ kk.transpose(2, 3) / math.sqrt(k)
+    scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    out = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2)
+    if gate.shape[-1]:  # (the release's baseline has no gate rows)
+        out = out * torch.sigmoid(gate)
+    return self.o_proj(out.reshape(b, s, -1)), None
+
+
+def release_model(gate: str, qk_norm=True, bias=False, tie=False):
+    """A Qwen3 model re-laid out as the authors' release: (model, config.json additions)."""
+    cfg = transformers.Qwen3Config(**DIMS, attention_bias=bias, tie_word_embeddings=tie, attn_implementation="eager")
+    cfg.use_qk_norm = qk_norm
+    model = transformers.Qwen3ForCausalLM(cfg)
+    heads, k = DIMS["num_attention_heads"], DIMS["head_dim"]
+    rows = heads * k + {"none": 0, "headwise": heads, "elementwise": heads * k}[gate]
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.q_proj = torch.nn.Linear(DIMS["hidden_size"], rows, bias=bias)
+        if not qk_norm:
+            del attn.q_norm, attn.k_norm
+        attn.forward = types.MethodType(release_forward, attn)
+    flags = {"model_type": "qwen2", "architectures": ["Qwen3ForCausalLM"], "use_qk_norm": qk_norm, "qkv_bias": bias,
+             "headwise_attn_output_gate": gate == "headwise", "elementwise_attn_output_gate": gate == "elementwise"}
+    return randomize(model), flags
+
+
+def qwen3_next_model(partial=0.5, bias=False):
+    cfg = transformers.Qwen3NextConfig(
+        **DIMS, layer_types=["full_attention"] * 2, mlp_only_layers=[0, 1], num_experts=0, attention_bias=bias,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": partial},
+        attn_implementation="eager")
+    return randomize(transformers.Qwen3NextForCausalLM(cfg), norm_center=0.0)
+
+
+@pytest.mark.parametrize("case", ["baseline", "headwise", "elementwise", "elementwise_bias_noqk"])
+def test_release_layout_logits_match(case, tmp_path, tokenizer_file):
+    gate = {"baseline": "none", "elementwise_bias_noqk": "elementwise"}.get(case, case)
+    model, flags = release_model(gate, qk_norm=case != "elementwise_bias_noqk", bias=case == "elementwise_bias_noqk")
+    src = save(model, tmp_path / "hf", tokenizer_file, flags)
+    convert.from_hf(src, tmp_path / "run")
+    np.testing.assert_allclose(gattn_logits(tmp_path / "run"), hf_logits(model), **TOL)
+    run = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert run["variant"] == {"none": "baseline"}.get(gate, f"sdpa_{gate}")
+    assert run["model"]["gate"] == (None if gate == "none" else {**run["model"]["gate"], "granularity": gate})
+
+
+def test_release_pytorch_bin_files_convert(tmp_path, tokenizer_file):
+    """The authors ship pytorch_model.bin: read with torch (weights_only)."""
+    model, flags = release_model("headwise")
+    src = save(model, tmp_path / "hf", tokenizer_file, flags)
+    (src / "model.safetensors").unlink()
+    torch.save(model.state_dict(), src / "pytorch_model.bin")
+    convert.from_hf(src, tmp_path / "run")
+    np.testing.assert_allclose(gattn_logits(tmp_path / "run"), hf_logits(model), **TOL)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_qwen3_logits_match_and_export_back(tie, tmp_path, tokenizer_file):
+    cfg = transformers.Qwen3Config(**DIMS, tie_word_embeddings=tie, attn_implementation="eager")
+    model = randomize(transformers.Qwen3ForCausalLM(cfg))
+    convert.from_hf(save(model, tmp_path / "hf", tokenizer_file), tmp_path / "run")
+    ours = gattn_logits(tmp_path / "run")
+    np.testing.assert_allclose(ours, hf_logits(model), **TOL)
+    # ...and back: transformers loads what to-hf writes and computes the same logits.
+    convert.to_hf(tmp_path / "run", tmp_path / "back")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    np.testing.assert_allclose(hf_logits(again), ours, **TOL)
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == tokenizer_file.read_bytes()
+
+
+def test_qwen3_next_logits_match_and_export_back(tmp_path, tokenizer_file):
+    model = qwen3_next_model(partial=0.5)
+    convert.from_hf(save(model, tmp_path / "hf", tokenizer_file), tmp_path / "run")
+    run = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert run["rope_dim"] == 8 and run["qk_norm"] and run["gate"]["granularity"] == "elementwise"
+    ours = gattn_logits(tmp_path / "run")
+    np.testing.assert_allclose(ours, hf_logits(model), **TOL)
+    convert.to_hf(tmp_path / "run", tmp_path / "back")  # auto: elementwise + QK-norm -> qwen3_next
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "qwen3_next"
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    np.testing.assert_allclose(hf_logits(again), ours, **TOL)
+
+
+def test_llama_export_of_a_gattn_baseline_without_qk_norm(tmp_path, tokenizer_file):
+    cfg = transformers.LlamaConfig(**DIMS, attention_bias=True, attn_implementation="eager")
+    model = randomize(transformers.LlamaForCausalLM(cfg))
+    convert.from_hf(save(model, tmp_path / "hf", tokenizer_file), tmp_path / "run")
+    ours = gattn_logits(tmp_path / "run")
+    np.testing.assert_allclose(ours, hf_logits(model), **TOL)
+    convert.to_hf(tmp_path / "run", tmp_path / "back")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    np.testing.assert_allclose(hf_logits(again), ours, **TOL)
+
+
+def _flat_params(workdir):
+    from flax import nnx
+
+    _, model, _ = evaluate.restore(workdir)
+    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.mark.parametrize("layout", ["release", "qwen3_next"])
+def test_round_trip_gattn_hf_gattn_is_exact(layout, tmp_path, tokenizer_file):
+    """A gattn run (elementwise gate, QK-norm, biases) -> HF (in shards) -> gattn: every parameter
+    bitwise equal. (qwen3_next stores norms as w = scale - 1: exact for scales in [0.5, 2].)"""
+    model, flags = release_model("elementwise", bias=layout == "release")
+    convert.from_hf(save(model, tmp_path / "hf", tokenizer_file, flags), tmp_path / "a")
+    convert.to_hf(tmp_path / "a", tmp_path / "hf2", layout=layout, max_shard_bytes=100_000)
+    assert len(json.loads((tmp_path / "hf2" / "model.safetensors.index.json").read_text())["weight_map"]) > 10
+    assert len(list((tmp_path / "hf2").glob("model-*.safetensors"))) > 1
+    convert.from_hf(tmp_path / "hf2", tmp_path / "b")
+    a, b = _flat_params(tmp_path / "a"), _flat_params(tmp_path / "b")
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
+
+
+def test_bad_folders_are_refused_and_nothing_is_written(tmp_path, tokenizer_file):
+    model, flags = release_model("headwise")
+    good = save(model, tmp_path / "hf", tokenizer_file, flags)
+    convert.from_hf(good, tmp_path / "run")
+    convert.to_hf(tmp_path / "run", tmp_path / "sharded", layout="release", max_shard_bytes=100_000)
+
+    def refused(src, match, error=ConversionError):
+        out = tmp_path / f"out_{len(list(tmp_path.iterdir()))}"
+        with pytest.raises(error, match=match):
+            convert.from_hf(src, out)
+        assert not out.exists()
+
+    # A missing shard names the shard and a tensor in it.
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = sorted(set(index.values()))[-1]
+    (tmp_path / "sharded" / shard).unlink()
+    refused(tmp_path / "sharded", f"shard {shard} \\(holding tensor .*\\) is missing")
+    # A mismatched shape names the tensor, its shape and the expected one.
+    bad = tmp_path / "bad_shape"
+    bad.mkdir()
+    for f in good.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 80}))
+    refused(bad, r"tensor model.layers.0.mlp.gate_proj.weight has shape \(96, 64\); config.json implies \(80, 64\)")
+    # A gate flag that does not match q_proj: the widened q_proj has the wrong shape.
+    (bad / "config.json").write_text(json.dumps({**cfg, "headwise_attn_output_gate": False,
+                                                 "elementwise_attn_output_gate": True}))
+    refused(bad, r"tensor model.layers.0.self_attn.q_proj.weight has shape \(68, 64\)")
+    # An unknown architecture names the field and what is allowed.
+    (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    refused(bad, "config.json architectures.*GPT2LMHeadModel.*Qwen3ForCausalLM", ConfigError)
+    # Layers gattn does not have.
+    nxt = json.loads(json.dumps({**cfg, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}))
+    for flag in convert.RELEASE_FLAGS:
+        nxt.pop(flag)
+    (bad / "config.json").write_text(json.dumps({**nxt, "layer_types": ["linear_attention", "full_attention"]}))
+    refused(bad, "layer_types.*linear_attention", ConfigError)
+    (bad / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True}))
+    refused(bad, "use_sliding_window", ConfigError)
+    # An unexpected tensor (here: biases the config does not declare).
+    biased, flags_b = release_model("headwise", bias=True)
+    save(biased, tmp_path / "biased", tokenizer_file, {**flags_b, "qkv_bias": False})
+    refused(tmp_path / "biased", r"tensor model.layers.0.self_attn.k_proj.bias is not part of the release layout")
+    # No tokenizer.json; and an existing run is never overwritten.
+    (bad / "config.json").write_text(json.dumps(cfg))
+    (bad / "tokenizer.json").unlink()
+    refused(bad, "no tokenizer.json")
+    with pytest.raises(ConversionError, match="already holds a run"):
+        convert.from_hf(good, tmp_path / "run")
+
+
+def test_export_refuses_what_no_layout_holds(tmp_path, tokenizer_file):
+    from gattn.config import GateSpec, ModelConfig
+
+    with pytest.raises(ConfigError, match="model.gate.*head-specific, input-dependent sigmoid"):
+        convert.export_layout(ModelConfig(gate=GateSpec(position="value")))
+    with pytest.raises(ConfigError, match="model.sandwich_norm"):
+        convert.export_layout(ModelConfig(sandwich_norm=True))
+    with pytest.raises(ConfigError, match="model.qk_norm.*qwen3_next"):
+        convert.export_layout(ModelConfig(gate=GateSpec()), "qwen3_next")
+    with pytest.raises(ConfigError, match="model.gate.*layout qwen3 holds no gate"):
+        convert.export_layout(ModelConfig(gate=GateSpec(), qk_norm=True), "qwen3")
+    assert convert.export_layout(ModelConfig(gate=GateSpec(granularity="headwise"), qk_norm=True)) == "release"
+    assert convert.export_layout(ModelConfig(gate=GateSpec(), qk_norm=True)) == "qwen3_next"
+    assert convert.export_layout(ModelConfig(qk_norm=False)) == "llama"
