@@ -563,16 +563,21 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
 
 
 def load(path: str | Path, overrides: list[str] = (), variant: str | None = None) -> Config:
-    """Loads `get_config()` from a Python config file, applies a variant, then the overrides."""
+    """Loads `get_config()` from a Python config file (or a run's config.json, e.g. a model
+    converted from Hugging Face, to continue training it), applies a variant, then the overrides."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError("--config", str(path), "expected the path of a Python file under configs/")
-    spec = importlib.util.spec_from_file_location(f"gattn_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError("--config", str(path), "the file must define get_config() -> Config")
-    cfg = module.get_config()
+        raise ConfigError("--config", str(path), "expected the path of a Python file under configs/ "
+                          "or of a run's config.json")
+    if path.suffix == ".json":
+        cfg = from_dict(Config, json.loads(path.read_text()))
+    else:
+        spec = importlib.util.spec_from_file_location(f"gattn_config_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ConfigError("--config", str(path), "the file must define get_config() -> Config")
+        cfg = module.get_config()
     # `--config.variant=NAME` is the same as `--variant NAME`: the variant is applied, not relabelled.
     named = [o for o in overrides if o.removeprefix("--").removeprefix("config.").startswith("variant=")]
     overrides = [o for o in overrides if o not in named]

@@ -273,3 +273,38 @@ def test_export_refuses_what_no_layout_holds(tmp_path, tokenizer_file):
     assert convert.export_layout(ModelConfig(gate=GateSpec(granularity="headwise"), qk_norm=True)) == "release"
     assert convert.export_layout(ModelConfig(gate=GateSpec(), qk_norm=True)) == "qwen3_next"
     assert convert.export_layout(ModelConfig(qk_norm=False)) == "llama"
+
+
+def test_eval_and_continued_training_on_a_converted_model(tmp_path, tokenizer_file):
+    """eval.py measures a converted release model with its own tokenizer; train.py continues it
+    (--config RUN/config.json --init-from RUN); resuming the converted directory itself is refused."""
+    import subprocess
+    import sys
+
+    from gattn import config as config_lib
+    from gattn import trainer
+
+    model, flags = release_model("elementwise")
+    src = save(model, tmp_path / "hf", tokenizer_file, flags)
+    run = convert.from_hf(src, tmp_path / "run")
+    small = ["--config.train.seq_len=64", "--config.data.eval_batches=1", "--config.data.eval_batch_size=2",
+             "--config.data.code_max_bytes=200000"]
+    out = subprocess.run([sys.executable, "eval.py", "--workdir", str(run), "--no-figures", *small],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads((run / "eval" / "results.json").read_text())
+    assert res["variant"] == "sdpa_elementwise" and res["step"] == 0
+    assert res["measured_on"]["rows"] > 0
+    assert 0 < res["measurements"]["overall"]["gate_score"] < 1
+    for domain, v in res["perplexity"].items():  # a random model: about uniform over 320 tokens
+        assert 50 < v["ppl"] < 5000, (domain, v)
+
+    cfg = config_lib.load(run / "config.json", [f"train.init_from={run}", "train.steps=2", "train.batch_size=2",
+                                                "train.seq_len=64", "data.eval_batches=1", "data.eval_batch_size=2",
+                                                "data.code_max_bytes=200000",
+                                                "train.eval_every=2", "train.warmup_steps=1"])
+    summary = trainer.train(cfg, tmp_path / "ft", progress=False)
+    assert summary["completed"] and math.isfinite(summary["final_loss"])
+    assert (tmp_path / "ft" / "tokenizer" / "hf" / "tokenizer.json").read_bytes() == tokenizer_file.read_bytes()
+    with pytest.raises(ConfigError, match="converted from .*--init-from"):
+        trainer.train(config_lib.load_run(run, ["data.code_max_bytes=200000"]), run, progress=False)

@@ -88,6 +88,16 @@ def test_cached_logits_equal_the_full_forward(cfg):
     assert_matches_full_forward(build(cfg), ROWS)
 
 
+def test_cached_logits_equal_the_full_forward_with_attention_biases():
+    """Random (non-zero) biases on W_Q, W_K, W_V, W_O and the gate, as converted checkpoints have."""
+    model = build(dataclasses.replace(variants.apply("sdpa_elementwise", TINY), attention_bias=True, qk_norm=True))
+    rng = np.random.default_rng(0)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path[-1] in ("bq", "bk", "bv", "bo", "b"):
+            var[...] = jnp.asarray(rng.normal(0, 0.5, var.shape), var.dtype)
+    assert_matches_full_forward(model, ROWS)
+
+
 def scanned_twin(loop):
     """The scan_layers model with `loop`'s weights, stacked."""
     cfg = dataclasses.replace(loop.cfg, scan_layers=True)

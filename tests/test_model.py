@@ -214,11 +214,14 @@ def test_config_name_lists_match_the_implementations():
                                      pytest.param("sdpa_rmsnorm_gate", marks=pytest.mark.slow)])
 def test_pallas_attention_matches_xla_in_loss_and_gradients(variant):
     """attention_impl='pallas' (interpret mode here) trains the same model: the fused sigmoid
-    SDPA gate (first two), a gate the kernel does not fuse (G2), and a gate behind a non-linearity."""
+    SDPA gate (first two; headwise with attention biases, whose gate bias the kernel's gate logits
+    carry), a gate the kernel does not fuse (G2), and a gate behind a non-linearity."""
     if variant == "sdpa_rmsnorm_gate":
         cfg = dataclasses.replace(variants.apply("sdpa_elementwise", TINY), sdpa_nonlinearity="rmsnorm")
     else:
         cfg = variants.apply(variant, TINY)
+    if variant == "sdpa_headwise":
+        cfg = dataclasses.replace(cfg, attention_bias=True)
     xla = build(cfg)
     pallas = copy_params(xla, build(dataclasses.replace(cfg, attention_impl="pallas",
                                                         flash_block_q=8, flash_block_k=8)))

@@ -113,3 +113,15 @@ def test_paper_scale_count_allocates_nothing():
     """Counting the 24-layer paper model must not materialise its ~1.2B weights."""
     n = params.count_params(params.PAPER_MOE_DIMS)
     assert n > 1e9 and math.isfinite(n)
+
+
+@pytest.mark.parametrize("name", ["baseline", "sdpa_elementwise", "sdpa_headwise"])
+def test_attention_biases_add_one_per_projection_output(name):
+    """attention_bias: biases on W_Q, W_K, W_V, W_O and the gate's W_theta; only the gate's count
+    as the variant's added parameters (the baseline has the others too)."""
+    cfg = variants.apply(name, SMALL)
+    biased = dataclasses.replace(cfg, attention_bias=True)
+    heads, width = cfg.gate.shape(cfg) if cfg.gate else (0, 0)
+    per_layer = (cfg.q_heads + 2 * cfg.kv_heads) * cfg.head_dim + cfg.d_model + heads * width
+    assert params.count_params(biased) - params.count_params(cfg) == per_layer * cfg.num_layers
+    assert biased.attention_added_params - cfg.attention_added_params == heads * width
