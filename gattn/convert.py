@@ -45,6 +45,7 @@ ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen
 RELEASE_FLAGS = ("headwise_attn_output_gate", "elementwise_attn_output_gate", "use_qk_norm", "qkv_bias")
 # Hugging Face hidden_act -> gattn ffn_activation (jax.nn.gelu is the tanh approximation).
 ACTIVATIONS = {"silu": "silu", "relu": "relu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
+EXPORT_ACTIVATIONS = {"silu": "silu", "relu": "relu", "gelu": "gelu_pytorch_tanh"}
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exports carry
 
@@ -232,7 +233,7 @@ def hf_config(cfg: ModelConfig, layout: str, max_len: int) -> dict:
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_width,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.q_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-        "hidden_act": {v: k for k, v in reversed(ACTIVATIONS.items())}[cfg.ffn_activation],
+        "hidden_act": EXPORT_ACTIVATIONS[cfg.ffn_activation],
         "max_position_embeddings": max_len, "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias,
         "attention_dropout": 0.0, "use_cache": True, "torch_dtype": "float32",
@@ -495,6 +496,7 @@ def from_hf(src: str | Path, workdir: str | Path) -> Path:
     cfg = Config(model=model_cfg, train=dataclasses.replace(TrainConfig(), seq_len=min(max_len, 4096)),
                  variant=variant)
     params = to_gattn(tensors, model_cfg, layout)
+    del tensors  # (each parameter is moved into a jax array below: about two copies at the peak)
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)
     flat = []
@@ -536,13 +538,14 @@ def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layo
           max_shard_bytes: int = 5 * 2**30) -> Path:
     """Writes run `workdir`'s checkpoint `step` (default: the latest) as a Hugging Face model
     folder `out` (config.json, safetensors shards with an index when more than one, and the
-    tokenizer when the run has a Hugging Face one). Returns `out`."""
+    tokenizer: a Hugging Face run's tokenizer.json, or a SentencePiece run's model file as
+    tokenizer.model). Returns `out`."""
     import safetensors.numpy  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
     from gattn import config as config_lib  # noqa: PLC0415
     from gattn import trainer  # noqa: PLC0415
-    from gattn.data.tokenizer import HF_TOKENIZER_DIR  # noqa: PLC0415
+    from gattn.data.tokenizer import tokenizer_path  # noqa: PLC0415
     from gattn.model import unscanned  # noqa: PLC0415
 
     workdir, out = Path(workdir), Path(out)
@@ -574,10 +577,13 @@ def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layo
         total = sum(t.nbytes for t in tensors.values())
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    tok_dir = workdir / "tokenizer" / HF_TOKENIZER_DIR
-    for name in HF_TOKENIZER_FILES:
-        if (tok_dir / name).is_file():
-            shutil.copyfile(tok_dir / name, out / name)
+    tok = tokenizer_path(cfg, workdir)
+    if tok.suffix == ".json":
+        for name in HF_TOKENIZER_FILES:
+            if (tok.parent / name).is_file():
+                shutil.copyfile(tok.parent / name, out / name)
+    elif tok.is_file():
+        shutil.copyfile(tok, out / "tokenizer.model")
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 

@@ -146,11 +146,18 @@ def test_release_pytorch_bin_files_convert(tmp_path, tokenizer_file):
     np.testing.assert_allclose(gattn_logits(tmp_path / "run"), hf_logits(model), **TOL)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_qwen3_logits_match_and_export_back(tie, tmp_path, tokenizer_file):
-    cfg = transformers.Qwen3Config(**DIMS, tie_word_embeddings=tie, attn_implementation="eager")
+@pytest.mark.parametrize("tie, yarn", [(False, False), (True, True)])
+def test_qwen3_logits_match_and_export_back(tie, yarn, tmp_path, tokenizer_file):
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    if yarn:
+        rope = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32}
+    cfg = transformers.Qwen3Config(**DIMS, tie_word_embeddings=tie, rope_parameters=rope, attn_implementation="eager")
     model = randomize(transformers.Qwen3ForCausalLM(cfg))
     convert.from_hf(save(model, tmp_path / "hf", tokenizer_file), tmp_path / "run")
+    run = json.loads((tmp_path / "run" / "config.json").read_text())["model"]
+    assert run["rope_base"] == 1e6 and (run["yarn"] == {"factor": 4.0, "original_len": 32, "beta_fast": 32.0,
+                                                        "beta_slow": 1.0, "attention_factor": None} if yarn
+                                        else run["yarn"] is None)
     ours = gattn_logits(tmp_path / "run")
     np.testing.assert_allclose(ours, hf_logits(model), **TOL)
     # ...and back: transformers loads what to-hf writes and computes the same logits.
@@ -286,7 +293,14 @@ def test_eval_and_continued_training_on_a_converted_model(tmp_path, tokenizer_fi
 
     model, flags = release_model("elementwise")
     src = save(model, tmp_path / "hf", tokenizer_file, flags)
-    run = convert.from_hf(src, tmp_path / "run")
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "gattn.convert", "from-hf", str(src), "--workdir", str(run)],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1])["layout"] == "release"
+    again = subprocess.run([sys.executable, "-m", "gattn.convert", "from-hf", str(src), "--workdir", str(run)],
+                           capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert again.returncode == 2 and "already holds a run" in again.stderr
     small = ["--config.train.seq_len=64", "--config.data.eval_batches=1", "--config.data.eval_batch_size=2",
              "--config.data.code_max_bytes=200000"]
     out = subprocess.run([sys.executable, "eval.py", "--workdir", str(run), "--no-figures", *small],
