@@ -29,6 +29,7 @@ misshapen tensor, or a config field gattn cannot represent is refused with its n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -143,14 +144,18 @@ def _field(hf: dict, key: str, default=None):
     return hf.get(key, default)
 
 
-def _rope(hf: dict) -> tuple[float, YarnSpec | None, float]:
-    """(base, yarn, partial rotary factor) from transformers v5's rope_parameters or v4's
-    rope_theta / rope_scaling / partial_rotary_factor."""
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    base = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    spec = {**scaling, **params}
+def _rope(hf: dict, default_partial: float) -> tuple[float, YarnSpec | None, float]:
+    """(base, yarn, partial rotary factor) as transformers 5 reads them: v4's rope_scaling, when
+    present, replaces rope_parameters whole; rope_theta and partial_rotary_factor at the top
+    level fill what the dict lacks; a top-level original_max_position_embeddings wins."""
+    spec = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    if isinstance(spec.get("full_attention"), dict):  # nested per layer type (only full attention here)
+        spec = dict(spec["full_attention"])
+    if any(isinstance(v, dict) for v in spec.values()):
+        raise ConfigError("config.json rope_parameters", sorted(spec), "one dict, or one per layer type "
+                          "with only 'full_attention'")
+    base = spec.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    partial = spec.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_partial))
     kind = spec.get("rope_type", spec.get("type", "default"))
     if kind == "default":
         return float(base), None, float(partial)
@@ -162,8 +167,10 @@ def _rope(hf: dict) -> tuple[float, YarnSpec | None, float]:
                               "not supported (plain YaRN only)")
     if spec.get("truncate") is False:
         raise ConfigError("config.json rope_scaling.truncate", False, "gattn's YaRN truncates (True)")
-    original = spec.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
-    yarn = YarnSpec(factor=float(spec["factor"]), original_len=int(original),
+    original = (hf.get("original_max_position_embeddings") or spec.get("original_max_position_embeddings")
+                or hf.get("max_position_embeddings"))
+    factor = spec.get("factor") or _field(hf, "max_position_embeddings") / original
+    yarn = YarnSpec(factor=float(factor), original_len=int(original),
                     beta_fast=float(spec.get("beta_fast") or 32), beta_slow=float(spec.get("beta_slow") or 1),
                     attention_factor=spec.get("attention_factor"))
     return float(base), yarn, float(partial)
@@ -181,8 +188,10 @@ def model_config(hf: dict, layout: str) -> ModelConfig:
     act = hf.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise ConfigError("config.json hidden_act", act, f"expected one of {', '.join(ACTIVATIONS)}")
-    head_dim = int(hf.get("head_dim") or d // heads)
-    base, yarn, partial = _rope(hf)
+    # transformers' defaults when config.json has no head_dim (the release's config: 128 too).
+    default_head_dim = {"qwen3": 128, "release": 128, "qwen3_next": 256}.get(layout, d // heads)
+    head_dim = int(hf.get("head_dim") or default_head_dim)
+    base, yarn, partial = _rope(hf, 0.25 if layout == "qwen3_next" else 1.0)  # (Qwen3NextConfig's default)
     rope_dim = None if partial == 1.0 else int(head_dim * partial)
     if rope_dim is not None and layout != "qwen3_next":
         raise ConfigError("config.json partial_rotary_factor", partial, f"1.0 for layout {layout}")
@@ -225,10 +234,10 @@ def hf_config(cfg: ModelConfig, layout: str, max_len: int) -> dict:
                     beta_fast=y.beta_fast, beta_slow=y.beta_slow)
         if y.attention_factor is not None:
             rope["attention_factor"] = y.attention_factor
-    if cfg.rope_dim is not None:
-        rope["partial_rotary_factor"] = cfg.rope_dim / cfg.head_dim
+    if cfg.rope_dim is not None or layout == "qwen3_next":  # (Qwen3-Next's default is 0.25)
+        rope["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
     out = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}.get(layout, "Qwen3ForCausalLM")],
+        "architectures": [{v: k for k, v in ARCHITECTURES.items()}.get(layout, "Qwen3ForCausalLM")],
         "model_type": {"llama": "llama", "qwen3_next": "qwen3_next"}.get(layout, "qwen3"),
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_width,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.q_heads,
@@ -241,14 +250,20 @@ def hf_config(cfg: ModelConfig, layout: str, max_len: int) -> dict:
         "rope_parameters": rope, "rope_theta": cfg.rope_base,
         "rope_scaling": None if cfg.yarn is None else {k: v for k, v in rope.items() if k != "rope_theta"},
     }
-    if cfg.rope_dim is not None:
-        out["partial_rotary_factor"] = cfg.rope_dim / cfg.head_dim
+    if "partial_rotary_factor" in rope:
+        out["partial_rotary_factor"] = rope["partial_rotary_factor"]
     if layout in ("qwen3", "release"):
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers,
                    layer_types=["full_attention"] * cfg.num_layers)
     if layout == "llama":
         out["mlp_bias"] = False
-    if layout == "release":  # loads with the authors' modeling_qwen3.py (trust_remote_code)
+    if layout == "release":
+        # Loads with the authors' modeling_qwen3.py / configuration_qwen3.py next to it
+        # (trust_remote_code). A model type transformers does not know keeps its own Qwen3 code
+        # from loading these weights without their gate, biases or norms.
+        out.update(model_type="qwen3_gated_attention",
+                   auto_map={"AutoConfig": "configuration_qwen3.Qwen3Config",
+                             "AutoModelForCausalLM": "modeling_qwen3.Qwen3ForCausalLM"})
         out.update(headwise_attn_output_gate=cfg.gate is not None and cfg.gate.granularity == "headwise",
                    elementwise_attn_output_gate=cfg.gate is not None and cfg.gate.granularity == "elementwise",
                    use_qk_norm=cfg.qk_norm, qkv_bias=cfg.attention_bias, attention_bias=False)
@@ -293,6 +308,9 @@ def export_layout(cfg: ModelConfig, layout: str = "auto") -> str:
         raise ConfigError("model.qk_norm", cfg.qk_norm, f"{not cfg.qk_norm} for layout {layout}")
     if cfg.rope_dim is not None and cfg.rope_dim != cfg.head_dim and layout != "qwen3_next":
         raise ConfigError("model.rope_dim", cfg.rope_dim, f"None (all of head_dim) for layout {layout}")
+    if cfg.rope_dim is not None and int(cfg.head_dim * (cfg.rope_dim / cfg.head_dim)) != cfg.rope_dim:
+        raise ConfigError("model.rope_dim", cfg.rope_dim, f"a value transformers recovers from "
+                          f"partial_rotary_factor = rope_dim / head_dim ({cfg.head_dim}) without rounding")
     return layout
 
 
@@ -381,7 +399,8 @@ def to_gattn(tensors: dict[str, np.ndarray], cfg: ModelConfig, layout: str) -> d
                     b + ("ffn_norm", "scale"): t[p + "post_attention_layernorm.weight"],
                     b + ("attn", "wq"): q.T, b + ("attn", "wk"): t[a + "k_proj.weight"].T,
                     b + ("attn", "wv"): t[a + "v_proj.weight"].T, b + ("attn", "wo"): t[a + "o_proj.weight"].T,
-                    b + ("ffn", "w1"): t[p + "mlp.gate_proj.weight"].T, b + ("ffn", "w3"): t[p + "mlp.up_proj.weight"].T,
+                    b + ("ffn", "w1"): t[p + "mlp.gate_proj.weight"].T,
+                    b + ("ffn", "w3"): t[p + "mlp.up_proj.weight"].T,
                     b + ("ffn", "w2"): t[p + "mlp.down_proj.weight"].T})
         if gate is not None:
             out[b + ("attn", "gate", "w")] = gate.T
@@ -412,7 +431,8 @@ def from_gattn(params: dict[tuple, np.ndarray], cfg: ModelConfig, layout: str) -
                     a + "q_proj.weight": _join_q(P[b + ("attn", "wq")].T, gate, cfg, layout),
                     a + "k_proj.weight": P[b + ("attn", "wk")].T, a + "v_proj.weight": P[b + ("attn", "wv")].T,
                     a + "o_proj.weight": P[b + ("attn", "wo")].T,
-                    p + "mlp.gate_proj.weight": P[b + ("ffn", "w1")].T, p + "mlp.up_proj.weight": P[b + ("ffn", "w3")].T,
+                    p + "mlp.gate_proj.weight": P[b + ("ffn", "w1")].T,
+                    p + "mlp.up_proj.weight": P[b + ("ffn", "w3")].T,
                     p + "mlp.down_proj.weight": P[b + ("ffn", "w2")].T})
         if cfg.attention_bias:
             gb = P[b + ("attn", "gate", "b")] if cfg.gate is not None else None
@@ -487,8 +507,7 @@ def from_hf(src: str | Path, workdir: str | Path) -> Path:
     from gattn.model import Transformer  # noqa: PLC0415
 
     src, workdir = Path(src), Path(workdir)
-    if (workdir / "config.json").exists() or (workdir / "checkpoints").exists():
-        raise ConversionError(f"{workdir} already holds a run; choose an empty --workdir")
+    _check_new_folder(workdir, "--workdir")
     hf, layout, model_cfg, tensors = read_hf(src)
     tokenizer_files = load_tokenizer_files(src, hf)
     variant = "baseline" if model_cfg.gate is None else f"sdpa_{model_cfg.gate.granularity}"
@@ -509,26 +528,47 @@ def from_hf(src: str | Path, workdir: str | Path) -> Path:
         raise ConversionError(f"tensors without a gattn parameter: {sorted(params)[:5]}")
     state = nnx.from_flat_state(flat)
 
-    # Everything is read and checked: now write.
-    workdir.mkdir(parents=True, exist_ok=True)
-    tok_dir = workdir / "tokenizer" / HF_TOKENIZER_DIR
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    for name, data in tokenizer_files.items():
-        (tok_dir / name).write_bytes(data)
-    run_config = json.loads(json.dumps(dataclasses.asdict(cfg)))
-    meta = {"skipped_steps": 0, "loss_spikes": 0, "recent_losses": [], "final_loss": None,
-            "config": run_config, "converted_from": str(src.absolute()), "layout": layout}
-    mngr = checkpoint.manager(workdir, 1, 1)
-    try:
-        checkpoint.save(mngr, 0, {"params": state}, {}, meta, force=True)
-        mngr.wait_until_finished()
-    finally:
-        mngr.close()
-    (workdir / "config.json").write_text(json.dumps(run_config, indent=2))
-    (workdir / "converted.json").write_text(json.dumps({"from": str(src.absolute()), "layout": layout,
-                                                        "params": int(sum(math.prod(v.shape) for _, v in flat))},
-                                                       indent=2))
+    # Everything is read and checked: now write, into a sibling folder renamed at the end.
+    with _written(workdir) as tmp:
+        tok_dir = tmp / "tokenizer" / HF_TOKENIZER_DIR
+        tok_dir.mkdir(parents=True)
+        for name, data in tokenizer_files.items():
+            (tok_dir / name).write_bytes(data)
+        run_config = json.loads(json.dumps(dataclasses.asdict(cfg)))
+        meta = {"skipped_steps": 0, "loss_spikes": 0, "recent_losses": [], "final_loss": None,
+                "config": run_config, "converted_from": str(src.absolute()), "layout": layout}
+        mngr = checkpoint.manager(tmp, 1, 1)
+        try:
+            checkpoint.save(mngr, 0, {"params": state}, {}, meta, force=True)
+            mngr.wait_until_finished()
+        finally:
+            mngr.close()
+        (tmp / "config.json").write_text(json.dumps(run_config, indent=2))
+        n = int(sum(math.prod(v.shape) for _, v in flat))
+        (tmp / "converted.json").write_text(json.dumps({"from": str(src.absolute()), "layout": layout,
+                                                        "params": n}, indent=2))
     return workdir
+
+
+def _check_new_folder(path: Path, flag: str) -> None:
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ConversionError(f"{path} is not empty; choose a new {flag} folder")
+
+
+@contextlib.contextmanager
+def _written(path: Path):
+    """A temporary sibling of `path` to write into, renamed to `path` when the block succeeds and
+    removed when it fails: a conversion leaves either its whole output or nothing."""
+    tmp = path.with_name(f".{path.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if path.exists():
+            path.rmdir()  # (checked empty)
+        tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- to-hf
@@ -551,15 +591,14 @@ def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layo
     workdir, out = Path(workdir), Path(out)
     cfg = config_lib.load_run(workdir)
     layout = export_layout(cfg.model, layout)
-    if out.exists() and any(out.iterdir()):
-        raise ConversionError(f"{out} is not empty; choose a new --out folder")
+    _check_new_folder(out, "--out")
+    tok = tokenizer_path(cfg, workdir)
     model = unscanned(trainer.load_model(cfg, workdir, step))
     params = {path: np.asarray(var[...], np.float32) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     tensors = from_gattn(params, model.cfg, layout)
     max_len = cfg.train.seq_len if cfg.model.yarn is None else int(cfg.model.yarn.original_len * cfg.model.yarn.factor)
     config = hf_config(model.cfg, layout, max_len)
 
-    out.mkdir(parents=True, exist_ok=True)
     shards, size = [[]], 0
     for name in tensors:
         nbytes = tensors[name].nbytes
@@ -568,23 +607,24 @@ def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layo
             size = 0
         shards[-1].append(name)
         size += nbytes
-    weight_map = {}
-    for i, names in enumerate(shards):
-        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        safetensors.numpy.save_file({n: tensors[n] for n in names}, out / fname, metadata={"format": "pt"})
-        weight_map.update({n: fname for n in names})
-    if len(shards) > 1:
-        total = sum(t.nbytes for t in tensors.values())
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    tok = tokenizer_path(cfg, workdir)
-    if tok.suffix == ".json":
-        for name in HF_TOKENIZER_FILES:
-            if (tok.parent / name).is_file():
-                shutil.copyfile(tok.parent / name, out / name)
-    elif tok.is_file():
-        shutil.copyfile(tok, out / "tokenizer.model")
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    with _written(out) as tmp:
+        weight_map = {}
+        for i, names in enumerate(shards):
+            fname = (f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" if len(shards) > 1
+                     else "model.safetensors")
+            safetensors.numpy.save_file({n: tensors[n] for n in names}, tmp / fname, metadata={"format": "pt"})
+            weight_map.update({n: fname for n in names})
+        if len(shards) > 1:
+            total = sum(t.nbytes for t in tensors.values())
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        if tok.suffix == ".json":
+            for name in HF_TOKENIZER_FILES:
+                if (tok.parent / name).is_file():
+                    shutil.copyfile(tok.parent / name, tmp / name)
+        elif tok.is_file():
+            shutil.copyfile(tok, tmp / "tokenizer.model")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 

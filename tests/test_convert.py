@@ -207,6 +207,12 @@ def test_round_trip_gattn_hf_gattn_is_exact(layout, tmp_path, tokenizer_file):
     convert.to_hf(tmp_path / "a", tmp_path / "hf2", layout=layout, max_shard_bytes=100_000)
     assert len(json.loads((tmp_path / "hf2" / "model.safetensors.index.json").read_text())["weight_map"]) > 10
     assert len(list((tmp_path / "hf2").glob("model-*.safetensors"))) > 1
+    if layout == "qwen3_next":  # full rotary: partial_rotary_factor 1.0 is written (its default is 0.25)
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2", attn_implementation="eager")
+        np.testing.assert_allclose(hf_logits(again), gattn_logits(tmp_path / "a"), **TOL)
+    else:  # the release layout needs the authors' code: transformers' own Qwen3 must not take it
+        with pytest.raises(ValueError, match="(?s)custom code.*trust_remote_code=True"):
+            transformers.AutoConfig.from_pretrained(tmp_path / "hf2", trust_remote_code=False)
     convert.from_hf(tmp_path / "hf2", tmp_path / "b")
     a, b = _flat_params(tmp_path / "a"), _flat_params(tmp_path / "b")
     assert a.keys() == b.keys()
@@ -262,8 +268,15 @@ def test_bad_folders_are_refused_and_nothing_is_written(tmp_path, tokenizer_file
     (bad / "config.json").write_text(json.dumps(cfg))
     (bad / "tokenizer.json").unlink()
     refused(bad, "no tokenizer.json")
-    with pytest.raises(ConversionError, match="already holds a run"):
+    with pytest.raises(ConversionError, match="is not empty"):
         convert.from_hf(good, tmp_path / "run")
+    # to-hf: a tokenizer that is gone is found before any weight is written.
+    cfg = json.loads((tmp_path / "run" / "config.json").read_text())
+    cfg["data"]["tokenizer"] = str(tmp_path / "gone.model")
+    (tmp_path / "run" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="data.tokenizer"):
+        convert.to_hf(tmp_path / "run", tmp_path / "export")
+    assert not (tmp_path / "export").exists() and not list(tmp_path.glob(".*partial"))
 
 
 def test_export_refuses_what_no_layout_holds(tmp_path, tokenizer_file):
@@ -300,7 +313,7 @@ def test_eval_and_continued_training_on_a_converted_model(tmp_path, tokenizer_fi
     assert json.loads(out.stdout.splitlines()[-1])["layout"] == "release"
     again = subprocess.run([sys.executable, "-m", "gattn.convert", "from-hf", str(src), "--workdir", str(run)],
                            capture_output=True, text=True, cwd=Path(__file__).parents[1])
-    assert again.returncode == 2 and "already holds a run" in again.stderr
+    assert again.returncode == 2 and "is not empty" in again.stderr
     small = ["--config.train.seq_len=64", "--config.data.eval_batches=1", "--config.data.eval_batch_size=2",
              "--config.data.code_max_bytes=200000"]
     out = subprocess.run([sys.executable, "eval.py", "--workdir", str(run), "--no-figures", *small],
@@ -322,3 +335,34 @@ def test_eval_and_continued_training_on_a_converted_model(tmp_path, tokenizer_fi
     assert (tmp_path / "ft" / "tokenizer" / "hf" / "tokenizer.json").read_bytes() == tokenizer_file.read_bytes()
     with pytest.raises(ConfigError, match="converted from .*--init-from"):
         trainer.train(config_lib.load_run(run, ["data.code_max_bytes=200000"]), run, progress=False)
+
+
+def test_config_fields_are_read_as_transformers_5_reads_them():
+    base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+            "max_position_embeddings": 4096}
+    cfg = convert.model_config(base, "qwen3")
+    assert cfg.head_dim == 128 and cfg.rope_base == 10_000.0 and cfg.yarn is None  # Qwen3Config's defaults
+    # v4's rope_scaling replaces rope_parameters whole (transformers: rope_scaling or rope_parameters).
+    both = {**base, "rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}
+    cfg = convert.model_config(both, "qwen3")
+    assert cfg.rope_base == 1e6 and (cfg.yarn.factor, cfg.yarn.original_len) == (4.0, 1024)
+    # A top-level original_max_position_embeddings wins; a missing factor is max / original.
+    top = {**base, "original_max_position_embeddings": 512,
+           "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "original_max_position_embeddings": 1024}}
+    yarn = convert.model_config(top, "qwen3").yarn
+    assert (yarn.original_len, yarn.factor) == (512, 8.0)
+    # Parameters nested per layer type (full attention only).
+    nested = {**base, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e5}}}
+    assert convert.model_config(nested, "qwen3").rope_base == 5e5
+    # Qwen3-Next: head_dim 256 and a quarter of it rotating unless config.json says otherwise.
+    nxt = {**base, "architectures": ["Qwen3NextForCausalLM"], "layer_types": ["full_attention"] * 2,
+           "mlp_only_layers": [0, 1]}
+    cfg = convert.model_config(nxt, "qwen3_next")
+    assert (cfg.head_dim, cfg.rope_dim) == (256, 64)
+    for field, value, match in [("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_type"),
+                                ("hidden_act", "gelu", "hidden_act.*gelu_pytorch_tanh"),
+                                ("mlp_bias", True, "mlp_bias")]:
+        with pytest.raises(ConfigError, match=match):
+            convert.model_config({**base, field: value}, "qwen3")
