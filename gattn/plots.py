@@ -1,7 +1,9 @@
 """Figures of the paper's measurements (matplotlib, written as PNG): per-layer curves (Fig. 2 left,
 Fig. 6), the gate-score histogram (Fig. 3), SDPA-output sparsity (Fig. 5), per-head F-Attn, and
 per-head attention maps (Fig. 2 right). Each takes `gattn.analysis` results (`measurements` in
-eval.py's results.json) and a path; `ruler` takes gattn.ruler results (Table 5 as a figure)."""
+eval.py's results.json) and a path; `ruler` takes gattn.ruler results (Table 5 as a figure); the
+study figures (loss curves with spikes, gate histograms and attention maps side by side, F-Attn
+against training tokens, stability across learning rates) take gattn.study records."""
 
 from __future__ import annotations
 
@@ -146,6 +148,103 @@ def ruler(runs: dict[str, dict], path: Path) -> Path:
         ax.set_visible(False)
     axes[0][0].legend(fontsize=7)
     fig.suptitle("long context: RULER-style accuracy and window perplexity (dotted: the trained length)")
+    return _save(fig, path)
+
+
+def loss_curves(by_lr: dict[float, list[dict]], path: Path) -> Path:
+    """Fig. 1 right: training loss per step, one panel per learning rate, one colour per variant
+    (a thin line per seed), loss spikes marked x; a diverged run's curve ends where it stopped."""
+    fig, axes = _subplots(1, len(by_lr), figsize=(5.5 * len(by_lr), 3.8), squeeze=False)
+    for ax, (lr, records) in zip(axes[0], by_lr.items()):
+        names = list(dict.fromkeys(r["variant"] for r in records))
+        for r in records:
+            c = f"C{names.index(r['variant']) % 10}"
+            steps, loss = r["losses"]["steps"], np.asarray([np.nan if x is None else x for x in r["losses"]["loss"]])
+            first = r is next(x for x in records if x["variant"] == r["variant"])
+            ax.plot(steps, loss, color=c, lw=0.8, alpha=0.8, label=r["variant"] if first else None)
+            at = {s: i for i, s in enumerate(steps)}
+            spikes = [s for s in r["losses"]["spike_steps"] if s in at]
+            ax.plot(spikes, [loss[at[s]] for s in spikes], "x", color=c, ms=7, mew=2)
+        ax.set(xlabel="step", ylabel="training loss", title=f"LR {lr:g} (x: loss spikes)")
+        finite = np.concatenate([np.asarray([x for x in r["losses"]["loss"] if x is not None], float)
+                                 for r in records] or [np.zeros(1)])
+        if finite.size:
+            ax.set_ylim(max(0.0, finite.min() - 0.2), min(finite.max(), np.percentile(finite, 2) * 3) + 0.2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def gate_histograms(runs: dict[str, dict], path: Path) -> Path | None:
+    """Fig. 3 for several gated runs: the gate-score distribution over all layers, one panel each."""
+    if not runs:
+        return None
+    fig, axes = _subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), squeeze=False)
+    for ax, (name, m) in zip(axes[0], runs.items()):
+        hist = m["gate_histogram"]
+        lo, hi = hist["range"]
+        total = np.asarray(hist["per_layer"], float).sum(0)
+        edges = np.linspace(lo, hi, total.size + 1)
+        ax.bar((edges[:-1] + edges[1:]) / 2, total / max(total.sum(), 1), width=edges[1] - edges[0])
+        ax.set(xlabel="gate score", ylabel="share of scores", title=f"{name} (mean {m['overall']['gate_score']:.3f})")
+    return _save(fig, path)
+
+
+def attention_map_pair(runs: dict[str, dict], path: Path) -> Path | None:
+    """Fig. 2 right, baseline against gated: the head-averaged attention map of one layer (the
+    last layer every run has a map of) for each run, side by side."""
+    maps = {n: {int(k): np.asarray(v) for k, v in m.get("attn_maps", {}).items()} for n, m in runs.items()}
+    common = set.intersection(*(set(v) for v in maps.values())) if maps else set()
+    if not common:
+        return None
+    layer = max(common)
+    fig, axes = _subplots(1, len(maps), figsize=(3.4 * len(maps), 3.4), squeeze=False)
+    for ax, (name, mp) in zip(axes[0], maps.items()):
+        ax.imshow(mp[layer].mean(0) ** 0.5, cmap="magma", vmin=0, vmax=1)
+        ax.set(title=f"{name}", xlabel="key position")
+        ax.set_xticks([])
+        ax.set_yticks([])
+    axes[0][0].set_ylabel("query position")
+    fig.suptitle(f"layer {layer}: attention averaged over heads (sqrt of the probability)")
+    return _save(fig, path)
+
+
+def sink_curves(curves: dict[str, list[dict]], path: Path) -> Path | None:
+    """F-Attn and M-Act against training tokens (measured at the saved checkpoints): whether and
+    when an attention sink and massive activations form."""
+    if not curves:
+        return None
+    fig, (a, b) = _subplots(1, 2, figsize=(10, 3.6))
+    for j, (name, rows) in enumerate(curves.items()):
+        tokens = [r["tokens"] for r in rows]
+        a.plot(tokens, [r["f_attn"] for r in rows], marker="o", color=f"C{j % 10}", label=name)
+        b.plot(tokens, [r["m_act"] for r in rows], marker="o", color=f"C{j % 10}", label=name)
+    a.set(xlabel="training tokens", ylabel="F-Attn", title="attention on the first token")
+    b.set(xlabel="training tokens", ylabel="M-Act", title="max |hidden state| (mean over layers)")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def stability(groups: list[dict], threshold: float, path: Path) -> Path:
+    """Table 2 rows 5-14 as a figure: final training loss against learning rate per variant (mean
+    over seeds), diverged runs marked x at the divergence threshold."""
+    fig, ax = _subplots(figsize=(6, 4))
+    names = list(dict.fromkeys(g["variant"] for g in groups))
+    for j, name in enumerate(names):
+        gs = sorted((g for g in groups if g["variant"] == name), key=lambda g: g["lr"])
+        xs = [g["lr"] for g in gs if g["final_loss"] is not None and g["diverged"] < g["seeds"]]
+        ax.plot(xs, [g["final_loss"]["mean"] for g in gs if g["lr"] in xs], marker="o", color=f"C{j % 10}",
+                label=name)
+        bad = [g["lr"] * (1 + 0.06 * j) for g in gs if g["diverged"]]  # (nudged apart)
+        ax.plot(bad, [threshold] * len(bad), "x", color=f"C{j % 10}", ms=10, mew=2)
+    ax.axhline(threshold, color="grey", ls=":", lw=1)
+    ax.set_xscale("log")
+    ax.set(xlabel="peak learning rate", ylabel="final training loss",
+           title="stability (x: a seed diverged; dotted: divergence threshold)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     return _save(fig, path)
 
 
