@@ -562,6 +562,16 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
     return _build(cfg, tree, "")
 
 
+def call_file(path: Path, function: str, field: str, returns: str) -> Any:
+    """`function()` of the Python file `path` (a config or study file); errors name `field`."""
+    spec = importlib.util.spec_from_file_location(f"gattn_{function}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, function):
+        raise ConfigError(field, str(path), f"the file must define {function}() -> {returns}")
+    return getattr(module, function)()
+
+
 def load(path: str | Path, overrides: list[str] = (), variant: str | None = None) -> Config:
     """Loads `get_config()` from a Python config file (or a run's config.json, e.g. a model
     converted from Hugging Face, to continue training it), applies a variant, then the overrides."""
@@ -572,12 +582,7 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
     if path.suffix == ".json":
         cfg = from_dict(Config, json.loads(path.read_text()))
     else:
-        spec = importlib.util.spec_from_file_location(f"gattn_config_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        if not hasattr(module, "get_config"):
-            raise ConfigError("--config", str(path), "the file must define get_config() -> Config")
-        cfg = module.get_config()
+        cfg = call_file(path, "get_config", "--config", "Config")
     # `--config.variant=NAME` is the same as `--variant NAME`: the variant is applied, not relabelled.
     named = [o for o in overrides if o.removeprefix("--").removeprefix("config.").startswith("variant=")]
     overrides = [o for o in overrides if o not in named]

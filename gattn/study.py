@@ -20,6 +20,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,17 +118,10 @@ def cell_config(study: Study, cell: Cell) -> Config:
 def load(path: str | Path, overrides: list[str] = ()) -> Study:
     """`get_study()` of a study file, with `--config.FIELD=VALUE` overrides applied to its base
     config (sizes, steps, data) and checked."""
-    import importlib.util  # noqa: PLC0415
-
     path = Path(path)
     if not path.is_file():
         raise ConfigError("study", str(path), "expected the path of a study file under configs/study/")
-    spec = importlib.util.spec_from_file_location(f"gattn_study_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_study"):
-        raise ConfigError("study", str(path), "the file must define get_study() -> Study")
-    study = module.get_study()
+    study = config_lib.call_file(path, "get_study", "study", "Study")
     if overrides:
         study = dataclasses.replace(study, base=config_lib.apply_overrides(study.base, list(overrides)))
     for cell in cells(study):  # every cell's config is checked before anything trains
@@ -189,6 +183,7 @@ def run_cell(study: Study, cell: Cell, root: Path, *, progress: bool = False) ->
     workdir.mkdir(parents=True, exist_ok=True)
     _share(workdir, root / "shared")
     record = {"variant": cell.variant, "lr": cell.lr, "seed": cell.seed, "path": str(cell.path)}
+    start = time.perf_counter()
     try:
         summary = trainer.train(cfg, workdir, progress=progress)
         if not summary["completed"]:
@@ -201,11 +196,14 @@ def run_cell(study: Study, cell: Cell, root: Path, *, progress: bool = False) ->
     except trainer.TrainingStopped as e:
         record.update(final_loss=None, diverged=f"training stopped: {e}")
     record["losses"] = _losses(workdir)
+    trained = time.perf_counter()
     if not record["diverged"]:
         res = evaluate.evaluate(workdir, max_batches=study.measure_batches, figures=False)
         record["perplexity"] = {d: v["ppl"] for d, v in res["perplexity"].items()}
         record["measurements"] = res["measurements"]
         record["sink_curve"] = _sink_curve(cfg, workdir)
+    # Wall time of this session's part (a resumed cell counts from its resume).
+    record["seconds"] = {"train": trained - start, "measure": time.perf_counter() - trained}
     tmp = done.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))
     os.replace(tmp, done)  # atomic: a cell is finished or not
@@ -473,11 +471,15 @@ def write_report(study: Study, records: list[dict], root: Path) -> dict:
                                and "gate_histogram" in r["measurements"]}, figdir / "gate_scores.png"),
         plots.attention_map_pair({r["variant"]: r["measurements"] for r in ref_records
                                   if not r["diverged"] and r["seed"] == study.seeds[0]}, figdir / "attention_maps.png"),
-        plots.sink_curves({v: g["sink_curve"] for v, g in at.items() if g["sink_curve"]}, figdir / "f_attn_vs_tokens.png"),
+        plots.sink_curves({v: g["sink_curve"] for v, g in at.items() if g["sink_curve"]},
+                          figdir / "f_attn_vs_tokens.png"),
         plots.stability(groups, study.divergence_threshold, figdir / "stability.png") if len(study.lrs) > 1 else None,
     ]
     figures = [str(p.relative_to(root)) for p in figures if p]
+    timed = [r["seconds"] for r in records if "seconds" in r]
+    seconds = {k: sum(t[k] for t in timed) for k in ("train", "measure")} if timed else None
     report = {"study": describe(study), "groups": groups, "claims": verdicts, "figures": figures,
+              "seconds": seconds,
               "cells": [{k: v for k, v in r.items() if k not in ("measurements", "losses")} for r in records]}
     (root / "report.json").write_text(json.dumps(report, indent=1))
     (root / "report.md").write_text(markdown(report))
@@ -490,7 +492,9 @@ def markdown(report: dict) -> str:
              f"{len(s['variants'])} variants x {len(s['learning_rates'])} learning rate(s) x {len(s['seeds'])} seeds; "
              f"{s['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens ({s['tokens']:,} tokens) per run. "
              f"Mean ± sample std over seeds. A run diverged if training stopped on non-finite losses or its final "
-             f"loss is above {s['diverged_loss']:.3f}. Perplexity: held-out text per domain.", "",
+             f"loss is above {s['diverged_loss']:.3f}. Perplexity: held-out text per domain."
+             + (f" Wall time: {sum(report['seconds'].values()) / 60:.1f} min ({report['seconds']['train'] / 60:.1f} "
+                f"training, {report['seconds']['measure'] / 60:.1f} measuring)." if report.get("seconds") else ""), "",
              f"## Table (LR {s['reference_lr']:g})", "", table(report["groups"], s["reference_lr"]), ""]
     if len(s["learning_rates"]) > 1:
         lines += ["## Stability across learning rates", "", stability_table(report["groups"]), ""]

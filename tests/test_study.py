@@ -1,0 +1,159 @@
+"""The study runner (gattn/study.py): a 2-variant x 2-seed study end to end, killed mid-study and
+resumed without retraining finished cells; the per-claim verdicts from constructed numbers."""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gattn import plots, study
+from gattn.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY = textwrap.dedent("""
+    from gattn.config import Config, DataConfig, ModelConfig, TrainConfig
+    from gattn.study import Study
+
+    def get_study():
+        base = Config(model=ModelConfig(vocab_size=512, d_model=32, num_layers=2, q_heads=2, kv_heads=1,
+                                        head_dim=16, d_ff=64),
+                      train=TrainConfig(batch_size=4, seq_len=32, steps=6, warmup_steps=2, learning_rate=3e-3,
+                                        eval_every=6),
+                      data=DataConfig(code_max_bytes=200_000, eval_batches=1, eval_batch_size=2))
+        return Study(base=base, variants=("baseline", "sdpa_elementwise"), seeds=(0, 1), sink_points=2,
+                     measure_batches=1, description="test study")
+    """)
+
+
+def test_study_runs_resumes_after_a_kill_and_reports_everything(tmp_path):
+    path = tmp_path / "mini.py"
+    path.write_text(STUDY)
+    root = tmp_path / "study"
+    proc = subprocess.Popen([sys.executable, "-m", "gattn.study", str(path), "--workdir", str(root)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    first = root / "runs" / "baseline" / "lr_0.003" / "seed_0"
+    deadline = time.time() + 300
+    while not (first / "cell.json").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.time() < deadline, "the first cell did not finish in time"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)  # mid-study: the second cell is training or about to
+    proc.wait()
+    assert not (root / "report.json").exists()
+    saved = {f: (first / f).read_bytes() for f in ("cell.json", "metrics.jsonl")}
+
+    lines = []
+    report = study.run(study.load(path), root, log=lambda msg, **_: lines.append(msg))
+    assert "finished earlier, skipped" in lines[0] and all("skipped" not in x for x in lines[2:])
+    assert {f: (first / f).read_bytes() for f in saved} == saved  # never retrained
+
+    assert report["study"]["tokens"] == 6 * 4 * 32 and report["study"]["seeds"] == [0, 1]
+    assert [(g["variant"], g["seeds"], g["diverged"]) for g in report["groups"]] == [("baseline", 2, 0),
+                                                                                   ("sdpa_elementwise", 2, 0)]
+    for g in report["groups"]:
+        for key in ("ppl_avg", "final_loss", "m_act", "f_attn", "loss_spikes"):
+            assert g[key]["n"] == 2 and g[key]["std"] >= 0, key
+        assert set(g["ppl"]) == {"code", "docs"} and len(g["per_layer"]) == 2
+        assert [r["step"] for r in g["sink_curve"]] == [1, 3, 6]  # F-Attn at each checkpoint (the first too)
+    base, gated = report["groups"]
+    assert base["added_params"] == 0 and gated["added_params"] == 2 * 32 * 2 * 16  # layers x D x q_heads x K
+    assert base["gate_score"] is None and 0 < gated["gate_score"]["mean"] < 1
+    cells = [json.loads((root / c["path"] / "cell.json").read_text()) for c in report["cells"]]
+    for g in report["groups"]:  # the table's means are the seeds' numbers
+        ppls = [sum(c["perplexity"].values()) / 2 for c in cells if c["variant"] == g["variant"]]
+        assert g["ppl_avg"]["mean"] == pytest.approx(sum(ppls) / 2)
+    assert len(report["claims"]) == 7 and {c["verdict"] for c in report["claims"]} <= set(study.WORDS)
+    assert report["claims"][0]["verdict"] != "untested" and report["claims"][-1]["verdict"] == "untested"
+    for fig in ("loss_curves", "per_layer", "gate_scores", "attention_maps", "f_attn_vs_tokens"):
+        assert (root / "figures" / f"{fig}.png").stat().st_size > 5000, fig
+    assert report["seconds"]["train"] > 0 and report["seconds"]["measure"] > 0
+    md = (root / "report.md").read_text()
+    assert "| sdpa_elementwise | 2,048 |" in md and md.count("This run") == 7
+    # A rerun of a finished study retrains nothing and writes the same report.
+    again = study.run(study.load(path), root, log=lambda *a, **k: None)
+    assert again["groups"] == report["groups"]
+
+
+def group(variant, ppl, std=0.1, n=3, lr=1e-3, diverged=0, f_attn=None, m_act=None, final=3.0):
+    stat = lambda m, s=std: {"mean": m, "std": s, "n": n}  # noqa: E731
+    return {"variant": variant, "lr": lr, "seeds": n, "diverged": diverged,
+            "ppl_avg": stat(ppl) if diverged < n else None, "f_attn": stat(f_attn) if f_attn is not None else None,
+            "m_act": stat(m_act) if m_act is not None else None, "final_loss": stat(final),
+            "final_loss_per_seed": [final] * n}
+
+
+def verdicts(groups, lr=1e-3):
+    return {c["claim"]: c for c in study.claims(groups, lr)}
+
+
+def test_verdicts_follow_the_numbers_both_ways():
+    better = verdicts([group("baseline", 20.0, f_attn=0.5, m_act=100.0),
+                       group("sdpa_elementwise", 18.0, f_attn=0.1, m_act=10.0),
+                       group("v_elementwise", 19.0), group("sdpa_head_shared", 18.5),
+                       group("sdpa_ns_sigmoid", 19.5), group("sdpa_input_independent", 19.9)])
+    for key in ("gated_beats_baseline", "head_specific_beats_shared", "sparse_beats_ns_sigmoid",
+                "input_dependent_beats_independent", "gating_removes_sink_and_massive_activations",
+                "position_order"):
+        assert better[key]["verdict"] == "supported", key
+    text = better["gated_beats_baseline"]["text"]
+    assert "supports it" in text and "18.00 ± 0.10 vs baseline 20.00 ± 0.10 (3 seeds)" in text
+    assert "2.00 lower, by more than the seed spread (0.10)" in text
+    assert "v_elementwise vs k_elementwise not tested (the study has no k_elementwise run)" in \
+        better["position_order"]["text"]
+
+    worse = verdicts([group("baseline", 18.0, f_attn=0.1, m_act=10.0),
+                      group("sdpa_elementwise", 20.0, f_attn=0.5, m_act=100.0)])
+    assert worse["gated_beats_baseline"]["verdict"] == "contradicted"
+    assert "contradicts it" in worse["gated_beats_baseline"]["text"] and "2.00 higher" in \
+        worse["gated_beats_baseline"]["text"]
+    assert worse["gating_removes_sink_and_massive_activations"]["verdict"] == "contradicted"
+    assert worse["head_specific_beats_shared"]["verdict"] == "untested"
+    assert "does not test it" in worse["head_specific_beats_shared"]["text"]
+
+    noisy = verdicts([group("baseline", 20.0, std=1.5), group("sdpa_elementwise", 19.0, std=1.5)])
+    assert noisy["gated_beats_baseline"]["verdict"] == "inconclusive"
+    assert "1.00 within the seed spread (1.50)" in noisy["gated_beats_baseline"]["text"]
+    one_seed = verdicts([group("baseline", 20.0, std=0.0, n=1), group("sdpa_elementwise", 19.0, std=0.0, n=1)])
+    assert "one seed, so no spread to judge by" in one_seed["gated_beats_baseline"]["text"]
+    mixed = verdicts([group("baseline", 20.0, f_attn=0.5, m_act=10.0),
+                      group("sdpa_elementwise", 18.0, f_attn=0.1, m_act=100.0)])
+    assert mixed["gating_removes_sink_and_massive_activations"]["verdict"] == "contradicted"
+
+
+def test_learning_rate_claim_both_ways(tmp_path):
+    def sweep(base_div, gated_div):
+        return [g for lr, b, d in zip((1e-3, 1e-2), base_div, gated_div)
+                for g in (group("baseline", 20.0, lr=lr, diverged=b),
+                          group("sdpa_elementwise", 19.0, lr=lr, diverged=d))]
+
+    assert verdicts(sweep((0, 3), (0, 0)))["gating_tolerates_higher_lr"]["verdict"] == "supported"
+    text = verdicts(sweep((0, 3), (0, 0)))["gating_tolerates_higher_lr"]["text"]
+    assert "LR 0.01: baseline diverged in 3/3 seeds" in text and "sdpa_elementwise in 0/3" in text
+    assert verdicts(sweep((0, 0), (0, 2)))["gating_tolerates_higher_lr"]["verdict"] == "contradicted"
+    quiet = verdicts(sweep((0, 0), (0, 0)))["gating_tolerates_higher_lr"]
+    assert quiet["verdict"] == "inconclusive" and "nothing diverged at these learning rates" in quiet["text"]
+    assert verdicts([group("baseline", 20.0), group("sdpa_elementwise", 19.0)])[
+        "gating_tolerates_higher_lr"]["verdict"] == "untested"
+    assert plots.stability(sweep((0, 3), (0, 0)), 8.3, tmp_path / "s.png").stat().st_size > 5000
+    assert "| baseline | 0/3 diverged; final loss 3.000, 3.000, 3.000 | 3/3 diverged;" in \
+        study.stability_table(sweep((0, 3), (0, 0)))
+
+
+def test_bad_study_configs_name_the_field(tmp_path):
+    from gattn.config import Config, TrainConfig
+
+    base = Config(train=TrainConfig(steps=10, warmup_steps=2))
+    for kwargs, match in [(dict(variants=("baseline", "no_such_gate")), "variants.*no_such_gate"),
+                          (dict(seeds=(0, 0)), "seeds"), (dict(learning_rates=(1e-3, -1.0)), "learning_rates"),
+                          (dict(sink_points=11), r"sink_points.*\[1, train.steps=10\]")]:
+        with pytest.raises(ConfigError, match=match):
+            study.Study(base=base, **kwargs)
+    path = tmp_path / "s.py"
+    path.write_text(STUDY)
+    with pytest.raises(ConfigError, match="sink_points"):
+        study.load(path, ["train.steps=1", "train.warmup_steps=0"])  # 2 sink points in 1 step
