@@ -111,7 +111,7 @@ def cell_config(study: Study, cell: Cell) -> Config:
     every = max(1, t.steps // study.sink_points)
     train = dataclasses.replace(
         t, seed=cell.seed, learning_rate=cell.lr, min_learning_rate=t.min_learning_rate * cell.lr / t.learning_rate,
-        log_every=1, checkpoint_every=every, keep_checkpoints=study.sink_points + 2)
+        log_every=1, checkpoint_every=every, keep_checkpoints=study.sink_points + 6)  # (+ SIGTERM saves)
     return dataclasses.replace(base, model=variants.apply(cell.variant, base.model), train=train, variant=cell.variant)
 
 
@@ -133,12 +133,13 @@ def load(path: str | Path, overrides: list[str] = ()) -> Study:
 
 
 def _share(workdir: Path, shared: Path) -> None:
-    """The cell reads the study's one tokenizer and prepared dataset (symlinked folders)."""
+    """The cell reads the study's one tokenizer and prepared dataset (relative symlinks, so the
+    study folder can move)."""
     for name in ("tokenizer", "tfds"):
         (shared / name).mkdir(parents=True, exist_ok=True)
         link = workdir / name
-        if not link.exists():
-            link.symlink_to((shared / name).absolute(), target_is_directory=True)
+        if not link.is_symlink():
+            link.symlink_to(os.path.relpath(shared / name, workdir), target_is_directory=True)
 
 
 def _losses(workdir: Path) -> dict:
@@ -150,21 +151,32 @@ def _losses(workdir: Path) -> dict:
         if r.get("loss_spikes", 0) > before:
             spikes.append(r["step"])
         before = r.get("loss_spikes", before)
-    return {"steps": steps, "loss": [r["loss"] if math.isfinite(r["loss"]) else None for r in rows],
-            "spike_steps": spikes}
+    # (a non-finite loss is logged as null)
+    loss = [r["loss"] if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]) else None
+            for r in rows]
+    return {"steps": steps, "loss": loss, "spike_steps": spikes}
 
 
-def _sink_curve(cfg: Config, workdir: Path) -> list[dict]:
-    """F-Attn and M-Act at every saved checkpoint, on the first held-out batch of each domain."""
-    from gattn import analysis, checkpoint, trainer  # noqa: PLC0415
+def planned_steps(cfg: Config) -> list[int]:
+    """The checkpoints the F-Attn curve is measured at: the first step, every checkpoint_every
+    steps, the last (a SIGTERM's extra checkpoint is left out, so seeds share their steps)."""
+    t = cfg.train
+    return sorted({1, t.steps, *range(t.checkpoint_every, t.steps + 1, t.checkpoint_every)})
+
+
+def _sink_curve(cfg: Config, workdir: Path, max_batches: int) -> list[dict]:
+    """F-Attn and M-Act at the planned checkpoints, restored as eval.py restores them (scanned
+    layers unrolled, the xla attention off TPU), on the batches the table's measurements use."""
+    from gattn import analysis, checkpoint, evaluate  # noqa: PLC0415
     from gattn.data import pipeline  # noqa: PLC0415
     from gattn.data.tokenizer import load_tokenizer  # noqa: PLC0415
 
     batches = pipeline.validation_batches(cfg, load_tokenizer(cfg, workdir), workdir)
-    first = [b[0] for b in batches.values()]
+    chosen = [b for d in sorted(batches) for b in batches[d][:max_batches]]
     out = []
-    for step in checkpoint.saved_steps(workdir):
-        overall = analysis.measure(trainer.load_model(cfg, workdir, step), first)["overall"]
+    for step in sorted(set(checkpoint.saved_steps(workdir)) & set(planned_steps(cfg))):
+        _, model, _ = evaluate.restore(workdir, step)
+        overall = analysis.measure(model, chosen)["overall"]
         out.append({"step": step, "tokens": step * cfg.train.batch_size * cfg.train.seq_len,
                     "f_attn": overall["f_attn"], "m_act": overall["m_act"]})
     return out
@@ -188,20 +200,20 @@ def run_cell(study: Study, cell: Cell, root: Path, *, progress: bool = False) ->
         summary = trainer.train(cfg, workdir, progress=progress)
         if not summary["completed"]:
             return None
-        final = summary["final_loss"]
-        record.update(final_loss=final, loss_spikes=summary["loss_spikes"], skipped_steps=summary["skipped_steps"])
-        diverged = final is None or not math.isfinite(final) or final > study.divergence_threshold
-        record["diverged"] = ("final loss above the threshold" if diverged and final is not None and
-                              math.isfinite(final) else "non-finite final loss" if diverged else None)
+        record.update(loss_spikes=summary["loss_spikes"], skipped_steps=summary["skipped_steps"], diverged=None)
     except trainer.TrainingStopped as e:
-        record.update(final_loss=None, diverged=f"training stopped: {e}")
+        record["diverged"] = f"training stopped: {e}"
     record["losses"] = _losses(workdir)
+    finite = [x for x in record["losses"]["loss"] if x is not None]
+    record["final_loss"] = finite[-1] if finite else None  # (a skipped step's NaN is not the result)
+    if not record["diverged"] and (not finite or finite[-1] > study.divergence_threshold):
+        record["diverged"] = f"final loss above {study.divergence_threshold:.3f}" if finite else "no finite loss"
     trained = time.perf_counter()
     if not record["diverged"]:
         res = evaluate.evaluate(workdir, max_batches=study.measure_batches, figures=False)
         record["perplexity"] = {d: v["ppl"] for d, v in res["perplexity"].items()}
         record["measurements"] = res["measurements"]
-        record["sink_curve"] = _sink_curve(cfg, workdir)
+        record["sink_curve"] = _sink_curve(cfg, workdir, study.measure_batches)
     # Wall time of this session's part (a resumed cell counts from its resume).
     record["seconds"] = {"train": trained - start, "measure": time.perf_counter() - trained}
     tmp = done.with_suffix(".tmp")
@@ -215,6 +227,7 @@ def run(study: Study, root: str | Path, *, progress: bool = False, log=print) ->
     cell was stopped by SIGTERM."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
+    _check_same_study(study, root)
     (root / "study.json").write_text(json.dumps(describe(study), indent=2))
     records, grid = [], cells(study)
     for i, cell in enumerate(grid, 1):
@@ -227,6 +240,20 @@ def run(study: Study, root: str | Path, *, progress: bool = False, log=print) ->
             return None
         records.append(rec)
     return write_report(study, records, root)
+
+
+def _check_same_study(study: Study, root: Path) -> None:
+    """A study directory continues only the study it was started with: finished cells of another
+    budget, model or data would be mixed into the report."""
+    path = root / "study.json"
+    if not path.is_file():
+        return
+    old, new = (config_lib.flat_fields(d) for d in (json.loads(path.read_text()), describe(study)))
+    changed = sorted(k for k in set(old) | set(new) if k != "description" and old.get(k) != new.get(k))
+    if changed:
+        k = changed[0]
+        raise ConfigError(k, new.get(k), f"{root} holds a study run with {k} = {old.get(k)!r} "
+                          f"({len(changed)} field(s) differ): rerun it unchanged, or use a new --workdir")
 
 
 def describe(study: Study) -> dict:
@@ -264,6 +291,19 @@ def _mean_curves(rows: list[list[dict]], keys: tuple[str, ...]) -> list[dict]:
     return out
 
 
+def _mean_by_step(curves: list[list[dict]]) -> list[dict]:
+    """F-Attn / M-Act curves averaged over seeds at the steps every seed measured."""
+    if not curves:
+        return []
+    common = set.intersection(*({r["step"] for r in c} for c in curves))
+    out = []
+    for step in sorted(common):
+        rows = [next(r for r in c if r["step"] == step) for c in curves]
+        out.append({"step": step, "tokens": rows[0]["tokens"],
+                    **{k: float(np.mean([r[k] for r in rows])) for k in ("f_attn", "m_act")}})
+    return out
+
+
 def aggregate(study: Study, records: list[dict]) -> list[dict]:
     """One entry per (variant, learning rate): mean and std over seeds of every table column."""
     from gattn.params import count_params  # noqa: PLC0415
@@ -286,7 +326,7 @@ def aggregate(study: Study, records: list[dict]) -> list[dict]:
                 g[key] = _stat(r["measurements"]["overall"].get(key) for r in ok) if ok else None
             per_layer = [r["measurements"]["per_layer"] for r in ok]
             g["per_layer"] = _mean_curves(per_layer, ("m_act", "f_attn", "sink_head_share", "gate_score"))
-            g["sink_curve"] = _mean_curves([r["sink_curve"] for r in ok], ("f_attn", "m_act"))
+            g["sink_curve"] = _mean_by_step([r["sink_curve"] for r in ok])
             groups.append(g)
     return groups
 
@@ -301,8 +341,21 @@ def compare(better: dict | None, worse: dict | None, metric: str) -> dict:
         return {"verdict": "untested", "metric": metric}
     diff = worse["mean"] - better["mean"]
     spread = max(better["std"], worse["std"])
-    verdict = "supported" if diff > spread else "contradicted" if diff < -spread else "inconclusive"
+    if min(better["n"], worse["n"]) < 2:  # one seed: no spread to judge a difference by
+        verdict = "inconclusive"
+    else:
+        verdict = "supported" if diff > spread else "contradicted" if diff < -spread else "inconclusive"
     return {"verdict": verdict, "metric": metric, "better": better, "worse": worse, "diff": diff, "spread": spread}
+
+
+def _compare_groups(better: dict | None, worse: dict | None, metric: str) -> dict:
+    """`compare` on a metric of two variants' groups; a side that lost seeds to divergence makes
+    the comparison inconclusive (its surviving seeds are a selection)."""
+    c = compare((better or {}).get(metric), (worse or {}).get(metric), metric)
+    lost = {g["variant"]: (g["diverged"], g["seeds"]) for g in (better, worse) if g and g["diverged"]}
+    if lost and c["verdict"] != "untested":
+        c.update(verdict="inconclusive", lost=lost)
+    return c
 
 
 CLAIMS = (
@@ -332,11 +385,14 @@ def _pair_text(c: dict, a: str, b: str, what: str, digits: int = 2, present=()) 
         why = (f"the study has no {' or '.join(missing)} run" if missing else "every seed of one of them diverged")
         return f"{a} vs {b} not tested ({why})"
     n = min(c["better"]["n"], c["worse"]["n"])
-    rel = {"supported": "lower, by more than", "contradicted": "higher, by more than",
-           "inconclusive": "within"}[c["verdict"]]
+    beyond = abs(c["diff"]) > c["spread"]
+    rel = ("lower, by more than" if c["diff"] > 0 else "higher, by more than") if beyond else "within"
     seeds = f"{n} seeds" if n > 1 else "one seed, so no spread to judge by"
-    return (f"{a} {what} {_fmt(c['better'], digits)} vs {b} {_fmt(c['worse'], digits)} ({seeds}): "
+    text = (f"{a} {what} {_fmt(c['better'], digits)} vs {b} {_fmt(c['worse'], digits)} ({seeds}): "
             f"{abs(c['diff']):.{digits}f} {rel} the seed spread ({c['spread']:.{digits}f})")
+    for v, (k, total) in c.get("lost", {}).items():
+        text += f"; {k} of {total} seeds of {v} diverged and are left out"
+    return text
 
 
 def _combine(verdicts: list[str]) -> str:
@@ -346,12 +402,16 @@ def _combine(verdicts: list[str]) -> str:
     if "contradicted" in tested:
         return "contradicted"
     if all(v == "supported" for v in tested):
-        return "supported"
+        return "supported" if len(tested) == len(verdicts) else "partly supported"
     return "inconclusive"
 
 
-WORDS = {"supported": "This run supports it", "contradicted": "This run contradicts it",
-         "inconclusive": "This run cannot tell", "untested": "This run does not test it"}
+WORDS = {"supported": "This run supports it", "partly supported": "This run supports part of it",
+         "contradicted": "This run contradicts it", "inconclusive": "This run cannot tell",
+         "untested": "This run does not test it"}
+
+
+REMOVED = 0.5  # a sink or massive activations count as removed at <= half the baseline's value
 
 
 def claims(groups: list[dict], reference_lr: float) -> list[dict]:
@@ -360,21 +420,27 @@ def claims(groups: list[dict], reference_lr: float) -> list[dict]:
     at = {g["variant"]: g for g in groups if g["lr"] == reference_lr}
     out = []
     for key, title, pairs in CLAIMS:
-        parts = [(a, b, compare(at.get(a, {}).get("ppl_avg"), at.get(b, {}).get("ppl_avg"), "ppl_avg"))
-                 for a, b in pairs]
+        parts = [(a, b, _compare_groups(at.get(a), at.get(b), "ppl_avg")) for a, b in pairs]
         verdict = _combine([c["verdict"] for _, _, c in parts])
         details = "; ".join(_pair_text(c, a, b, "PPL", present=at) for a, b, c in parts)
         out.append({"claim": key, "title": title, "verdict": verdict, "comparisons": [
             {"better": a, "worse": b, **c} for a, b, c in parts],
             "text": f"**{title}.** {WORDS[verdict]}: {details}."})
     # Sinks and massive activations: lower F-Attn and M-Act with the gate.
-    parts = [("F-Attn", compare(at.get("sdpa_elementwise", {}).get("f_attn"), at.get("baseline", {}).get("f_attn"),
-                                "f_attn")),
-             ("M-Act", compare(at.get("sdpa_elementwise", {}).get("m_act"), at.get("baseline", {}).get("m_act"),
-                               "m_act"))]
+    # "Removes": lower by more than the seed spread and at most REMOVED x the baseline's (the
+    # paper: F-Attn 0.467 -> 0.048, M-Act 1053 -> 94); merely lower is "partly supported".
+    parts = [(what, _compare_groups(at.get("sdpa_elementwise"), at.get("baseline"), key))
+             for what, key in (("F-Attn", "f_attn"), ("M-Act", "m_act"))]
     verdict = _combine([c["verdict"] for _, c in parts])
     title = "Gating removes the attention sink and massive activations (Table 4, Figs. 2 and 6)"
-    details = "; ".join(_pair_text(c, "sdpa_elementwise", "baseline", what, 3, present=at) for what, c in parts)
+    texts = []
+    for what, c in parts:
+        texts.append(_pair_text(c, "sdpa_elementwise", "baseline", what, 3, present=at))
+        if c["verdict"] == "supported" and c["better"]["mean"] > REMOVED * c["worse"]["mean"]:
+            verdict = "partly supported" if verdict == "supported" else verdict
+            texts[-1] += (f", but not removed ({c['better']['mean'] / c['worse']['mean']:.0%} of the baseline's; "
+                          f"'removed' means at most {REMOVED:.0%})")
+    details = "; ".join(texts)
     out.append({"claim": "gating_removes_sink_and_massive_activations", "title": title, "verdict": verdict,
                 "comparisons": [{"metric": c["metric"], **c} for _, c in parts],
                 "text": f"**{title}.** {WORDS[verdict]}: {details}."})
@@ -398,10 +464,14 @@ def _lr_claim(groups: list[dict]) -> dict:
     else:
         gated_better = [r["lr"] for r in rows if r["baseline_diverged"] > r["gated_diverged"]]
         base_better = [r["lr"] for r in rows if r["gated_diverged"] > r["baseline_diverged"]]
+        top = rows[-1]  # when divergence does not separate them: the final losses at the highest LR
+        loss = compare(top["gated_final_loss"], top["baseline_final_loss"], "final_loss")
         if gated_better and not base_better:
             verdict = "supported"
         elif base_better and not gated_better:
             verdict = "contradicted"
+        elif not gated_better and not base_better and loss["verdict"] in ("supported", "contradicted"):
+            verdict = "partly supported" if loss["verdict"] == "supported" else "contradicted"
         else:
             verdict = "inconclusive"
         details = "; ".join(
@@ -409,8 +479,10 @@ def _lr_claim(groups: list[dict]) -> dict:
             f"(final loss {_fmt(r['baseline_final_loss'], 3)}), sdpa_elementwise in {r['gated_diverged']}/{r['seeds']} "
             f"(final loss {_fmt(r['gated_final_loss'], 3)})" for r in rows)
         if not gated_better and not base_better:
-            details += (" — no learning rate separates them" if any(r["baseline_diverged"] for r in rows)
+            details += (" — no learning rate separates them by divergence" if any(r["baseline_diverged"] for r in rows)
                         else " — nothing diverged at these learning rates")
+            if loss["verdict"] != "untested":
+                details += "; at the highest LR, " + _pair_text(loss, "sdpa_elementwise", "baseline", "final loss", 3)
     return {"claim": "gating_tolerates_higher_lr", "title": title, "verdict": verdict, "rows": rows,
             "text": f"**{title}.** {WORDS[verdict]}: {details}."}
 

@@ -74,9 +74,19 @@ def test_study_runs_resumes_after_a_kill_and_reports_everything(tmp_path):
     assert report["seconds"]["train"] > 0 and report["seconds"]["measure"] > 0
     md = (root / "report.md").read_text()
     assert "| sdpa_elementwise | 2,048 |" in md and md.count("This run") == 7
-    # A rerun of a finished study retrains nothing and writes the same report.
+    # A rerun of a finished study retrains nothing and writes the same report; another budget
+    # in the same directory is refused.
     again = study.run(study.load(path), root, log=lambda *a, **k: None)
     assert again["groups"] == report["groups"]
+    with pytest.raises(ConfigError, match="base.train.steps.*holds a study run with base.train.steps = 6"):
+        study.run(study.load(path, ["train.steps=8"]), root, log=lambda *a, **k: None)
+
+
+def test_non_finite_losses_are_read_as_missing(tmp_path):
+    rows = [{"step": 1, "loss": 6.0, "loss_spikes": 0}, {"step": 2, "loss": None, "loss_spikes": 0},
+            {"step": 3, "loss": 9.0, "loss_spikes": 1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert study._losses(tmp_path) == {"steps": [1, 2, 3], "loss": [6.0, None, 9.0], "spike_steps": [3]}
 
 
 def group(variant, ppl, std=0.1, n=3, lr=1e-3, diverged=0, f_attn=None, m_act=None, final=3.0):
@@ -97,9 +107,10 @@ def test_verdicts_follow_the_numbers_both_ways():
                        group("v_elementwise", 19.0), group("sdpa_head_shared", 18.5),
                        group("sdpa_ns_sigmoid", 19.5), group("sdpa_input_independent", 19.9)])
     for key in ("gated_beats_baseline", "head_specific_beats_shared", "sparse_beats_ns_sigmoid",
-                "input_dependent_beats_independent", "gating_removes_sink_and_massive_activations",
-                "position_order"):
+                "input_dependent_beats_independent", "gating_removes_sink_and_massive_activations"):
         assert better[key]["verdict"] == "supported", key
+    assert better["position_order"]["verdict"] == "partly supported"  # G1 > G2 only: no G3/G4/G5 run
+    assert "supports part of it" in better["position_order"]["text"]
     text = better["gated_beats_baseline"]["text"]
     assert "supports it" in text and "18.00 ± 0.10 vs baseline 20.00 ± 0.10 (3 seeds)" in text
     assert "2.00 lower, by more than the seed spread (0.10)" in text
@@ -119,7 +130,15 @@ def test_verdicts_follow_the_numbers_both_ways():
     assert noisy["gated_beats_baseline"]["verdict"] == "inconclusive"
     assert "1.00 within the seed spread (1.50)" in noisy["gated_beats_baseline"]["text"]
     one_seed = verdicts([group("baseline", 20.0, std=0.0, n=1), group("sdpa_elementwise", 19.0, std=0.0, n=1)])
+    assert one_seed["gated_beats_baseline"]["verdict"] == "inconclusive"
     assert "one seed, so no spread to judge by" in one_seed["gated_beats_baseline"]["text"]
+    lost = verdicts([group("baseline", 20.0), group("sdpa_elementwise", 18.0, diverged=1)])
+    assert lost["gated_beats_baseline"]["verdict"] == "inconclusive"
+    assert "1 of 3 seeds of sdpa_elementwise diverged and are left out" in lost["gated_beats_baseline"]["text"]
+    reduced = verdicts([group("baseline", 20.0, f_attn=0.5, m_act=100.0),
+                        group("sdpa_elementwise", 18.0, f_attn=0.3, m_act=10.0)])
+    sink = reduced["gating_removes_sink_and_massive_activations"]
+    assert sink["verdict"] == "partly supported" and "but not removed (60% of the baseline's" in sink["text"]
     mixed = verdicts([group("baseline", 20.0, f_attn=0.5, m_act=10.0),
                       group("sdpa_elementwise", 18.0, f_attn=0.1, m_act=100.0)])
     assert mixed["gating_removes_sink_and_massive_activations"]["verdict"] == "contradicted"
@@ -135,8 +154,13 @@ def test_learning_rate_claim_both_ways(tmp_path):
     text = verdicts(sweep((0, 3), (0, 0)))["gating_tolerates_higher_lr"]["text"]
     assert "LR 0.01: baseline diverged in 3/3 seeds" in text and "sdpa_elementwise in 0/3" in text
     assert verdicts(sweep((0, 0), (0, 2)))["gating_tolerates_higher_lr"]["verdict"] == "contradicted"
-    quiet = verdicts(sweep((0, 0), (0, 0)))["gating_tolerates_higher_lr"]
+    quiet = verdicts(sweep((0, 0), (0, 0)))["gating_tolerates_higher_lr"]  # equal final losses
     assert quiet["verdict"] == "inconclusive" and "nothing diverged at these learning rates" in quiet["text"]
+    lower = sweep((0, 0), (0, 0))
+    lower[-1]["final_loss"] = {"mean": 2.0, "std": 0.1, "n": 3}  # gated at the highest LR
+    claim = verdicts(lower)["gating_tolerates_higher_lr"]
+    assert claim["verdict"] == "partly supported" and "at the highest LR, sdpa_elementwise final loss 2.000" in \
+        claim["text"]
     assert verdicts([group("baseline", 20.0), group("sdpa_elementwise", 19.0)])[
         "gating_tolerates_higher_lr"]["verdict"] == "untested"
     assert plots.stability(sweep((0, 3), (0, 0)), 8.3, tmp_path / "s.png").stat().st_size > 5000
