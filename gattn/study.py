@@ -570,6 +570,14 @@ def markdown(report: dict) -> str:
              f"## Table (LR {s['reference_lr']:g})", "", table(report["groups"], s["reference_lr"]), ""]
     if len(s["learning_rates"]) > 1:
         lines += ["## Stability across learning rates", "", stability_table(report["groups"]), ""]
+    curves = [g for g in report["groups"] if g["lr"] == s["reference_lr"] and g["sink_curve"]]
+    if curves:
+        tokens = [r["tokens"] for r in curves[0]["sink_curve"]]
+        lines += ["## F-Attn against training tokens (mean over seeds)", "",
+                  "| variant | " + " | ".join(f"{t:,}" for t in tokens) + " |", "|---|" + "---|" * len(tokens)]
+        lines += [f"| {g['variant']} | " + " | ".join(f"{r['f_attn']:.3f}" for r in g["sink_curve"]) + " |"
+                  for g in curves]
+        lines.append("")
     lines += ["## The paper's claims at this scale", ""]
     lines += [c["text"] + "\n" for c in report["claims"]]
     lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in report["figures"]]

@@ -74,6 +74,7 @@ def test_study_runs_resumes_after_a_kill_and_reports_everything(tmp_path):
     assert report["seconds"]["train"] > 0 and report["seconds"]["measure"] > 0
     md = (root / "report.md").read_text()
     assert "| sdpa_elementwise | 2,048 |" in md and md.count("This run") == 7
+    assert "| variant | 128 | 384 | 768 |" in md  # F-Attn against training tokens
     # A rerun of a finished study retrains nothing and writes the same report; another budget
     # in the same directory is refused.
     again = study.run(study.load(path), root, log=lambda *a, **k: None)
