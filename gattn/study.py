@@ -111,7 +111,8 @@ def cell_config(study: Study, cell: Cell) -> Config:
     every = max(1, t.steps // study.sink_points)
     train = dataclasses.replace(
         t, seed=cell.seed, learning_rate=cell.lr, min_learning_rate=t.min_learning_rate * cell.lr / t.learning_rate,
-        log_every=1, checkpoint_every=every, keep_checkpoints=study.sink_points + 6)  # (+ SIGTERM saves)
+        log_every=1, checkpoint_every=every, keep_checkpoints=study.sink_points + 6,  # (+ SIGTERM saves)
+        eval_every=t.steps)  # (validated once at the end; the cell's measurements follow)
     return dataclasses.replace(base, model=variants.apply(cell.variant, base.model), train=train, variant=cell.variant)
 
 

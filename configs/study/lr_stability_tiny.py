@@ -1,7 +1,7 @@
 """Table 2's stability question at tiny scale: the baseline and the SDPA elementwise gate across
 three peak learning rates, two seeds each, with a deeper and narrower model than configs/tiny.py
 (8 layers of d_model 64). The rates span two decades, fixed before any run: 3e-3 (the tiny model's),
-3e-2 and 3e-1. About 20 minutes on 2 CPU cores.
+3e-2 and 3e-1; 200 steps of 16 x 256 tokens per run. About 15 minutes on 2 CPU cores.
 
     python -m gattn.study configs/study/lr_stability_tiny.py --workdir workdir/study/lr_stability_tiny
 """
@@ -16,7 +16,7 @@ from gattn.study import Study
 def get_study() -> Study:
     base = load(Path(__file__).parents[1] / "tiny.py")
     model = dataclasses.replace(base.model, num_layers=8, d_model=64, q_heads=4, kv_heads=2, head_dim=16, d_ff=176)
-    train = dataclasses.replace(base.train, steps=300, warmup_steps=30, eval_every=300)
+    train = dataclasses.replace(base.train, steps=200, warmup_steps=20, eval_every=200)
     return Study(
         base=dataclasses.replace(base, model=model, train=train),
         variants=("baseline", "sdpa_elementwise"),
