@@ -10,9 +10,9 @@ run's own config (DIR/config.json) plus any overrides, and writes DIR/eval/resul
 DIR/eval/results.md and PNG figures: perplexity per held-out domain and, per layer and overall,
 the gate score and its histogram, F-Attn (first-token attention, per head, sink-head share),
 M-Act (max hidden activation), SDPA-output sparsity before and after the gate, and per-head
-attention maps. --tasks adds few-shot evaluation (gattn/fewshot.py). --compare prints a
+attention maps. --tasks adds few-shot evaluation (gattn/eval/fewshot.py). --compare prints a
 Table-4-like table across runs (evaluating those without results) and overlays their per-layer
-curves in one figure. --ruler runs the RULER-style long-context benchmark instead (gattn/ruler.py)
+curves in one figure. --ruler runs the RULER-style long-context benchmark instead (gattn/eval/ruler.py)
 at the given lengths and writes ruler.json, ruler.md and ruler.png: per task and length, the
 exact-match score, seconds and peak memory; with --compare, a Table-5-like table of several
 checkpoints (run folders, or ruler.json files of earlier evaluations such as a YaRN one).
@@ -20,10 +20,9 @@ checkpoints (run folders, or ruler.json files of earlier evaluations such as a Y
 
 import argparse
 import json
-import sys
 
-from gattn import config as config_lib
-from gattn.runtime import ensure_malloc_tunables
+from gattn import cli
+from gattn.config import ConfigError
 
 
 def _layers(text):
@@ -54,7 +53,7 @@ def main(argv=None):
     ap.add_argument("--shots", type=int, default=0, help="in-context examples per few-shot prompt")
     ap.add_argument("--limit", type=int, help="evaluate only the first N examples of each task")
     ap.add_argument("--no-figures", action="store_true")
-    ruler = ap.add_argument_group("long context (RULER-style, gattn/ruler.py)")
+    ruler = ap.add_argument_group("long context (RULER-style, gattn/eval/ruler.py)")
     ruler.add_argument("--ruler", action="store_true", help="run the long-context benchmark instead")
     ruler.add_argument("--lengths", type=_lengths, help="context lengths in tokens, e.g. 512,1024,2048,4096")
     ruler.add_argument("--ruler-tasks", help="comma-separated subset of the tasks (default: all six)")
@@ -62,7 +61,7 @@ def main(argv=None):
     ruler.add_argument("--seed", type=int, help="the generator's seed (default 0)")
     ruler.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill pass, and query "
                        "chunk of the perplexity pass (default 512; bounds long-context memory)")
-    args, overrides = config_lib.parse_args(ap, argv)
+    args, overrides = cli.parse_args(ap, argv)
     if bool(args.workdir) == bool(args.compare):
         ap.error("give either --workdir DIR or --compare DIR1 DIR2 ...")
     if args.compare and args.step is not None:
@@ -79,11 +78,11 @@ def main(argv=None):
     for name in ("max_batches", "map_len", "limit", "batch_rows"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise config_lib.ConfigError(f"--{name.replace('_', '-')}", value, "expected a positive integer")
+            raise ConfigError(f"--{name.replace('_', '-')}", value, "expected a positive integer")
     if args.shots < 0:
-        raise config_lib.ConfigError("--shots", args.shots, "expected >= 0")
+        raise ConfigError("--shots", args.shots, "expected >= 0")
 
-    from gattn import analysis, evaluate  # noqa: PLC0415 (argument errors come before any JAX import)
+    from gattn.eval import analysis, evaluate  # noqa: PLC0415 (argument errors come before any JAX import)
 
     options = analysis.Options(sink_threshold=args.sink_threshold, map_layers=args.map_layers,
                                map_len=args.map_len, batch_rows=args.batch_rows)
@@ -100,36 +99,35 @@ def main(argv=None):
 
 
 def _ruler(args, overrides):
-    from gattn.ruler import TASKS  # noqa: PLC0415 (no JAX)
+    from gattn.eval.ruler import TASKS  # noqa: PLC0415 (no JAX)
 
     if not args.lengths:
-        raise config_lib.ConfigError("--lengths", args.lengths, "comma-separated token counts, e.g. 512,1024,2048")
+        raise ConfigError("--lengths", args.lengths, "comma-separated token counts, e.g. 512,1024,2048")
     tasks = tuple(args.ruler_tasks.split(",")) if args.ruler_tasks else TASKS
     for task in tasks:
         if task not in TASKS:
-            raise config_lib.ConfigError("--ruler-tasks", task, f"one of {', '.join(TASKS)}")
+            raise ConfigError("--ruler-tasks", task, f"one of {', '.join(TASKS)}")
     for name, default in (("samples", 8), ("seed", 0), ("prefill_chunk", 512)):
         if getattr(args, name) is None:
             setattr(args, name, default)
     for name in ("samples", "prefill_chunk"):
         if getattr(args, name) < 1:
-            raise config_lib.ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected a positive integer")
+            raise ConfigError(f"--{name.replace('_', '-')}", getattr(args, name), "expected a positive integer")
 
-    from gattn import evaluate  # noqa: PLC0415
+    from gattn.eval import evaluate, long_context  # noqa: PLC0415
 
     kwargs = dict(tasks=tasks, num_samples=args.samples, seed=args.seed, prefill_chunk=args.prefill_chunk,
                   overrides=overrides)
     if args.compare:
-        print(evaluate.compare_ruler(args.compare, args.lengths, out_dir=args.out, **kwargs))
+        print(long_context.compare_ruler(args.compare, args.lengths, out_dir=args.out, **kwargs))
         return 0
-    res = evaluate.evaluate_ruler(args.workdir, args.lengths, step=args.step, out_dir=args.out,
+    res = long_context.evaluate_ruler(args.workdir, args.lengths, step=args.step, out_dir=args.out,
                                   figures=not args.no_figures, **kwargs)
-    print(evaluate.ruler_table([res]) + "\n\n" + evaluate.ruler_task_table(res))
+    print(long_context.ruler_table([res]) + "\n\n" + long_context.ruler_task_table(res))
     print(json.dumps({"results": str(evaluate.out_path(args.workdir, args.out) / "ruler.json"),
                       "figures": res.get("figures", [])}))
     return 0
 
 
 if __name__ == "__main__":
-    ensure_malloc_tunables()
-    sys.exit(config_lib.run_cli(main))
+    cli.run_entry_point(main)

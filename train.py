@@ -9,25 +9,24 @@ new run from another run's parameters (continued training, e.g. configs/extend_t
 import argparse
 import sys
 
-from gattn import config as config_lib
-from gattn.runtime import ensure_malloc_tunables
+from gattn import cli
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--config", required=True, help="a Python file under configs/")
+    ap.add_argument("--config", required=True, help="a config file (configs/NAME.py), a preset name (tiny), or a run's config.json")
     ap.add_argument("--workdir", required=True, help="run directory (created; resumed if it exists)")
     ap.add_argument("--steps", type=int, help="total training steps (sets train.steps)")
     ap.add_argument("--variant", help="a registered variant (python -m gattn.variants)")
     ap.add_argument("--init-from", metavar="RUN_DIR", help="start from this run's parameters "
                     "(sets train.init_from; its latest checkpoint, or --config.train.init_step=N)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    args, overrides = config_lib.parse_args(ap, argv, steps_set_train_steps=True)
+    args, overrides = cli.parse_args(ap, argv, steps_set_train_steps=True)
     if args.init_from:
         overrides.append(f"train.init_from={args.init_from}")
-    cfg = config_lib.load(args.config, overrides, variant=args.variant)
+    cfg = cli.load(args.config, overrides, variant=args.variant)
 
-    from gattn import trainer  # noqa: PLC0415 (config errors come before any JAX import)
+    from gattn.train import trainer  # noqa: PLC0415 (config errors come before any JAX import)
 
     try:
         summary = trainer.train(cfg, args.workdir, progress=not args.quiet)
@@ -39,5 +38,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    ensure_malloc_tunables()
-    sys.exit(config_lib.run_cli(main))
+    cli.run_entry_point(main)

@@ -30,8 +30,11 @@ from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh
 
 from gattn import config as config_lib
-from gattn import optim, params, sharding, trainer
-from gattn.model import Transformer
+from gattn.train import optim
+from gattn.model import params
+from gattn.model import sharding
+from gattn.train import trainer
+from gattn.model.transformer import Transformer
 
 HBM_GIB = {"TPU v5 lite": 16, "TPU v5": 95, "TPU v5p": 95, "TPU v6 lite": 32, "TPU v4": 32}
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gattn.runtime import ensure_malloc_tunables  # noqa: E402
+from gattn.cli import ensure_malloc_tunables  # noqa: E402
 
 ensure_malloc_tunables()
 
@@ -35,7 +35,8 @@ import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
 from tokenizers import Tokenizer, models  # noqa: E402
 
-from gattn import convert, evaluate  # noqa: E402
+from gattn.interop import convert  # noqa: E402
+from gattn.eval import evaluate
 
 
 def build(kind: str, args) -> torch.nn.Module:

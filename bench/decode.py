@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gattn.runtime import ensure_malloc_tunables  # noqa: E402
+from gattn.cli import ensure_malloc_tunables  # noqa: E402
 
 ensure_malloc_tunables()
 
@@ -27,8 +27,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from gattn import config as config_lib  # noqa: E402
-from gattn import decode  # noqa: E402
-from gattn.model import Transformer  # noqa: E402
+from gattn.eval import decode  # noqa: E402
+from gattn.model.transformer import Transformer  # noqa: E402
 
 
 def main(argv=None):

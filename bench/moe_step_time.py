@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gattn.runtime import ensure_malloc_tunables  # noqa: E402
+from gattn.cli import ensure_malloc_tunables  # noqa: E402
 
 ensure_malloc_tunables()
 
@@ -34,9 +34,9 @@ import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from gattn.config import Config, ModelConfig, MoESpec, TrainConfig  # noqa: E402
-from gattn.loss import aux_loss, lm_loss_and_aux  # noqa: E402
-from gattn.model import Transformer  # noqa: E402
-from gattn.params import activated_params, count_params  # noqa: E402
+from gattn.train.loss import aux_loss, lm_loss_and_aux  # noqa: E402
+from gattn.model.transformer import Transformer  # noqa: E402
+from gattn.model.params import activated_params, count_params  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_time import make_step  # noqa: E402

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gattn.runtime import ensure_malloc_tunables  # noqa: E402
+from gattn.cli import ensure_malloc_tunables  # noqa: E402
 
 ensure_malloc_tunables()
 
@@ -32,10 +32,10 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from gattn import config as config_lib  # noqa: E402
-from gattn import trainer  # noqa: E402
+from gattn.train import trainer  # noqa: E402
 from gattn.kernels import reference  # noqa: E402
-from gattn.model import Transformer  # noqa: E402
-from gattn.params import count_params  # noqa: E402
+from gattn.model.transformer import Transformer  # noqa: E402
+from gattn.model.params import count_params  # noqa: E402
 
 # PyTorch 2.13 + transformers Qwen3 on the peer shapes (configs/peer.py), shared/PERFORMANCE.md.
 PEER_TOKENS_PER_S = 3600.0

@@ -1,21 +1,19 @@
-"""Typed, frozen configuration: the gate design space, the model, and command-line overrides.
+"""The schema of a run: typed, frozen dataclasses for the gate design space, the architecture,
+the execution settings, training, data and the mesh.
 
-Configs are plain frozen dataclasses. Every value is checked when the object is built, before any
-JAX work, and a bad value raises `ConfigError` naming the field, the value and what is allowed.
-This module imports no JAX so that checking a config is instant.
+Every value is checked when the object is built, before any JAX work, and a bad value raises
+`ConfigError` naming the field, the value and what is allowed. This module imports nothing from
+gattn and no JAX, so checking a config is instant; reading config files and command-line
+overrides is `gattn.cli`'s job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import importlib.util
 import math
-import sys
-import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 # The paper's gate positions (Fig. 1 left). Both the descriptive name and G1..G5 are accepted.
@@ -238,7 +236,10 @@ class YarnSpec:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only LM: pre-RMSNorm blocks of GQA attention (with an optional gate) and SwiGLU."""
+    """The architecture of a decoder-only LM: pre-RMSNorm blocks of GQA attention (with an optional
+    gate) and SwiGLU. Everything here is what a checkpoint *is*: a resumed run or an evaluation
+    that changes a field is refused (only `POSITION_FIELDS` may change in eval and continued
+    training). How the model is computed is `ExecConfig`."""
 
     vocab_size: int = 256
     d_model: int = 128
@@ -266,27 +267,11 @@ class ModelConfig:
     sandwich_norm: bool = False            # Table 2 row 7: RMSNorm on attn/FFN outputs.
     output_clip: float | None = None       # Appendix A.5: clip attn/FFN outputs to (-c, c).
     match_ffn_params: bool = False         # Table 2: shrink d_ff so params equal the baseline's.
-    # Numerics and compilation.
-    param_dtype: str = "float32"
-    dtype: str = "float32"
-    scan_layers: bool = False
-    remat: str = "none"
-    attention_impl: str = "xla"
-    attention_block_q: int = 128           # causal query block of the xla path (0 = no blocking).
-    attention_query_chunk: int = 0         # > 0: xla path runs queries this many at a time in a loop
-                                           # (memory O(chunk * S) per layer; long contexts on CPU).
-    flash_block_q: int = 512               # query / key blocks of the pallas kernel (multiples of 8;
-    flash_block_k: int = 512               # TPU wants multiples of 128).
+    param_dtype: str = "float32"           # the dtype parameters are stored (and checkpointed) in
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "q_heads", "kv_heads", "head_dim", "d_ff"):
             _integer(name, getattr(self, name))
-        _integer("attention_block_q", self.attention_block_q, zero_ok=True)
-        _integer("attention_query_chunk", self.attention_query_chunk, zero_ok=True)
-        for name in ("flash_block_q", "flash_block_k"):
-            _integer(name, getattr(self, name))
-            if getattr(self, name) % 8:
-                raise ConfigError(name, getattr(self, name), "expected a positive multiple of 8")
         _positive("rope_base", self.rope_base)
         _positive("norm_eps", self.norm_eps)
         _positive("init_std", self.init_std)
@@ -305,11 +290,7 @@ class ModelConfig:
         _choice("ffn_activation", self.ffn_activation, FFN_ACTIVATIONS)
         _choice("sdpa_nonlinearity", self.sdpa_nonlinearity, SDPA_NONLINEARITIES)
         _choice("param_dtype", self.param_dtype, DTYPES)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("remat", self.remat, REMAT_POLICIES)
-        _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
-        for name in ("tie_embeddings", "qk_norm", "attention_bias", "sandwich_norm", "match_ffn_params",
-                     "scan_layers"):
+        for name in ("tie_embeddings", "qk_norm", "attention_bias", "sandwich_norm", "match_ffn_params"):
             _bool(name, getattr(self, name))
         if self.output_clip is not None:
             _positive("output_clip", self.output_clip)
@@ -358,6 +339,57 @@ class ModelConfig:
         if not self.match_ffn_params:
             return self.d_ff
         return self.d_ff - round(self.block_added_params / (3 * self.d_model))
+
+
+# The model fields an evaluation (and a continued run, with `train.init_from`) may change: how
+# positions are encoded, e.g. YaRN on a trained checkpoint (the paper's Sec. 4.4 and Table 5).
+POSITION_FIELDS = ("rope_base", "yarn")
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    """How the model is computed, not what it is: free to change on resume, in eval and when moving
+    to another machine (the checkpoint's parameters do not depend on any of it).
+
+    dtype:            compute dtype of activations and matmul inputs (parameters keep model.param_dtype).
+    scan_layers:      one jax.lax.scan over stacked blocks (fast compiles for deep models) instead
+                      of a Python loop; checkpoints convert between the two layouts on restore.
+    remat:            rematerialisation of each block in the backward pass: none, full, dots,
+                      dots_no_batch (which intermediates are saved).
+    attention_impl:   xla (the plain jnp reference) or pallas (the fused flash kernel with the gate;
+                      compiled by Mosaic on TPU, interpret mode elsewhere, ~100x slower).
+    attention_block_q: causal query block of the xla path (0 = no blocking).
+    attention_query_chunk: > 0: the xla path runs queries this many at a time in a loop
+                      (memory O(chunk * S) per layer; long contexts on CPU).
+    flash_block_q, flash_block_k: query / key blocks of the pallas kernel (multiples of 8; TPU
+                      wants multiples of 128).
+    """
+
+    dtype: str = "float32"
+    scan_layers: bool = False
+    remat: str = "none"
+    attention_impl: str = "xla"
+    attention_block_q: int = 128
+    attention_query_chunk: int = 0
+    flash_block_q: int = 512
+    flash_block_k: int = 512
+
+    def __post_init__(self):
+        _choice("dtype", self.dtype, DTYPES)
+        _bool("scan_layers", self.scan_layers)
+        _choice("remat", self.remat, REMAT_POLICIES)
+        _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _integer("attention_block_q", self.attention_block_q, zero_ok=True)
+        _integer("attention_query_chunk", self.attention_query_chunk, zero_ok=True)
+        for name in ("flash_block_q", "flash_block_k"):
+            _integer(name, getattr(self, name))
+            if getattr(self, name) % 8:
+                raise ConfigError(name, getattr(self, name), "expected a positive multiple of 8")
+
+
+# Fields that lived in ModelConfig before the architecture / execution split: a run's older
+# config.json and `--config.model.FIELD=...` overrides are read as `exec.FIELD`.
+MOVED_TO_EXEC = tuple(f.name for f in dataclasses.fields(ExecConfig))
 
 
 # The paper's learning-rate recipes (Sec. 3.2): name -> (max LR, final LR, warmup steps). The
@@ -468,135 +500,44 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """A run: the architecture (`model`), how it trains (`train`) on what (`data`), and where and
+    how it is computed (`mesh`, `exec`: free to change between runs of the same checkpoint)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    # The registered variant (gattn.variants) that `load` applied to the config file's model. It is
-    # a record, not a switch: choose a variant with `--variant NAME` (or `--config.variant=NAME`).
+    exec: ExecConfig = field(default_factory=ExecConfig)
+    # The registered variant (gattn.variants) that `gattn.cli.load` applied to the config file's
+    # model. It is a record, not a switch: choose a variant with `--variant NAME` (or
+    # `--config.variant=NAME`); gattn.cli checks the name against the registry.
     variant: str = "baseline"
 
     def __post_init__(self):
-        from gattn.variants import REGISTRY  # noqa: PLC0415 (variants imports this module)
-
-        _choice("variant", self.variant, tuple(REGISTRY))
-
-
-# --------------------------------------------------------------------------- overrides
-
-
-def _coerce(path: str, text: str, hint: Any) -> Any:
-    """Turns the text of a command-line override into the field's declared type."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if text.lower() in ("none", "null"):
-            return None
-        return _coerce(path, text, args[0])
-    if hint is bool:
-        low = text.lower()
-        if low in ("true", "1", "yes"):
-            return True
-        if low in ("false", "0", "no"):
-            return False
-        raise ConfigError(path, text, "expected true or false")
-    if hint in (int, float):
-        try:
-            number = float(text)
-            return int(number) if hint is int and number.is_integer() else hint(text)
-        except ValueError:
-            raise ConfigError(path, text, f"expected {'an integer' if hint is int else 'a number'}") from None
-    if dataclasses.is_dataclass(hint):
-        if text.lower() == "default":
-            return hint()
-        raise ConfigError(path, text, f"set its fields ({path}.FIELD=VALUE) or 'default'")
-    return text
+        if not isinstance(self.variant, str) or not self.variant:
+            raise ConfigError("variant", self.variant, "expected a registered variant's name "
+                              "(python -m gattn.variants)")
+        for name, kind in (("model", ModelConfig), ("train", TrainConfig), ("data", DataConfig),
+                           ("mesh", MeshConfig), ("exec", ExecConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(name, type(getattr(self, name)).__name__, f"expected a {kind.__name__}")
 
 
-def _build(cfg: Any, tree: dict, prefix: str) -> Any:
-    """Returns `cfg` with every override in `tree` ({field: text or subtree}) applied at once, so
-    that cross-field checks see the final values whatever the order on the command line. `cfg` may
-    be a dataclass type: an absent sub-config is created from its defaults and the given fields."""
-    cls = cfg if isinstance(cfg, type) else type(cfg)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    changes = {}
-    for name, value in tree.items():
-        path = f"{prefix}.{name}" if prefix else name
-        if name not in fields:
-            raise ConfigError(path, value if isinstance(value, str) else None,
-                              f"unknown field; {cls.__name__} has {', '.join(sorted(fields))}")
-        if isinstance(value, str):
-            changes[name] = _coerce(path, value, hints[name])
-            continue
-        child = None if isinstance(cfg, type) else getattr(cfg, name)
-        if child is None:  # a field of an absent sub-config: built from its defaults and these fields
-            child = next((a for a in (hints[name], *typing.get_args(hints[name]))
-                          if dataclasses.is_dataclass(a)), None)
-        if not dataclasses.is_dataclass(child):
-            raise ConfigError(path, None, f"{path} is a value, not a nested config")
-        changes[name] = _build(child, value, path)
-    try:
-        return cls(**changes) if isinstance(cfg, type) else dataclasses.replace(cfg, **changes)
-    except ConfigError as e:
-        raise e.under(prefix) from None
 
 
-def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
-    """Applies overrides like `model.num_layers=2` (a leading `--config.` is accepted too)."""
-    tree: dict = {}
-    for item in overrides:
-        item = item.removeprefix("--").removeprefix("config.")
-        if "=" not in item:
-            raise ConfigError(item, None, "expected FIELD=VALUE, e.g. --config.model.num_layers=2")
-        path, _, text = item.partition("=")
-        *parents, leaf = path.strip().split(".")
-        node = tree
-        for i, part in enumerate(parents):
-            node = node.setdefault(part, {})
-            if isinstance(node, str):
-                raise ConfigError(".".join(parents[:i + 1]), node, "set either the value or its fields, not both")
-        if isinstance(node.get(leaf), dict):
-            raise ConfigError(path.strip(), text.strip(), "set either the value or its fields, not both")
-        node[leaf] = text.strip()
-    return _build(cfg, tree, "")
-
-
-def call_file(path: Path, function: str, field: str, returns: str) -> Any:
-    """`function()` of the Python file `path` (a config or study file); errors name `field`."""
-    spec = importlib.util.spec_from_file_location(f"gattn_{function}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, function):
-        raise ConfigError(field, str(path), f"the file must define {function}() -> {returns}")
-    return getattr(module, function)()
-
-
-def load(path: str | Path, overrides: list[str] = (), variant: str | None = None) -> Config:
-    """Loads `get_config()` from a Python config file (or a run's config.json, e.g. a model
-    converted from Hugging Face, to continue training it), applies a variant, then the overrides."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("--config", str(path), "expected the path of a Python file under configs/ "
-                          "or of a run's config.json")
-    if path.suffix == ".json":
-        cfg = from_dict(Config, json.loads(path.read_text()))
-    else:
-        cfg = call_file(path, "get_config", "--config", "Config")
-    # `--config.variant=NAME` is the same as `--variant NAME`: the variant is applied, not relabelled.
-    named = [o for o in overrides if o.removeprefix("--").removeprefix("config.").startswith("variant=")]
-    overrides = [o for o in overrides if o not in named]
-    variant = named[-1].partition("=")[2].strip() if named else variant
-    if variant is not None:
-        from gattn import variants  # noqa: PLC0415 (variants imports this module)
-
-        cfg = dataclasses.replace(cfg, model=variants.apply(variant, cfg.model), variant=variant)
-    return apply_overrides(cfg, list(overrides))
+# --------------------------------------------------------------------------- dicts (config.json)
 
 
 def from_dict(cls: type, tree: dict, prefix: str = "") -> Any:
     """The dataclass `cls` from a JSON-like dict (`dataclasses.asdict` of one, e.g. a run's
-    config.json); nested configs are rebuilt, every value is checked as usual."""
+    config.json); nested configs are rebuilt, every value is checked as usual. A `Config` written
+    before the architecture / execution split has its execution fields under "model": they are
+    read as `exec`."""
+    if cls is Config and any(k in MOVED_TO_EXEC for k in tree.get("model", {})):
+        tree = dict(tree, model=dict(tree["model"]), exec=dict(tree.get("exec", {})))
+        for name in MOVED_TO_EXEC:
+            if name in tree["model"]:
+                tree["exec"].setdefault(name, tree["model"].pop(name))
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -612,56 +553,27 @@ def from_dict(cls: type, tree: dict, prefix: str = "") -> Any:
         raise e.under(prefix) from None
 
 
+def to_dict(cfg: Any) -> dict:
+    """A config as JSON would hold it (what a run's config.json stores)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
 def flat_fields(tree: Any) -> dict:
     """{"model.gate.position": value, ...}: a config (or its JSON dict, as in config.json) as
     dotted field paths, values as JSON would hold them (for comparing two configs field by field)."""
     if dataclasses.is_dataclass(tree):
-        tree = json.loads(json.dumps(dataclasses.asdict(tree)))
+        tree = to_dict(tree)
     out = {}
     for k, v in tree.items():
         out.update({f"{k}.{kk}": vv for kk, vv in flat_fields(v).items()} if isinstance(v, dict) else {k: v})
     return out
 
 
-def load_run(workdir: str | Path, overrides: list[str] = ()) -> Config:
-    """The config a run in `workdir` was trained with (its config.json), with `overrides` applied
-    (e.g. `model.attention_impl=xla` or a mesh for the devices present now)."""
-    path = Path(workdir) / "config.json"
-    if not path.is_file():
-        raise ConfigError("--workdir", str(workdir), "expected a run directory holding config.json "
-                          "(written by train.py)")
-    cfg = from_dict(Config, json.loads(path.read_text()))
-    overrides = list(overrides)
-    names = [o.removeprefix("--").removeprefix("config.").partition("=")[0].strip() for o in overrides]
-    if (any(n.startswith("model.yarn.") for n in names) and "model.yarn.original_len" not in names
-            and cfg.model.yarn is None):
-        # YaRN on a trained checkpoint: the context it was trained at is the run's own seq_len.
-        overrides.append(f"model.yarn.original_len={cfg.train.seq_len}")
-    return apply_overrides(cfg, overrides)
-
-
-def parse_args(parser, argv=None, *, steps_set_train_steps: bool = False):
-    """(args, overrides): the parser's own arguments and the `--config.FIELD=VALUE` overrides;
-    anything else is an error. With `steps_set_train_steps`, `--steps N` becomes train.steps=N."""
-    args, rest = parser.parse_known_args(argv)
-    rest, overrides = split_argv(rest)
-    if rest:
-        parser.error(f"unrecognised arguments: {' '.join(rest)}")
-    if steps_set_train_steps and args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
-    return args, overrides
-
-
-def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Separates `--config.FIELD=VALUE` overrides from the other command-line arguments."""
-    overrides = [a for a in argv if a.startswith("--config.")]
-    return [a for a in argv if not a.startswith("--config.")], overrides
-
-
-def run_cli(main, argv=None) -> int:
-    """Runs an entry point's `main`, turning a ConfigError into one line on stderr and exit 2."""
-    try:
-        return main(argv) or 0
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def differences(now: Any, then: Any, under: tuple[str, ...], *, may_differ: tuple[str, ...] = ()) -> list[tuple]:
+    """[(field, now, then), ...]: the dotted fields starting with one of `under` whose values
+    differ between two configs (or their config.json dicts), except those starting with one of
+    `may_differ`. A run written before the execution split is read with `from_dict` first."""
+    now = flat_fields(from_dict(Config, now) if isinstance(now, dict) else now)
+    then = flat_fields(from_dict(Config, then) if isinstance(then, dict) else then)
+    return [(k, now.get(k), then.get(k)) for k in sorted(set(now) | set(then))
+            if k.startswith(under) and not k.startswith(may_differ or ("\0",)) and now.get(k) != then.get(k)]

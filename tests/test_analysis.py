@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gattn import analysis
+from gattn.eval import analysis
 from gattn.config import GateSpec, MoESpec, ModelConfig
-from gattn.model import Transformer
+from gattn.model.transformer import Transformer
 
 TINY = ModelConfig(vocab_size=61, d_model=32, num_layers=3, q_heads=4, kv_heads=2, head_dim=8,
                    d_ff=64, attention_block_q=4)

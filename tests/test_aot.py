@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gattn import config as config_lib
-from gattn import params
+from gattn.model import params
 
 _spec = importlib.util.spec_from_file_location(
     "aot_train_step", Path(__file__).resolve().parents[1] / "bench" / "aot_train_step.py")

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gattn.attention import Attention
+from gattn.model.attention import Attention
 from gattn.config import GateSpec, ModelConfig, SwitchHeadsSpec
 from gattn.kernels import attention_xla
 

@@ -18,9 +18,10 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from gattn import convert, evaluate
+from gattn.interop import convert
+from gattn.eval import evaluate
 from gattn.config import ConfigError
-from gattn.convert import ConversionError
+from gattn.interop.convert import ConversionError
 
 TOL = dict(rtol=2e-4, atol=2e-4)  # float32 logits of two implementations (values ~ 1-10)
 DIMS = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -302,7 +303,7 @@ def test_eval_and_continued_training_on_a_converted_model(tmp_path, tokenizer_fi
     import sys
 
     from gattn import config as config_lib
-    from gattn import trainer
+    from gattn.train import trainer
 
     model, flags = release_model("elementwise")
     src = save(model, tmp_path / "hf", tokenizer_file, flags)

@@ -9,7 +9,7 @@ from flax import nnx
 from gattn.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
 from gattn.data import corpus, pipeline, tfds_text
 from gattn.data.tokenizer import EOS, load_tokenizer
-from gattn.model import Transformer
+from gattn.model.transformer import Transformer
 
 CFG = Config(model=ModelConfig(vocab_size=512, d_model=32, num_layers=1, q_heads=2, kv_heads=1,
                                head_dim=16, d_ff=64),

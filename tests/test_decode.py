@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gattn import decode, variants
+from gattn import variants
+from gattn.eval import decode
 from gattn.config import ModelConfig, MoESpec, YarnSpec
-from gattn.model import Transformer, unscanned
+from gattn.model.transformer import Transformer, unscanned
 
 TINY = ModelConfig(vocab_size=96, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=16,
                    d_ff=64, init_std=0.2)

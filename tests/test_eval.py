@@ -26,7 +26,8 @@ CONFIG = textwrap.dedent("""
 def runs(tmp_path_factory):
     """Two 6-step runs (baseline and SDPA-gated; scanned layers, as a large run would use) that
     share data, seed and tokenizer."""
-    from gattn import config as config_lib, trainer
+    from gattn import config as config_lib
+    from gattn.train import trainer
 
     root = tmp_path_factory.mktemp("eval")
     (root / "tiny.py").write_text(CONFIG)
@@ -162,7 +163,7 @@ def test_ruler_with_yarn_and_a_table_5_comparison(runs, tmp_path):
 
     # The plain run's result is reused only for the same lengths, settings and overrides; a result
     # file of other settings is refused, not mixed in.
-    from gattn import evaluate
+    from gattn.eval import evaluate
     from gattn.config import ConfigError
 
     settings = {"tasks": tasks.split(","), "num_samples": 2, "seed": 0, "overrides": []}

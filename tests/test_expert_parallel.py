@@ -13,10 +13,10 @@ def test_explicit_expert_parallel_moe_equals_one_device():
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         import jax, jax.numpy as jnp, numpy as np
         from flax import nnx
-        from gattn import sharding
+        from gattn.model import sharding
         from gattn.config import MeshConfig, ModelConfig, MoESpec
-        from gattn.loss import aux_loss, lm_loss_and_aux
-        from gattn.model import Transformer
+        from gattn.train.loss import aux_loss, lm_loss_and_aux
+        from gattn.model.transformer import Transformer
         # capacity_factor = E / k: every expert can take every local token, so nothing is dropped
         # and the result must equal the dropless single-device model.
         cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=8,

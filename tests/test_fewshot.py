@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gattn import decode, fewshot
+from gattn.eval import decode
+from gattn.eval import fewshot
 from gattn.config import GateSpec, ModelConfig
-from gattn.model import Transformer
+from gattn.model.transformer import Transformer
 
 TASKS = Path(__file__).parent / "data" / "tasks"
 CFG = ModelConfig(vocab_size=128, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=8, d_ff=64,

@@ -9,10 +9,11 @@ import optax
 import pytest
 from flax import nnx
 
-from gattn import analysis, variants
+from gattn import variants
+from gattn.eval import analysis
 from gattn.config import GateSpec, ModelConfig
-from gattn.loss import lm_loss
-from gattn.model import Transformer
+from gattn.train.loss import lm_loss
+from gattn.model.transformer import Transformer
 
 TINY = ModelConfig(vocab_size=61, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=8,
                    d_ff=64, attention_block_q=4)
@@ -200,12 +201,14 @@ def test_packed_loss_equals_the_loss_of_each_document_alone():
 
 def test_config_name_lists_match_the_implementations():
     """config.py (JAX-free) lists the names; the modules hold the functions: they must agree."""
-    from gattn import config, kernels, layers, model as model_lib
+    from gattn import config, kernels
+    from gattn.model import layers
+    from gattn.model import transformer as model_lib
     assert set(config.DTYPES) == set(layers.DTYPES)
     assert set(config.FFN_ACTIVATIONS) == set(layers.FFN_ACTIVATIONS)
     assert set(config.REMAT_POLICIES) == set(model_lib.REMAT_POLICIES) | {"none"}
     assert set(config.ATTENTION_IMPLS) == set(kernels.IMPLS)
-    from gattn import gates
+    from gattn.model import gates
     assert set(config.GATE_ACTIVATIONS) == set(gates.ACTIVATIONS)
 
 

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gattn import params, variants
+from gattn import variants
+from gattn.model import params
 from gattn.config import ConfigError, ModelConfig, MoESpec
-from gattn.loss import aux_loss, lm_loss, lm_loss_and_aux
-from gattn.model import Transformer
-from gattn.moe import MoE, load_balancing_loss, route, router_z_loss
+from gattn.train.loss import aux_loss, lm_loss, lm_loss_and_aux
+from gattn.model.transformer import Transformer
+from gattn.model.moe import MoE, load_balancing_loss, route, router_z_loss
 
 SPEC = MoESpec(num_experts=8, top_k=3, expert_width=16)
 CFG = ModelConfig(vocab_size=61, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=8,
@@ -145,7 +146,7 @@ def test_global_batch_lbl_on_a_data_mesh_equals_single_device_and_not_micro():
         from jax.sharding import NamedSharding, PartitionSpec as P
         from flax import nnx
         from gattn.config import ModelConfig, MoESpec
-        from gattn.moe import MoE
+        from gattn.model.moe import MoE
         cfg = ModelConfig(vocab_size=61, d_model=32, num_layers=1, q_heads=4, kv_heads=2,
                           head_dim=8, d_ff=64, moe=MoESpec(num_experts=8, top_k=2, expert_width=16))
         moe = MoE(cfg, rngs=nnx.Rngs(0))

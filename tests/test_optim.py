@@ -9,7 +9,8 @@ import optax
 import pytest
 from flax import nnx
 
-from gattn import optim, trainer
+from gattn.train import optim
+from gattn.train import trainer
 from gattn.config import LR_PRESETS, Config, ConfigError, GateSpec, ModelConfig, TrainConfig
 
 TRAIN = TrainConfig(steps=1000, learning_rate=4e-3, min_learning_rate=4e-5, warmup_steps=100)

@@ -10,9 +10,10 @@ import jax
 import pytest
 from flax import nnx
 
-from gattn import params, variants
+from gattn import variants
+from gattn.model import params
 from gattn.config import ModelConfig, MoESpec
-from gattn.model import Transformer
+from gattn.model.transformer import Transformer
 
 SMALL = ModelConfig(vocab_size=64, d_model=48, num_layers=2, q_heads=4, kv_heads=2, head_dim=8, d_ff=96)
 AVAILABLE = variants.applicable(SMALL)

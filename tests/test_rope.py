@@ -13,8 +13,8 @@ from flax import nnx
 
 from gattn import config as C
 from gattn.config import ConfigError, ModelConfig, YarnSpec
-from gattn.layers import apply_rope, rope_frequencies
-from gattn.model import Transformer
+from gattn.model.layers import apply_rope, rope_frequencies
+from gattn.model.transformer import Transformer
 
 
 def test_yarn_at_scale_1_is_plain_rope():

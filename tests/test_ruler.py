@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from gattn import ruler
+from gattn.eval import ruler
 
 
 def count(text):

@@ -9,7 +9,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from gattn import sharding
+from gattn.model import sharding
 from gattn.config import ConfigError, MeshConfig
 
 
@@ -40,10 +40,10 @@ def test_sharded_loss_and_gradients_equal_one_device():
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         import jax, jax.numpy as jnp, numpy as np
         from flax import nnx
-        from gattn import sharding
+        from gattn.model import sharding
         from gattn.config import MeshConfig, ModelConfig, MoESpec
-        from gattn.loss import aux_loss, lm_loss_and_aux
-        from gattn.model import Transformer
+        from gattn.train.loss import aux_loss, lm_loss_and_aux
+        from gattn.model.transformer import Transformer
         base = dict(vocab_size=64, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=8, d_ff=64)
         cfgs = {"dense": ModelConfig(**base),
                 "moe": ModelConfig(**base, moe=MoESpec(num_experts=8, top_k=2, expert_width=16,
@@ -83,10 +83,11 @@ def test_pallas_attention_runs_sharded_under_the_context_mesh():
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         import dataclasses, jax, jax.numpy as jnp, numpy as np
         from flax import nnx
-        from gattn import sharding, variants
+        from gattn import variants
+        from gattn.model import sharding
         from gattn.config import MeshConfig, ModelConfig
-        from gattn.loss import lm_loss
-        from gattn.model import Transformer
+        from gattn.train.loss import lm_loss
+        from gattn.model.transformer import Transformer
         cfg = variants.apply("sdpa_elementwise", ModelConfig(
             vocab_size=64, d_model=32, num_layers=1, q_heads=4, kv_heads=2, head_dim=8, d_ff=64,
             flash_block_q=8, flash_block_k=8))

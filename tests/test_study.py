@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from gattn import plots, study
+from gattn.eval import plots
+from gattn.experiments import study
 from gattn.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = textwrap.dedent("""
     from gattn.config import Config, DataConfig, ModelConfig, TrainConfig
-    from gattn.study import Study
+    from gattn.experiments.study import Study
 
     def get_study():
         base = Config(model=ModelConfig(vocab_size=512, d_model=32, num_layers=2, q_heads=2, kv_heads=1,

@@ -102,7 +102,8 @@ def test_divergence_stops_with_a_clear_message_and_finite_checkpoints(config_fil
     assert max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) >= 2
     code = textwrap.dedent(f"""
         import jax, numpy as np
-        from gattn import config as C, trainer
+        from gattn import config as C
+        from gattn.train import trainer
         cfg = C.load({str(config_file)!r})
         model = trainer.load_model(cfg, {str(workdir)!r})
         from flax import nnx
@@ -119,7 +120,8 @@ def test_restore_onto_a_different_mesh(tmp_path):
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         import jax, numpy as np
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        from gattn import checkpoint, trainer
+        from gattn.train import checkpoint
+        from gattn.train import trainer
         from gattn.config import Config, ModelConfig, TrainConfig
         cfg = Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=1, q_heads=2,
                                        kv_heads=1, head_dim=16, d_ff=64),
@@ -188,7 +190,9 @@ def test_continued_training_starts_from_another_runs_parameters(config_file, tmp
     import jax
     from flax import nnx
 
-    from gattn import config as config_lib, init_from, trainer
+    from gattn import config as config_lib
+    from gattn.train import init_from
+    from gattn.train import trainer
     from gattn.config import ConfigError
 
     base, ext = tmp_path / "base", tmp_path / "ext"

@@ -3,6 +3,7 @@ and read back with random access through `tfds.data_source` (no TensorFlow neede
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import tensorflow_datasets as tfds
@@ -34,6 +35,15 @@ class GattnText(tfds.core.GeneratorBasedBuilder):
     def _split_generators(self, dl_manager):
         del dl_manager  # nothing is downloaded
         return {split: self._generate_examples(split) for split in ("train", "validation")}
+
+    def _log_download_bytes(self):
+        """TFDS prints "Downloading and preparing dataset ..." here, but nothing is downloaded:
+        say what happens instead, on stderr so that a command's stdout (e.g. --json) stays clean."""
+        print(f"preparing the dataset from local text (once) in {self.data_dir} ...",
+              file=sys.stderr)
+
+    def _log_download_done(self):
+        """TFDS prints "Dataset ... downloaded and prepared"; the line above already said it."""
 
     def _generate_examples(self, split):
         for doc in corpus.documents(self._source, self._code_max_bytes):

@@ -1,0 +1,284 @@
+"""The command-line layer: config files and presets, `--config.FIELD=VALUE` overrides, argparse
+glue, one-line errors, and the process settings entry points need before JAX starts.
+
+    load("configs/tiny.py", ["model.num_layers=4"], variant="sdpa_elementwise")  -> Config
+    load("tiny")                 a preset by name (shipped in gattn/configs, works from any install)
+    run_entry_point(main)        ConfigError -> "error: ..." on stderr and exit 2
+
+The schema itself (the dataclasses and their checks) is `gattn.config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from gattn import variants
+from gattn.config import MOVED_TO_EXEC, Config, ConfigError, from_dict
+
+PRESETS = Path(__file__).parent / "configs"
+
+
+# --------------------------------------------------------------------------- overrides
+
+def _coerce(path: str, text: str, hint: Any) -> Any:
+    """Turns the text of a command-line override into the field's declared type."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if text.lower() in ("none", "null"):
+            return None
+        return _coerce(path, text, args[0])
+    if hint is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise ConfigError(path, text, "expected true or false")
+    if hint in (int, float):
+        try:
+            number = float(text)
+            return int(number) if hint is int and number.is_integer() else hint(text)
+        except ValueError:
+            raise ConfigError(path, text, f"expected {'an integer' if hint is int else 'a number'}") from None
+    if dataclasses.is_dataclass(hint):
+        if text.lower() == "default":
+            return hint()
+        raise ConfigError(path, text, f"set its fields ({path}.FIELD=VALUE) or 'default'")
+    return text
+
+
+def _build(cfg: Any, tree: dict, prefix: str) -> Any:
+    """Returns `cfg` with every override in `tree` ({field: text or subtree}) applied at once, so
+    that cross-field checks see the final values whatever the order on the command line. `cfg` may
+    be a dataclass type: an absent sub-config is created from its defaults and the given fields."""
+    cls = cfg if isinstance(cfg, type) else type(cfg)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    changes = {}
+    for name, value in tree.items():
+        path = f"{prefix}.{name}" if prefix else name
+        if name not in fields:
+            raise ConfigError(path, value if isinstance(value, str) else None,
+                              f"unknown field; {cls.__name__} has {', '.join(sorted(fields))}")
+        if isinstance(value, str):
+            changes[name] = _coerce(path, value, hints[name])
+            continue
+        child = None if isinstance(cfg, type) else getattr(cfg, name)
+        if child is None:  # a field of an absent sub-config: built from its defaults and these fields
+            child = next((a for a in (hints[name], *typing.get_args(hints[name]))
+                          if dataclasses.is_dataclass(a)), None)
+        if not dataclasses.is_dataclass(child):
+            raise ConfigError(path, None, f"{path} is a value, not a nested config")
+        changes[name] = _build(child, value, path)
+    try:
+        return cls(**changes) if isinstance(cfg, type) else dataclasses.replace(cfg, **changes)
+    except ConfigError as e:
+        raise e.under(prefix) from None
+
+
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    """Applies overrides like `model.num_layers=2` (a leading `--config.` is accepted too)."""
+    tree: dict = {}
+    seen: dict[str, str] = {}
+    for item in overrides:
+        item = item.removeprefix("--").removeprefix("config.")
+        if "=" not in item:
+            raise ConfigError(item, None, "expected FIELD=VALUE, e.g. --config.model.num_layers=2")
+        path, _, text = item.partition("=")
+        path = canonical(path.strip())
+        if path in seen:
+            raise ConfigError(path, text.strip(), f"given twice (first as {seen[path]!r}); give each field once")
+        seen[path] = text.strip()
+        *parents, leaf = path.split(".")
+        node = tree
+        for i, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if isinstance(node, str):
+                raise ConfigError(".".join(parents[:i + 1]), node, "set either the value or its fields, not both")
+        if isinstance(node.get(leaf), dict):
+            raise ConfigError(path, text.strip(), "set either the value or its fields, not both")
+        node[leaf] = text.strip()
+    return _build(cfg, tree, "")
+
+
+
+
+def canonical(path: str) -> str:
+    """`model.remat` and the other execution fields that moved to `exec` (see MOVED_TO_EXEC)."""
+    head, _, leaf = path.partition(".")
+    return f"exec.{leaf}" if head == "model" and leaf in MOVED_TO_EXEC else path
+
+
+# --------------------------------------------------------------------------- config files
+
+
+def call_file(path: Path, function: str, field: str, returns: str) -> Any:
+    """`function()` of the Python file `path` (a config or study file); errors name `field`."""
+    spec = importlib.util.spec_from_file_location(f"gattn_{function}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, function):
+        raise ConfigError(field, str(path), f"the file must define {function}() -> {returns}")
+    return getattr(module, function)()
+
+
+def presets(kind: str = "") -> list[str]:
+    """The names of the presets shipped with gattn (`kind` "study": the study presets)."""
+    return sorted(p.stem for p in (PRESETS / kind).glob("*.py") if not p.stem.startswith("_"))
+
+
+def resolve(path: str | Path, field: str = "--config", kind: str = "") -> Path:
+    """A config (or study) file: `path` itself, or a preset shipped in gattn/configs by name
+    ("tiny", "configs/tiny.py" from any directory)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    preset = PRESETS / kind / f"{path.stem}.py"
+    if path.suffix in ("", ".py") and preset.is_file() and path.parent.name in ("", "configs", kind):
+        return preset
+    names = ", ".join(presets(kind))
+    raise ConfigError(field, str(path), f"expected a Python config file or a preset ({names})"
+                      + ("" if kind else ", or a run's config.json"))
+
+
+def load(path: str | Path, overrides: list[str] = (), variant: str | None = None) -> Config:
+    """Loads `get_config()` from a Python config file or preset (or a run's config.json, e.g. a
+    model converted from Hugging Face, to continue training it), applies a variant, then the
+    overrides."""
+    path = resolve(path)
+    if path.suffix == ".json":
+        import json  # noqa: PLC0415
+
+        cfg = from_dict(Config, json.loads(path.read_text()))
+    else:
+        cfg = call_file(path, "get_config", "--config", "Config")
+    # `--config.variant=NAME` is the same as `--variant NAME`: the variant is applied, not relabelled.
+    named = [o for o in overrides if o.removeprefix("--").removeprefix("config.").startswith("variant=")]
+    overrides = [o for o in overrides if o not in named]
+    variant = named[-1].partition("=")[2].strip() if named else variant
+    if variant is not None:
+        cfg = dataclasses.replace(cfg, model=variants.apply(variant, cfg.model), variant=variant)
+    cfg = apply_overrides(cfg, list(overrides))
+    check_variant(cfg)
+    return cfg
+
+
+def check_variant(cfg: Config) -> None:
+    if cfg.variant not in variants.REGISTRY:
+        raise ConfigError("variant", cfg.variant, f"expected one of {', '.join(variants.REGISTRY)}")
+
+
+# --------------------------------------------------------------------------- argparse glue
+
+
+def parse_args(parser, argv=None, *, steps_set_train_steps: bool = False):
+    """(args, overrides): the parser's own arguments and the `--config.FIELD=VALUE` overrides;
+    anything else is an error. With `steps_set_train_steps`, `--steps N` becomes train.steps=N."""
+    args, rest = parser.parse_known_args(argv)
+    rest, overrides = split_argv(rest)
+    if rest:
+        parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    if steps_set_train_steps and args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    return args, overrides
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separates `--config.FIELD=VALUE` overrides from the other command-line arguments."""
+    overrides = [a for a in argv if a.startswith("--config.")]
+    return [a for a in argv if not a.startswith("--config.")], overrides
+
+
+def run_cli(main, argv=None) -> int:
+    """Runs an entry point's `main`, turning a ConfigError into one line on stderr and exit 2."""
+    try:
+        return main(argv) or 0
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run_entry_point(main) -> None:
+    """What every `python -m` / script entry point does: the process settings, then `main` with
+    one-line config errors; exits with its status."""
+    keep_jax_off_absent_tpu()  # first: a re-execution below inherits its setting
+    ensure_malloc_tunables()
+    raise SystemExit(run_cli(main))
+
+
+# --------------------------------------------------------------------------- process settings
+
+# glibc serves buffers over 32 MB (the logits) by mmap/munmap, costing ~220 ms of page faults per
+# step on CPU (docs/performance.md). glibc reads this only at process start.
+MALLOC_TUNABLES = ("glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
+                   "glibc.malloc.trim_threshold=100000000000")
+
+
+def ensure_malloc_tunables() -> None:
+    """Re-executes the current command once with GLIBC_TUNABLES set, unless it is already set
+    (by the user or by an earlier re-execution) or GATTN_NO_REEXEC=1."""
+    if os.environ.get("GLIBC_TUNABLES") or os.environ.get("GATTN_NO_REEXEC") == "1":
+        return
+    argv = sys.orig_argv
+    if len(argv) < 2 or argv[1] == "-c":
+        return  # interactive or `python -c`: nothing to re-execute
+    os.execve(sys.executable, [sys.executable, *argv[1:]], dict(os.environ, GLIBC_TUNABLES=MALLOC_TUNABLES))
+
+
+# libtpu ships with the test extra as an ahead-of-time TPU compiler, but JAX also tries it as a
+# runtime on every start: on a host without a TPU it prints initialisation errors ("could not
+# determine TPU accelerator type", "unexpected worker hostname") before falling back to CPU.
+# PCI device ids of TPU chips (vendor 0x1ae0), as in jax._src.hardware_utils.
+_TPU_PCI_IDS = {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"}
+_TPU_ENV = ("JAX_FORCE_TPU_INIT", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID")
+_GPU_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")  # CUDA (incl. WSL), ROCm
+
+
+def keep_jax_off_absent_tpu() -> None:
+    """Pins JAX to CPU when libtpu is installed but this host has neither a TPU nor a GPU and the
+    user has not set JAX_PLATFORMS, so a CPU user does not see libtpu's initialisation errors.
+    Exported, so re-executions and child processes agree; topology descriptions for AOT compiles
+    still work. `JAX_PLATFORMS=` (empty) keeps JAX's own choice of backends."""
+    if "JAX_PLATFORMS" in os.environ or not _libtpu_installed() or _tpu_here() or _gpu_here():
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # the entry module imported JAX already, which read the variable then
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def _libtpu_installed() -> bool:
+    """Whether JAX would try libtpu (the pip package, or a library named by TPU_LIBRARY_PATH)."""
+    return bool(os.environ.get("TPU_LIBRARY_PATH") or importlib.util.find_spec("libtpu"))
+
+
+def _tpu_here() -> bool:
+    """Whether this host may have a TPU, probed without loading libtpu: the TPU variables (GKE,
+    users), the device files libtpu opens (/dev/accel* on v2-v4, /dev/vfio/* on v5e and later), or
+    TPU chips on the PCI bus (what JAX's cloud_tpu_init counts). Any doubt leaves JAX alone."""
+    if any(os.environ.get(name) for name in _TPU_ENV):
+        return True
+    if any(Path("/dev").glob("accel*")) or any(Path("/dev/vfio").glob("*")):
+        return True
+    return any(_read(v) == "0x1ae0" and _read(v.with_name("device")) in _TPU_PCI_IDS
+               for v in Path("/sys/bus/pci/devices").glob("*/vendor"))
+
+
+def _gpu_here() -> bool:
+    """Whether a GPU may be present (the device files JAX checks before trying CUDA or ROCm): then
+    JAX keeps discovering its plugins itself."""
+    return any(os.path.exists(f) for f in _GPU_FILES)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""

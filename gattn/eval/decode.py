@@ -1,0 +1,176 @@
+"""Greedy generation with a kv cache, batched over prompts of different lengths.
+
+Prompts are left-padded to a common length: pad slots are invalid cache slots that no token sees,
+and positions count only real tokens, so every row computes what it would alone. One jitted
+prefill runs the prompts; one jitted step then feeds each row's last token until every row has
+stopped. `generate_without_cache` reruns the full forward pass per token: the reference.
+
+Stopping, per row, checked after each new token: `eos_id` (the eos itself is not returned);
+`stop` as a list of token sequences (the output ends before the first one it ends with); or
+`stop` as a callable on the tokens generated so far (they are returned up to and including the
+token on which it returned True).
+
+Exact for every variant with a dropless MoE (or none): with a capacity factor, which tokens an
+expert drops depends on how many tokens run together, so a cached step and the full pass differ.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gattn.model.transformer import Transformer
+
+Stop = Callable[[list[int]], bool] | Sequence[Sequence[int]] | None
+
+
+def init_cache(model: Transformer, batch: int, max_len: int) -> dict:
+    """An empty cache for `batch` rows of `max_len` slots (layout: Transformer.init_cache)."""
+    return model.init_cache(batch, max_len)
+
+
+def _positions(valid_BxS, cache):
+    """Each new token's position: the real tokens before it in its row (pads get 0)."""
+    before_Bx1 = jnp.sum(cache["valid"], axis=1, keepdims=True, dtype=jnp.int32)
+    return jnp.maximum(before_Bx1 + jnp.cumsum(valid_BxS, axis=1, dtype=jnp.int32) - 1, 0)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=4)  # the cache is updated in place
+def _prefill(graphdef, state, tokens_BxS, valid_BxS, cache):
+    model = nnx.merge(graphdef, state)
+    return model.decode(tokens_BxS, _positions(valid_BxS, cache), cache, valid_BxS)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _step(graphdef, state, tokens_B, cache):
+    """Feeds one token per row; returns the greedy next token per row and the cache."""
+    model = nnx.merge(graphdef, state)
+    valid_Bx1 = jnp.ones((tokens_B.shape[0], 1), bool)
+    logits_Bx1xV, cache = model.decode(tokens_B[:, None], _positions(valid_Bx1, cache), cache)
+    return jnp.argmax(logits_Bx1xV[:, 0], axis=-1).astype(jnp.int32), cache
+
+
+def prefill(model: Transformer, tokens_BxS, valid_BxS, cache: dict, *, chunk: int | None = None,
+            last_only: bool = False):
+    """(logits, cache): runs a block of tokens (False in `valid_BxS` = padding) into the cache
+    after what it holds (the cache passed in is consumed: use the one returned). With `chunk`,
+    `chunk` tokens at a time: each layer then holds one [chunk, cache length] attention matrix
+    per head instead of [S, cache length], so a long prompt fits in memory; the result is the
+    same. Logits are [B, S, V], or [B, V] of the last position with `last_only` (a long prompt's
+    [S, V] logits are themselves large)."""
+    graphdef, state = nnx.split(model)
+    tokens_BxS, valid_BxS = np.asarray(tokens_BxS), np.asarray(valid_BxS, bool)
+    s = tokens_BxS.shape[1]
+    chunk = s if chunk is None else chunk
+    if chunk < 1:
+        raise ValueError(f"prefill chunk = {chunk}: expected >= 1")
+    pieces = []
+    for start in range(0, s, chunk):
+        logits, cache = _prefill(graphdef, state, jnp.asarray(tokens_BxS[:, start:start + chunk]),
+                                 jnp.asarray(valid_BxS[:, start:start + chunk]), cache)
+        pieces.append(logits[:, -1] if last_only else logits)
+    if last_only:
+        return pieces[-1], cache
+    return (pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)), cache
+
+
+def _stopped(tokens: list[int], eos_id: int | None, stop: Stop) -> list[int] | None:
+    """The row's output if the tokens generated so far end it, else None."""
+    if eos_id is not None and tokens[-1] == eos_id:
+        return tokens[:-1]
+    if callable(stop):
+        return tokens if stop(tokens) else None
+    for seq in stop or ():
+        if seq and tokens[-len(seq):] == list(seq):
+            return tokens[:-len(seq)]
+    return None
+
+
+def _check(prompts, max_new_tokens: int, max_len: int | None) -> int:
+    """The cache length (max_len, or just enough), after checking the request."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and every prompt at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens = {max_new_tokens}: expected >= 1")
+    need = max(len(p) for p in prompts) + max_new_tokens
+    if max_len is not None and need > max_len:
+        raise ValueError(f"the longest prompt ({max(len(p) for p in prompts)} tokens) plus "
+                         f"max_new_tokens ({max_new_tokens}) is {need} > max_len ({max_len})")
+    return need if max_len is None else max_len
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= n (padded lengths that reuse compilations)."""
+    return -(-n // multiple) * multiple
+
+
+def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             eos_id: int | None = None, stop: Stop = None, max_len: int | None = None,
+             pad_multiple: int = 16, prefill_chunk: int | None = None) -> list[list[int]]:
+    """Greedy continuation of each prompt (at most `max_new_tokens` tokens, stopped as the module
+    docstring says), batched with a kv cache of `max_len` slots. The padded prompt length and the
+    default max_len are rounded up to a multiple of `pad_multiple`, so that calls with similar
+    lengths reuse the compiled prefill and step. `prefill_chunk` runs the prompts `prefill_chunk`
+    tokens at a time (memory-bounded prefill for long prompts; the prompt length is then padded
+    to a multiple of it where the cache allows)."""
+    _check(prompts, max_new_tokens, max_len)
+    s = max(len(p) for p in prompts)
+    if prefill_chunk is not None and prefill_chunk < s:
+        pad_multiple = prefill_chunk
+    if max_len is None:
+        max_len = round_up(s + max_new_tokens, pad_multiple)
+    s = min(round_up(s, pad_multiple), max_len - max_new_tokens)
+    tokens_BxS = np.zeros((len(prompts), s), np.int32)
+    valid_BxS = np.zeros((len(prompts), s), bool)
+    for row, p in enumerate(prompts):
+        tokens_BxS[row, s - len(p):] = p
+        valid_BxS[row, s - len(p):] = True
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(len(prompts), max_len)
+    logits_BxV, cache = prefill(model, tokens_BxS, valid_BxS, cache, chunk=prefill_chunk, last_only=True)
+    next_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    generated = [[] for _ in prompts]
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    for step in range(max_new_tokens):
+        for row, token in enumerate(np.asarray(next_B).tolist()):
+            if outputs[row] is None:
+                generated[row].append(token)
+                outputs[row] = _stopped(generated[row], eos_id, stop)
+        if all(o is not None for o in outputs) or step == max_new_tokens - 1:
+            break
+        next_B, cache = _step(graphdef, state, next_B, cache)
+    return [g if o is None else o for g, o in zip(generated, outputs)]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_last(graphdef, state, tokens_1xL, length):
+    """Greedy next token after the first `length` tokens, by the full forward pass (the slots
+    after them are padding: segment id 0, and causal attention keeps them out of the rest)."""
+    segment_ids_1xL = (jnp.arange(tokens_1xL.shape[1]) < length).astype(jnp.int32)[None]
+    logits_1xLxV = nnx.merge(graphdef, state)(tokens_1xL, None, segment_ids_1xL)
+    return jnp.argmax(logits_1xLxV[0, length - 1])
+
+
+def generate_without_cache(model: Transformer, prompts: Sequence[Sequence[int]], *,
+                           max_new_tokens: int, eos_id: int | None = None, stop: Stop = None,
+                           max_len: int | None = None) -> list[list[int]]:
+    """`generate` by the plain forward pass: each row alone, the whole sequence rerun for every new
+    token (slow; the reference the cached path is tested against)."""
+    max_len = _check(prompts, max_new_tokens, max_len)
+    graphdef, state = nnx.split(model)
+    results = []
+    for p in prompts:
+        generated: list[int] = []
+        out = None
+        while out is None and len(generated) < max_new_tokens:
+            seq = list(p) + generated
+            tokens_1xL = jnp.asarray([seq + [0] * (max_len - len(seq))], jnp.int32)
+            generated.append(int(_forward_last(graphdef, state, tokens_1xL, len(seq))))
+            out = _stopped(generated, eos_id, stop)
+        results.append(generated if out is None else out)
+    return results

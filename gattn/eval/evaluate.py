@@ -1,0 +1,157 @@
+"""Evaluation of a run's checkpoint: perplexity per held-out domain, the paper's measurements
+(`gattn.analysis`), optional few-shot tasks (`gattn.fewshot`), figures (`gattn.plots`), and the
+comparison of several runs (Table 4 of the paper, for your checkpoints).
+
+    evaluate(workdir)  ->  WORKDIR/eval/results.json, results.md, *.png
+    compare([dir, ...]) -> a Table-4-like markdown table and one overlay figure of per-layer curves
+
+Long context (RULER) is gattn/eval/long_context.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from flax import nnx
+
+from gattn.data import pipeline
+from gattn.data.tokenizer import load_tokenizer
+from gattn.eval import analysis, plots
+from gattn.model import sharding
+from gattn.train import checkpoint, rundir, trainer
+
+
+def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[str] = (),
+             options: analysis.Options | None = None, max_batches: int | None = None,
+             tasks: list[str] = (), shots: int = 0, limit: int | None = None,
+             out_dir: str | Path | None = None, figures: bool = True) -> dict:
+    """Evaluates `workdir`'s checkpoint and writes results.json, results.md and the figures to
+    `out_dir` (default WORKDIR/eval). `max_batches`: held-out batches per domain for the
+    measurements (default: all of `data.eval_batches`); perplexity always uses all of them."""
+    workdir = Path(workdir)
+    options = options or analysis.Options()
+    run_cfg = rundir.load_config(workdir, overrides)  # an architecture change is refused here
+    # Checked before anything is restored, named as eval.py's flag.
+    analysis.check_map_layers(options.map_layers or (), run_cfg.model.num_layers, "--map-layers")
+    cfg, model, step = rundir.load(workdir, step, overrides, cfg=run_cfg)
+    out_dir = out_path(workdir, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(cfg, workdir)
+    batches = pipeline.validation_batches(cfg, tokenizer, workdir)
+    graphdef, params = nnx.split(model, nnx.Param)
+    # Under the run's mesh, as training validated: the same attention kernel and MoE path.
+    val = trainer.validate(trainer.make_eval_step(graphdef), params, batches, sharding.make_mesh(cfg.mesh))
+    domains = sorted(batches)
+    perplexity = {d: {"loss": val[f"val_loss/{d}"], "ppl": val[f"val_ppl/{d}"]} for d in domains}
+    chosen = [b for d in domains for b in batches[d][:max_batches]]
+    measurements = analysis.measure(model, chosen, options)
+    results = {"workdir": str(workdir), "step": step, "variant": cfg.variant, "overrides": list(overrides),
+               "gate": dataclasses.asdict(cfg.model.gate) if cfg.model.gate else None,
+               "perplexity": perplexity, "measurements": measurements,
+               "measured_on": {"batches": len(chosen), "rows": sum(len(b["tokens"]) for b in chosen),
+                               "seq_len": cfg.train.seq_len}}
+    if tasks:
+        from gattn.eval import fewshot  # noqa: PLC0415
+
+        # Prompts longer than the trained length lose tokens from their left end.
+        results["fewshot"] = {Path(t).stem: fewshot.evaluate_task(model, tokenizer, t, shots=shots, limit=limit,
+                                                                  max_len=cfg.train.seq_len)
+                              for t in tasks}
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    (out_dir / "results.md").write_text(report(results))
+    if figures:
+        results["figures"] = [str(p) for p in write_figures(results, out_dir) if p]
+    return results
+
+
+def out_path(workdir: str | Path, out_dir: str | Path | None = None) -> Path:
+    return Path(out_dir) if out_dir else Path(workdir) / "eval"
+
+
+def write_figures(results: dict, out_dir: Path) -> list[Path | None]:
+    m, name = results["measurements"], f"{results['variant']} (step {results['step']})"
+    paths = [plots.per_layer({name: m}, out_dir / "per_layer.png", name),
+             plots.sparsity(m, out_dir / "sparsity.png", name),
+             plots.f_attn_heads(m, out_dir / "f_attn_heads.png", name),
+             plots.attention_maps(m, out_dir / "attention_maps.png", name)]
+    if "gate_histogram" in m:
+        paths.append(plots.gate_histogram(m, out_dir / "gate_scores.png", name))
+    return paths
+
+
+def report(results: dict) -> str:
+    """A short markdown summary: perplexity per domain, the overall measurements, per-layer rows."""
+    m, o = results["measurements"], results["measurements"]["overall"]
+    lines = [f"# {results['variant']} at step {results['step']} ({results['workdir']})", "",
+             "| domain | loss | PPL |", "|---|---|---|"]
+    lines += [f"| {d} | {p['loss']:.4f} | {p['ppl']:.2f} |" for d, p in results["perplexity"].items()]
+    gate = f"{o['gate_score']:.3f}" if "gate_score" in o else "- (ungated)"
+    lines += ["", f"- gate score (mean): {gate}",
+              f"- M-Act (mean over layers of the max |hidden|): {o['m_act']:.2f} (max over layers {o['m_act_max']:.2f})",
+              f"- F-Attn (first token): {o['f_attn']:.3f}",
+              f"- sink heads (F-Attn > {m['sink_threshold']}): {o['sink_head_share']:.0%}", "",
+              "| layer | M-Act | F-Attn | sink heads | gate score | SDPA values < 1e-3 (before / after gate) |",
+              "|---|---|---|---|---|---|"]
+    for r in m["per_layer"]:
+        sp = r["sparsity"]
+        after = f"{sp['gated']['0.001']:.1%}" if "gated" in sp and "0.001" in sp["gated"] else "-"
+        before = f"{sp['sdpa_out']['0.001']:.1%}" if "0.001" in sp["sdpa_out"] else "-"
+        g = f"{r['gate_score']:.3f}" if "gate_score" in r else "-"
+        lines.append(f"| {r['layer']} | {r['m_act']:.2f} | {r['f_attn']:.3f} | {r['sink_head_share']:.0%} "
+                     f"| {g} | {before} / {after} |")
+    for task, res in results.get("fewshot", {}).items():
+        lines.append("")
+        lines.append(f"- few-shot {task}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                                       for k, v in res.items() if k != "examples"))
+    return "\n".join(lines) + "\n"
+
+
+def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, overrides: list[str] = (),
+            **eval_kwargs) -> str:
+    """Table 4 across runs: PPL per domain, gate score, M-Act, F-Attn, sink heads; overlays their
+    per-layer curves in one figure. A run without WORKDIR/eval/results.json is evaluated first."""
+    runs = {}
+    for w in workdirs:
+        path = Path(w) / "eval" / "results.json"
+        res = json.loads(path.read_text()) if path.is_file() else None
+        if (res is None or res["step"] != max(checkpoint.saved_steps(w), default=None)  # missing, older,
+                or res.get("overrides", []) != list(overrides)):  # or measured with other settings
+            res = evaluate(w, overrides=overrides, **eval_kwargs)
+        runs[_label(Path(w), res, runs)] = res
+    out_dir = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(w).absolute() for w in workdirs])) / "compare"
+    text = table(runs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "table.md").write_text(text + "\n")
+    (out_dir / "results.json").write_text(json.dumps(
+        {name: {k: r[k] for k in ("workdir", "step", "variant", "perplexity")} | {"overall": r["measurements"]["overall"]}
+         for name, r in runs.items()}, indent=1))
+    plots.per_layer({n: r["measurements"] for n, r in runs.items()}, out_dir / "per_layer.png",
+                    "per-layer measurements across runs")
+    return text
+
+
+def _label(workdir: Path, res: dict, taken: dict) -> str:
+    name = workdir.name or res["variant"]
+    return name if name not in taken else f"{name} ({workdir})"
+
+
+def table(runs: dict[str, dict]) -> str:
+    """Markdown, one row per run, like the paper's Table 4: M-Act is the mean over layers of each
+    layer's max |hidden state| (Sec. 4.3), max M-Act the largest of them."""
+    domains = sorted({d for r in runs.values() for d in r["perplexity"]})
+    head = ["run", "variant", "step"] + [f"PPL {d}" for d in domains] + [
+        "gate score", "M-Act", "F-Attn", "sink heads", "max M-Act"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in runs.items():
+        o = r["measurements"]["overall"]
+        ppl = [f"{r['perplexity'][d]['ppl']:.2f}" if d in r["perplexity"] else "-" for d in domains]
+        cells = [name, r["variant"], str(r["step"]), *ppl,
+                 f"{o['gate_score']:.3f}" if "gate_score" in o else "-", f"{o['m_act']:.2f}",
+                 f"{o['f_attn']:.3f}", f"{o['sink_head_share']:.0%}", f"{o['m_act_max']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+

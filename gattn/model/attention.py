@@ -1,0 +1,174 @@
+"""GQA attention with RoPE, optional QK-norm, and the paper's gate at any of G1..G5.
+
+    Q = X W_Q, K = X W_K, V = X W_V      [N, heads, head_dim]; gate here for G4 / G3 / G2
+    Y = SDPA(RoPE(Q), RoPE(K), V)         causal, GQA; G1 non-linearity and gate act on Y
+    O = concat_heads(Y) W_O               G5 gate acts on O
+
+Order inside a projection: projection -> QK-norm -> gate -> RoPE, so a gate on Q or K is not
+undone by the norm. Switch Heads (Table 6) replace W_V (and W_K) by experts mixed per kv head by
+a sigmoid top-k router; with one expert and top-1 this is exactly the G2 headwise gate.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gattn import kernels
+from gattn.config import ExecConfig, ModelConfig
+from gattn.model.capture import NOTHING, Capture
+from gattn.model.gates import Gate, sdpa_nonlinearity
+from gattn.model.layers import DTYPES, apply_rope, dense, param, rms_norm
+
+
+class SwitchProjection(nnx.Module):
+    """E expert projections per kv head; a sigmoid router keeps the top-k and weights them:
+    out[n, h] = sum_{e in topk(s[n, h])} s[n, h, e] * (x W_e)[n, h],  s = sigmoid(x W_r)."""
+
+    def __init__(self, cfg: ModelConfig, ex: ExecConfig, *, rngs: nnx.Rngs):
+        e, hk, k = cfg.switch_heads.num_experts, cfg.kv_heads, cfg.head_dim
+        self.w = param("weight", rngs, (e, cfg.d_model, hk * k), ("expert", "embed", "kv_heads"),
+                       std=cfg.init_std, dtype=DTYPES[cfg.param_dtype])
+        self.shape, self.dtype = (e, hk, k), DTYPES[ex.dtype]
+
+    def __call__(self, x_NxD, weights_NxHxE):
+        e, hk, k = self.shape
+        w = self.w[...].astype(self.dtype)
+        out_NxExHK = jnp.einsum("nd,edo->neo", x_NxD.astype(self.dtype), w)
+        out_NxExHxK = out_NxExHK.reshape(-1, e, hk, k)
+        return jnp.einsum("nhe,nehk->nhk", weights_NxHxE.astype(self.dtype), out_NxExHxK)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, ex: ExecConfig = ExecConfig(), *, rngs: nnx.Rngs):
+        self.cfg, self.ex = cfg, ex
+        d, hq, hk, k = cfg.d_model, cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        pd, std = DTYPES[cfg.param_dtype], cfg.init_std
+        self.dtype = DTYPES[ex.dtype]
+        self.wq = param("weight", rngs, (d, hq * k), ("embed", "heads"), std=std, dtype=pd)
+        sw = cfg.switch_heads
+        if sw is None or sw.targets == "v":
+            self.wk = param("weight", rngs, (d, hk * k), ("embed", "kv_heads"), std=std, dtype=pd)
+        if sw is None:
+            self.wv = param("weight", rngs, (d, hk * k), ("embed", "kv_heads"), std=std, dtype=pd)
+        else:
+            self.router = param("weight", rngs, (d, hk * sw.num_experts), ("embed", "kv_heads"), std=std, dtype=pd)
+            self.v_experts = SwitchProjection(cfg, ex, rngs=rngs)
+            if sw.targets == "kv":
+                self.k_experts = SwitchProjection(cfg, ex, rngs=rngs)
+        self.wo = param("weight", rngs, (hq * k, d), ("heads", "embed"), std=std, dtype=pd)
+        if cfg.attention_bias:
+            self.bq = param("bias", None, (hq * k,), ("heads",), dtype=pd)
+            self.bk = param("bias", None, (hk * k,), ("kv_heads",), dtype=pd)
+            self.bv = param("bias", None, (hk * k,), ("kv_heads",), dtype=pd)
+            self.bo = param("bias", None, (d,), ("embed",), dtype=pd)
+        if cfg.qk_norm:
+            self.q_norm = param("scale", None, (k,), ("head_dim",), value=1.0, dtype=pd)
+            self.k_norm = param("scale", None, (k,), ("head_dim",), value=1.0, dtype=pd)
+        if cfg.sdpa_nonlinearity == "rmsnorm":
+            self.sdpa_norm = param("scale", None, (hq, k), ("heads", "head_dim"), value=1.0, dtype=pd)
+        self.gate = Gate(cfg.gate, cfg, ex, rngs=rngs) if cfg.gate is not None else None
+
+    def _gate_at(self, position: str, y_NxHxW, x_NxD, capture: Capture = NOTHING):
+        if self.gate is not None and self.gate.spec.position == position:
+            return self.gate(y_NxHxW, x_NxD, capture)
+        return y_NxHxW
+
+    def _switch_weights(self, x_NxD):
+        sw, hk = self.cfg.switch_heads, self.cfg.kv_heads
+        s_NxHxE = jax.nn.sigmoid(dense(x_NxD, self.router, jnp.float32).reshape(-1, hk, sw.num_experts))
+        _, top = jax.lax.top_k(s_NxHxE, sw.top_k)
+        keep = jax.nn.one_hot(top, sw.num_experts, dtype=s_NxHxE.dtype).sum(axis=-2)
+        return s_NxHxE * keep
+
+    def _project(self, x_NxI, name: str):
+        """x W (+ b with attention_bias) for W_Q, W_K, W_V, W_O (name 'q', 'k', 'v', 'o')."""
+        out = dense(x_NxI, getattr(self, f"w{name}"), self.dtype)
+        if self.cfg.attention_bias:
+            out = out + getattr(self, f"b{name}")[...].astype(self.dtype)
+        return out
+
+    def _qkv(self, x_NxD, positions_N, capture: Capture = NOTHING):
+        """q [N, Hq, K], k and v [N, Hk, K] as SDPA takes them: projected, QK-normed, gated,
+        rotated."""
+        cfg, n = self.cfg, x_NxD.shape[0]
+        hq, hk, k = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        q = self._project(x_NxD, "q").reshape(n, hq, k)
+        if cfg.switch_heads is None:
+            kk = self._project(x_NxD, "k").reshape(n, hk, k)
+            v = self._project(x_NxD, "v").reshape(n, hk, k)
+        else:
+            weights = self._switch_weights(x_NxD)
+            v = self.v_experts(x_NxD, weights)
+            kk = (self.k_experts(x_NxD, weights) if cfg.switch_heads.targets == "kv"
+                  else dense(x_NxD, self.wk, self.dtype).reshape(n, hk, k))
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
+            kk = rms_norm(kk, self.k_norm[...], cfg.norm_eps)
+        q = self._gate_at("query", q, x_NxD, capture)
+        kk = self._gate_at("key", kk, x_NxD, capture)
+        v = self._gate_at("value", v, x_NxD, capture)
+        q = apply_rope(q, positions_N, cfg.rope_base, cfg.yarn, cfg.rope_dim)
+        kk = apply_rope(kk, positions_N, cfg.rope_base, cfg.yarn, cfg.rope_dim)
+        return q, kk, v
+
+    def _output(self, y_NxHxK, x_NxD, *, sdpa_gate: bool = True, capture: Capture = NOTHING):
+        """G1 non-linearity and gate (unless the kernel applied it), W_O, then the G5 gate."""
+        cfg, n = self.cfg, x_NxD.shape[0]
+        y = sdpa_nonlinearity(cfg.sdpa_nonlinearity, y_NxHxK,
+                              self.sdpa_norm[...] if cfg.sdpa_nonlinearity == "rmsnorm" else None,
+                              cfg.norm_eps)
+        if sdpa_gate:
+            y = self._gate_at("sdpa", y, x_NxD, capture)
+        o_NxD = self._project(y.reshape(n, -1), "o")
+        return self._gate_at("dense", o_NxD[:, None, :], x_NxD, capture)[:, 0, :]
+
+    def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch: tuple[int, int],
+                 capture: Capture = NOTHING):
+        cfg, ex, n = self.cfg, self.ex, x_NxD.shape[0]
+        b, s = batch
+        hq, hk, k = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        q, kk, v = self._qkv(x_NxD, positions_N, capture)
+        if capture.attn_probs and ex.attention_impl != "xla":
+            raise ValueError(f"capturing the attention matrix needs exec.attention_impl='xla' (this model "
+                             f"runs {ex.attention_impl!r}, which never forms it); build the model with "
+                             "the xla attention for analysis")
+
+        # A sigmoid gate right on the SDPA output goes into the attention function as logits, so
+        # the pallas kernel applies it in its epilogue (the xla path multiplies after SDPA). A
+        # capture of the ungated SDPA output or of the gate keeps the gate outside.
+        fused = (self.gate is not None and self.gate.spec.fusable and cfg.sdpa_nonlinearity == "none"
+                 and not (capture.sdpa_out or capture.gate))
+        gate_logits = self.gate.logits(x_NxD).reshape(b, s, hq, -1) if fused else None
+        options = (dict(block_q=ex.attention_block_q, query_chunk=ex.attention_query_chunk)
+                   if ex.attention_impl == "xla" else dict(block_q=ex.flash_block_q, block_k=ex.flash_block_k))
+        out = kernels.attention(
+            q.reshape(b, s, hq, k), kk.reshape(b, s, hk, k), v.reshape(b, s, hk, k), gate_logits,
+            impl=ex.attention_impl, causal=True, segment_ids=segment_ids_BxS,
+            return_probs=capture.attn_probs, **options)
+        if capture.attn_probs:
+            out, probs_BxHxSxS = out
+            self.sow(nnx.Intermediate, "attn_probs", probs_BxHxSxS)
+        y = out.reshape(n, hq, k)
+        if capture.sdpa_out:
+            self.sow(nnx.Intermediate, "sdpa_out", y)
+        return self._output(y, x_NxD, sdpa_gate=not fused, capture=capture)
+
+    def decode(self, x_NxD, positions_N, k_BxHxTxK, v_BxHxTxK, mask_BxSxT, index):
+        """Cached attention for S new tokens per row (N = B * S): writes their k and v into the
+        cache slots index..index+S-1, attends every new query over the cache slots `mask_BxSxT`
+        shows it. Returns (out [N, D], k cache, v cache)."""
+        cfg, n = self.cfg, x_NxD.shape[0]
+        b = k_BxHxTxK.shape[0]
+        s = n // b
+        q, kk, v = self._qkv(x_NxD, positions_N)
+        at = (0, 0, index, 0)
+
+        def write(cache, new_NxHxK):
+            new = new_NxHxK.reshape(b, s, cfg.kv_heads, -1).transpose(0, 2, 1, 3)
+            return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), at)
+
+        k_BxHxTxK, v_BxHxTxK = write(k_BxHxTxK, kk), write(v_BxHxTxK, v)
+        out = kernels.attention_masked(q.reshape(b, s, cfg.q_heads, -1), k_BxHxTxK, v_BxHxTxK, mask_BxSxT)
+        return self._output(out.reshape(n, cfg.q_heads, -1), x_NxD), k_BxHxTxK, v_BxHxTxK

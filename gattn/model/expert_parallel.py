@@ -1,0 +1,92 @@
+"""Expert parallelism with an explicit token exchange: the MoE layer inside `shard_map`.
+
+Each device holds the tokens of its (data, expert) shard and the E / n experts of its expert
+shard (each expert's width split over `model`). Per device:
+
+    route        its own tokens (the router is replicated)
+    dispatch     each expert's first C rows into a [n, E/n, C, D] buffer, C = ceil(c N_local k / E)
+    all_to_all   over `expert`: every device receives, for its own experts, the rows that every
+                 other device of its expert group routed to them
+    experts      one batched matmul per projection on [E/n, n C, D]; psum over `model`
+    all_to_all   back, then each token's k outputs summed with its router weights
+
+The buffers have a fixed size, so this path needs a capacity factor; rows past an expert's
+capacity are dropped and counted. Capacity is per source shard here (c N_local k / E rows of each
+expert from each shard), where the single-device path counts it over the whole batch, so with
+drops the two choose different tokens; without drops they agree exactly (tested). The
+global-batch LBL is explicit here: expert counts and router probabilities are `psum`med over the
+batch axes before they are combined.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from gattn.config import ConfigError
+from gattn.model.layers import dense
+from gattn.model.moe_ops import (balance, batched_swiglu, capacity, combine, dispatch, load_balancing_loss,
+                                 permute, route, router_z_loss, unpermute)
+
+BATCH_AXES = ("data", "expert")
+
+
+def applies(mesh, spec) -> bool:
+    """Whether the explicit path runs: a context mesh with an expert axis > 1 and a capacity."""
+    return (not mesh.empty and "expert" in mesh.axis_names and mesh.shape["expert"] > 1
+            and spec.capacity_factor is not None and spec.num_experts % mesh.shape["expert"] == 0)
+
+
+def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh):
+    """(out [N, D], aux) of the MoE layer with `weights` (gattn.model.moe.MoE.weights()) and
+    experts split over the mesh's `expert` axis; same contract as `MoE.__call__`."""
+    n_exp = mesh.shape["expert"]
+    model = "model" if mesh.shape.get("model", 1) > 1 else None
+    batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)  # includes "expert"
+    n_shards = math.prod(mesh.shape[a] for a in batch)
+    groups_per_shard = 1
+    if spec.lbl_scope == "micro":
+        if spec.micro_batches % n_shards:
+            raise ConfigError("moe.micro_batches", spec.micro_batches,
+                              f"with experts split over the mesh, a multiple of the {n_shards} "
+                              "data x expert shards (each shard holds whole micro-batches)")
+        groups_per_shard = spec.micro_batches // n_shards
+    mlp_ok = model is not None and spec.expert_width % mesh.shape["model"] == 0
+    w13_spec = P("expert", None, "model" if mlp_ok else None)
+    w2_spec = P("expert", "model" if mlp_ok else None, None)
+
+    def body(x, router, w1, w3, w2):
+        n_local, e, k = x.shape[0], spec.num_experts, spec.top_k
+        logits = dense(x, router, dtype, out_dtype=jnp.float32)
+        weights, experts, probs = route(logits, spec)
+        rows, order, counts = permute(x, experts, e)
+        cap = capacity(spec, n_local)
+        buf, slot, keep = dispatch(rows, counts, jnp.take(experts.reshape(-1), order), cap, dtype)
+        buf = buf.reshape(n_exp, e // n_exp, cap, -1)                   # [dest shard, E/n, C, D]
+        recv = jax.lax.all_to_all(buf, "expert", 0, 0)                  # [src shard, E/n, C, D]
+        xin = recv.transpose(1, 0, 2, 3).reshape(e // n_exp, n_exp * cap, -1)
+        y = batched_swiglu(act, dtype, xin, w1, w3, w2)
+        if mlp_ok:
+            y = jax.lax.psum(y, "model")
+        y = y.reshape(e // n_exp, n_exp, cap, -1).transpose(1, 0, 2, 3)
+        back = jax.lax.all_to_all(y, "expert", 0, 0).reshape(e * cap, -1)
+        out = unpermute(combine(back, slot, keep), order, weights)
+
+        if spec.lbl_scope == "global":  # frequencies and probabilities over the global batch
+            lbl = balance(jax.lax.psum(counts, batch), jax.lax.psum(jnp.sum(probs, axis=0), batch),
+                          n_local * n_shards, k)
+        else:  # per micro-batch: `micro_batches` groups over the global batch, averaged
+            lbl = jax.lax.pmean(load_balancing_loss(probs, experts, groups_per_shard), batch)
+        aux = {"lbl": lbl, "z_loss": jax.lax.pmean(router_z_loss(logits), batch),
+               "load": jax.lax.psum(counts, batch).astype(jnp.int32),
+               "dropped": jax.lax.psum(jnp.sum(~keep), batch).astype(jnp.int32)}
+        return out, aux
+
+    aux_specs = {"lbl": P(), "z_loss": P(), "load": P(), "dropped": P()}
+    fn = jax.shard_map(body, mesh=mesh,
+                       in_specs=(P(batch, None), P(None, None), w13_spec, w13_spec, w2_spec),
+                       out_specs=(P(batch, None), aux_specs))
+    return fn(x_NxD, weights["router"], weights["w1"], weights["w3"], weights["w2"])

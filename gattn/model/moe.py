@@ -1,0 +1,98 @@
+"""A fine-grained mixture-of-experts FFN: route, permute, grouped matmul, unpermute.
+
+    route      softmax router over E experts, keep the top-k per token (optionally renormalised)
+    permute    sort the N * k (token, expert) assignments by expert: [N*k, D] and group sizes [E]
+    grouped    each expert's SwiGLU on its contiguous rows (`jax.lax.ragged_dot`, dropless)
+    unpermute  scatter the rows back and sum each token's k outputs, weighted by the router
+
+With a capacity factor each expert keeps at most C rows (the first C in token order) and the
+others are dropped: their expert output is zero and they are counted. That path computes on a
+fixed [E, C, D] buffer with batched matmuls, so its cost is capacity_factor x the activated
+compute for any E. The dropless path uses `jax.lax.ragged_dot`, a grouped matmul on TPU; XLA's
+CPU lowering of it computes every expert for every row (cost grows with E: see
+bench/moe_step_time.py), so on CPU use a capacity factor for speed.
+
+The auxiliary losses are returned as named values, never folded into the LM loss here:
+    lbl      E * sum_e f_e * p_e, f_e = share of the N*k assignments routed to e, p_e = mean router
+             probability of e. With scope "global" f and p are counted over the whole (global)
+             batch (Qiu et al. 2025, "Demons in the detail"); under jit on a mesh the sums over a
+             data-sharded batch are global by construction. "micro" splits the tokens into
+             `micro_batches` groups (a data-parallel shard each), computes the loss per group and
+             averages, the usual per-micro-batch LBL.
+    z_loss   mean over tokens of logsumexp(router logits)^2 (ST-MoE).
+    load     tokens routed to each expert [E]; dropped: assignments over capacity.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gattn.config import ExecConfig, ModelConfig
+from gattn.model import expert_parallel
+from gattn.model.layers import DTYPES, FFN_ACTIVATIONS, dense, param
+from gattn.model.moe_ops import (batched_swiglu, capacity, combine, dispatch, load_balancing_loss, permute,
+                                 route, router_z_loss, unpermute)
+
+
+class MoE(nnx.Module):
+    """Router [D, E] and E SwiGLU experts w1, w3 [E, D, F], w2 [E, F, D]."""
+
+    def __init__(self, cfg: ModelConfig, ex: ExecConfig = ExecConfig(), *, rngs: nnx.Rngs):
+        spec, d = cfg.moe, cfg.d_model
+        pd, std = DTYPES[cfg.param_dtype], cfg.init_std
+        e, f = spec.num_experts, spec.expert_width
+        self.spec = spec
+        self.router = param("weight", rngs, (d, e), ("embed", None), std=std, dtype=pd)
+        self.w1 = param("weight", rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pd)
+        self.w3 = param("weight", rngs, (e, d, f), ("expert", "embed", "mlp"), std=std, dtype=pd)
+        self.w2 = param("weight", rngs, (e, f, d), ("expert", "mlp", "embed"), std=std, dtype=pd)
+        self.act = FFN_ACTIVATIONS[cfg.ffn_activation]
+        self.dtype = DTYPES[ex.dtype]
+
+    def _w(self, p):
+        return p[...].astype(self.dtype)
+
+    def weights(self) -> dict:
+        """router [D, E] and w1, w3 [E, D, F], w2 [E, F, D] (the experts in the compute dtype)."""
+        return {"router": self.router[...], "w1": self._w(self.w1), "w3": self._w(self.w3), "w2": self._w(self.w2)}
+
+    def experts(self, rows_MxD: jax.Array, sizes_E: jax.Array) -> jax.Array:
+        """Each expert's SwiGLU on its contiguous block of rows (grouped matmul, dropless)."""
+        x = rows_MxD.astype(self.dtype)
+        h = (self.act(jax.lax.ragged_dot(x, self._w(self.w1), sizes_E))
+             * jax.lax.ragged_dot(x, self._w(self.w3), sizes_E))
+        return jax.lax.ragged_dot(h.astype(self.dtype), self._w(self.w2), sizes_E)
+
+    def experts_with_capacity(self, rows_MxD, sizes_E, expert_of_row_M, cap: int):
+        """Each expert's first `cap` rows in an [E, cap, D] buffer and one batched matmul per
+        projection: cost E * cap rows = capacity_factor * N * k, whatever E is. Returns the rows'
+        outputs (0 for dropped rows) and the keep mask."""
+        e = sizes_E.shape[0]
+        buf, slot, keep = dispatch(rows_MxD, sizes_E, expert_of_row_M, cap, self.dtype)
+        out = batched_swiglu(self.act, self.dtype, buf.reshape(e, cap, -1), self._w(self.w1),
+                             self._w(self.w3), self._w(self.w2))
+        return combine(out.reshape(e * cap, -1), slot, keep), keep
+
+    def __call__(self, x_NxD: jax.Array):
+        """(out [N, D], aux {lbl, z_loss, load [E], dropped})."""
+        spec = self.spec
+        mesh = jax.sharding.get_abstract_mesh()
+        if expert_parallel.applies(mesh, spec):  # experts split over the mesh: explicit all-to-all
+            return expert_parallel.moe_forward(self.weights(), spec, self.act, self.dtype, x_NxD, mesh)
+        logits_NxE = dense(x_NxD, self.router, self.dtype, out_dtype=jnp.float32)
+        weights_NxK, experts_NxK, probs_NxE = route(logits_NxE, spec)
+        rows, order, sizes = permute(x_NxD, experts_NxK, spec.num_experts)
+        if spec.capacity_factor is None:
+            out_rows, dropped = self.experts(rows, sizes), jnp.zeros((), jnp.int32)
+        else:
+            expert_of_row = jnp.take(experts_NxK.reshape(-1), order)
+            out_rows, keep = self.experts_with_capacity(rows, sizes, expert_of_row,
+                                                        capacity(spec, x_NxD.shape[0]))
+            dropped = jnp.sum(~keep).astype(jnp.int32)
+        out = unpermute(out_rows, order, weights_NxK)
+        groups = spec.micro_batches if spec.lbl_scope == "micro" else 1
+        aux = {"lbl": load_balancing_loss(probs_NxE, experts_NxK, groups),
+               "z_loss": router_z_loss(logits_NxE), "load": sizes, "dropped": dropped}
+        return out, aux

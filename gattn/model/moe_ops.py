@@ -1,0 +1,95 @@
+"""The MoE verbs as pure functions on arrays: route, permute, grouped (or capacity-bounded)
+expert compute, unpermute, and the auxiliary losses. The layer (gattn/model/moe.py) and the
+expert-parallel path (gattn/model/expert_parallel.py) are both built from these.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from gattn.config import MoESpec
+
+
+def route(logits_NxE: jax.Array, spec: MoESpec):
+    """(weights [N, k], experts [N, k], probs [N, E]): softmax in float32, top-k."""
+    probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
+    weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, spec.top_k)
+    if spec.renormalize:
+        weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
+    return weights_NxK, experts_NxK, probs_NxE
+
+
+def balance(counts_E: jax.Array, prob_sums_E: jax.Array, tokens, top_k: int) -> jax.Array:
+    """The load-balancing loss E * sum_e f_e p_e of a group of `tokens` tokens: f_e = share of
+    the tokens * top_k assignments routed to e (`counts_E`), p_e = mean router probability of e
+    (`prob_sums_E` / tokens). The one formula every path uses (the expert-parallel path passes
+    counts and sums psummed over the global batch)."""
+    e = counts_E.shape[-1]
+    f = counts_E.astype(jnp.float32) / (tokens * top_k)
+    p = prob_sums_E / tokens
+    return e * jnp.sum(f * p, axis=-1)
+
+
+def load_balancing_loss(probs_NxE: jax.Array, experts_NxK: jax.Array, groups: int = 1) -> jax.Array:
+    """`balance` per group of tokens (the batch split into `groups` equal parts, in token order),
+    averaged over groups. groups=1 is the global-batch loss."""
+    n, e = probs_NxE.shape
+    if n % groups:
+        raise ValueError(f"lbl over {groups} micro-batches needs tokens ({n}) divisible by it")
+    counts_GxE = jax.vmap(lambda x: jnp.bincount(x, length=e))(experts_NxK.reshape(groups, -1))
+    prob_sums_GxE = jnp.sum(probs_NxE.reshape(groups, n // groups, e), axis=1)
+    return jnp.mean(balance(counts_GxE, prob_sums_GxE, n // groups, experts_NxK.shape[1]))
+
+
+def router_z_loss(logits_NxE: jax.Array) -> jax.Array:
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_NxE.astype(jnp.float32), axis=-1)))
+
+
+def permute(x_NxD: jax.Array, experts_NxK: jax.Array, num_experts: int):
+    """(rows [N*k, D] sorted by expert, order [N*k]: the assignment each row came from, group
+    sizes [E])."""
+    flat = experts_NxK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = jnp.take(x_NxD, order // experts_NxK.shape[1], axis=0)
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return rows, order, sizes
+
+
+def unpermute(rows_MxD: jax.Array, order_M: jax.Array, weights_NxK: jax.Array) -> jax.Array:
+    """Inverse of `permute`, then each token's k outputs summed with its router weights."""
+    n, k = weights_NxK.shape
+    per_assignment = jnp.zeros_like(rows_MxD).at[order_M].set(rows_MxD).reshape(n, k, -1)
+    out = jnp.einsum("nkd,nk->nd", per_assignment.astype(jnp.float32), weights_NxK)
+    return out.astype(rows_MxD.dtype)
+
+
+def capacity(spec: MoESpec, tokens: int) -> int:
+    return max(1, math.ceil(spec.capacity_factor * tokens * spec.top_k / spec.num_experts))
+
+
+def dispatch(rows_MxD, sizes_E, expert_of_row_M, cap: int, dtype):
+    """Each expert's first `cap` rows (in token order) into an [E * cap, D] buffer. Returns the
+    buffer, each row's slot in it (E * cap, out of range, for dropped rows) and the keep mask."""
+    e, m = sizes_E.shape[0], rows_MxD.shape[0]
+    rank = jnp.arange(m) - (jnp.cumsum(sizes_E) - sizes_E)[expert_of_row_M]
+    keep = rank < cap
+    slot = jnp.where(keep, expert_of_row_M * cap + rank, e * cap)
+    buf = jnp.zeros((e * cap, rows_MxD.shape[1]), dtype).at[slot].set(rows_MxD.astype(dtype), mode="drop")
+    return buf, slot, keep
+
+
+def combine(out_rows, slot_M, keep_M):
+    """Inverse of `dispatch`: each row's output from the [E * cap, D] buffer, 0 for dropped rows."""
+    picked = jnp.take(out_rows, jnp.minimum(slot_M, out_rows.shape[0] - 1), axis=0)
+    return jnp.where(keep_M[:, None], picked, 0)
+
+
+def batched_swiglu(act, dtype, x_ExCxD, w1, w3, w2):
+    """Each expert's SwiGLU on its own [C, D] block: one batched matmul per projection."""
+    h = act(jnp.einsum("ecd,edf->ecf", x_ExCxD, w1)) * jnp.einsum("ecd,edf->ecf", x_ExCxD, w3)
+    return jnp.einsum("ecf,efd->ecd", h.astype(dtype), w2)
+
+

@@ -1,0 +1,41 @@
+"""Parameter counts, from the built model (never from a formula): total, and activated per
+token for MoE models (the paper's "A" in 15A2B)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+from flax import nnx
+
+from gattn.config import ModelConfig
+
+
+@functools.lru_cache(maxsize=None)
+def _count_built(cfg: ModelConfig) -> int:
+    from gattn.model.transformer import Transformer  # noqa: PLC0415 (keeps `--help` free of model imports)
+
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def count_params(cfg: ModelConfig) -> int:
+    """Number of parameters of the model `cfg` describes; no weight is allocated. The blocks are
+    identical, so the abstract model is built with one and two layers only (building all of a
+    paper-size model's layers abstractly takes seconds): one + (L - 1) x (two - one)."""
+    if cfg.num_layers <= 2:
+        return _count_built(cfg)
+    one = _count_built(dataclasses.replace(cfg, num_layers=1))
+    two = _count_built(dataclasses.replace(cfg, num_layers=2))
+    return one + (cfg.num_layers - 1) * (two - one)
+
+
+def activated_params(cfg: ModelConfig) -> int:
+    """Parameters one token uses: all of them but the experts it is not routed to."""
+    n = count_params(cfg)
+    if cfg.moe is not None:
+        total, activated = cfg.moe.num_params(cfg.d_model)
+        n -= cfg.num_layers * (total - activated)
+    return n

@@ -1,0 +1,236 @@
+"""The decoder-only LM: embedding, pre-RMSNorm blocks (gated attention + SwiGLU), final norm, head.
+
+The residual stream is 2-D, x_NxD with N = batch * sequence: every projection is then a plain
+[N, D] x [D, *] matmul and every weight gradient a single contraction (PERFORMANCE.md, item 2).
+
+`Transformer.decode` runs new tokens against a kv cache (gattn/decode.py generates with it);
+`unscanned` turns a scan_layers model into the equivalent layer list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gattn.config import ExecConfig, ModelConfig
+from gattn.model.attention import Attention
+from gattn.model.capture import NOTHING, Capture
+from gattn.model.layers import DTYPES, RMSNorm, SwiGLU, dense, param
+from gattn.model.moe import MoE
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Block(nnx.Module):
+    """x + attn(norm(x)), then x + ffn(norm(x)); sandwich norm and clipping act on the branch."""
+
+    def __init__(self, cfg: ModelConfig, ex: ExecConfig, *, rngs: nnx.Rngs):
+        pd = DTYPES[cfg.param_dtype]
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
+        self.attn = Attention(cfg, ex, rngs=rngs)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
+        self.ffn = MoE(cfg, ex, rngs=rngs) if cfg.moe is not None else SwiGLU(cfg, cfg.ffn_width, ex, rngs=rngs)
+        if cfg.sandwich_norm:
+            self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
+            self.ffn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
+        self.clip = cfg.output_clip
+
+    def _branch_out(self, h, post_norm):
+        if post_norm is not None:
+            h = post_norm(h)
+        if self.clip is not None:
+            h = jnp.clip(h, -self.clip, self.clip)
+        return h
+
+    def _ffn_residual(self, x_NxD):
+        h, aux = (self.ffn(self.ffn_norm(x_NxD)) if isinstance(self.ffn, MoE)
+                  else (self.ffn(self.ffn_norm(x_NxD)), {}))
+        return x_NxD + self._branch_out(h, getattr(self, "ffn_post_norm", None)), aux
+
+    def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch, capture: Capture = NOTHING):
+        """(x, aux): aux holds the MoE's auxiliary values ({} for a dense FFN)."""
+        h = self.attn(self.attn_norm(x_NxD), positions_N, segment_ids_BxS, batch, capture)
+        x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
+        x_NxD, aux = self._ffn_residual(x_NxD)
+        if capture.block_out:
+            self.sow(nnx.Intermediate, "block_out", x_NxD)
+        return x_NxD, aux
+
+    def decode(self, x_NxD, positions_N, k_BxHxTxK, v_BxHxTxK, mask_BxSxT, index):
+        """The block on S new tokens per row with this layer's kv cache: (x, k cache, v cache)."""
+        h, k_BxHxTxK, v_BxHxTxK = self.attn.decode(self.attn_norm(x_NxD), positions_N, k_BxHxTxK,
+                                                   v_BxHxTxK, mask_BxSxT, index)
+        x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
+        return self._ffn_residual(x_NxD)[0], k_BxHxTxK, v_BxHxTxK
+
+
+class Transformer(nnx.Module):
+    """The model `cfg` (its architecture), computed as `ex` says (dtype, kernel, scan, remat)."""
+
+    def __init__(self, cfg: ModelConfig, ex: ExecConfig = ExecConfig(), *, rngs: nnx.Rngs):
+        self.cfg, self.ex = cfg, ex
+        pd = DTYPES[cfg.param_dtype]
+        self.dtype = DTYPES[ex.dtype]
+        self.embed = param("weight", rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                           std=cfg.init_std, dtype=pd)
+        if ex.scan_layers:
+            @nnx.split_rngs(splits=cfg.num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make(rngs):
+                return Block(cfg, ex, rngs=rngs)
+
+            self.blocks = make(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, ex, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
+        if not cfg.tie_embeddings:
+            self.lm_head = param("weight", rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
+                                 std=cfg.init_std, dtype=pd)
+
+    def __call__(self, tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None,
+                 segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+        """Returns float32 logits [B, S, V]. Positions default to 0..S-1; segment ids (packed
+        documents, 0 = padding) default to one document per row."""
+        return self.forward(tokens_BxS, positions_BxS, segment_ids_BxS)[0]
+
+    def forward(self, tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None,
+                segment_ids_BxS: jax.Array | None = None, capture: Capture = NOTHING) -> tuple[jax.Array, dict]:
+        """(logits, aux): aux maps each MoE auxiliary value to its per-layer stack ([L, ...]);
+        empty for a dense model. `capture` sows intermediates for analysis (gattn.model.capture)."""
+        ex = self.ex
+        b, s = tokens_BxS.shape
+        if positions_BxS is None:
+            positions_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
+        positions_N = positions_BxS.reshape(-1)
+        x_NxD = self._embed(tokens_BxS)
+
+        def run(block, x):
+            return block(x, positions_N, segment_ids_BxS, (b, s), capture)
+
+        if ex.remat != "none":
+            run = nnx.remat(run, policy=REMAT_POLICIES[ex.remat])
+        if ex.scan_layers:
+            if capture.any:
+                raise ValueError("capturing intermediates needs exec.scan_layers=False: convert the "
+                                 "model with gattn.model.transformer.unscanned(model)")
+            x_NxD, aux = nnx.scan(lambda x, blk: run(blk, x), in_axes=(nnx.Carry, 0),
+                                  out_axes=(nnx.Carry, 0))(x_NxD, self.blocks)
+        else:
+            per_layer = []
+            for block in self.blocks:
+                x_NxD, layer_aux = run(block, x_NxD)
+                per_layer.append(layer_aux)
+            aux = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        return self._logits(x_NxD, b, s), aux
+
+    def _embed(self, tokens_BxS):
+        return jnp.take(self.embed[...], tokens_BxS.reshape(-1), axis=0).astype(self.dtype)
+
+    def _logits(self, x_NxD, b: int, s: int):
+        x_NxD = self.final_norm(x_NxD)
+        head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        logits_NxV = dense(x_NxD, head, self.dtype, out_dtype=jnp.float32)
+        return logits_NxV.reshape(b, s, self.cfg.vocab_size)
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty kv cache: k and v per layer, [B, Hk, T, K] in the compute dtype (what SDPA
+        attends to: after QK-norm, K/V gates and RoPE; heads before slots, the layout attention
+        reads); valid [B, T] (slots that hold a real token); index (int32, the next slot to write,
+        shared by all rows). GQA: Hk = kv_heads, q_heads / kv_heads times smaller than MHA's.
+
+        A layer loop keeps a tuple of L per-layer arrays, each updated in place by a decode step;
+        a scanned model keeps one stacked [L, B, Hk, T, K] array, which its scan slices and
+        re-stacks every step (a copy of the whole cache: ~2x slower decoding at long lengths;
+        `unscanned(model)` decodes with the tuple)."""
+        cfg = self.cfg
+        shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
+        if self.ex.scan_layers:  # (two buffers: a decode step donates both)
+            k, v = (jnp.zeros((cfg.num_layers, *shape), self.dtype) for _ in "kv")
+        else:
+            k, v = (tuple(jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)) for _ in "kv")
+        return {"k": k, "v": v, "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
+
+    def decode(self, tokens_BxS: jax.Array, positions_BxS: jax.Array, cache: dict,
+               valid_BxS: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """(logits [B, S, V], cache): runs S new tokens per row into cache slots index..index+S-1.
+        The query in slot i sees slot j iff j <= i and slot j is valid; `valid_BxS` (default all
+        True) marks padding among the new tokens. The caller keeps index + S <= the cache length
+        (a write past the end is clamped by dynamic_update_slice, silently)."""
+        b, s = tokens_BxS.shape
+        index = cache["index"]
+        if valid_BxS is None:
+            valid_BxS = jnp.ones((b, s), bool)
+        valid_BxT = jax.lax.dynamic_update_slice(cache["valid"], valid_BxS.astype(bool), (0, index))
+        t = valid_BxT.shape[1]
+        visible_SxT = jnp.arange(t)[None, :] <= index + jnp.arange(s)[:, None]
+        mask_BxSxT = visible_SxT[None] & valid_BxT[:, None, :]
+        positions_N = positions_BxS.reshape(-1)
+        x_NxD = self._embed(tokens_BxS)
+
+        def run(x, block, k, v):
+            return block.decode(x, positions_N, k, v, mask_BxSxT, index)
+
+        if self.ex.scan_layers:
+            def step(x, block, k, v):
+                x, k, v = run(x, block, k, v)
+                return x, (k, v)
+
+            scan = nnx.scan(step, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
+            x_NxD, (k_L, v_L) = scan(x_NxD, self.blocks, cache["k"], cache["v"])
+        else:
+            ks, vs = [], []
+            for block, k, v in zip(self.blocks, cache["k"], cache["v"], strict=True):
+                x_NxD, k, v = run(x_NxD, block, k, v)
+                ks.append(k)
+                vs.append(v)
+            k_L, v_L = tuple(ks), tuple(vs)
+        cache = {"k": k_L, "v": v_L, "valid": valid_BxT, "index": index + s}
+        return self._logits(x_NxD, b, s), cache
+
+
+def with_exec(model: Transformer, ex: ExecConfig) -> Transformer:
+    """The same parameters computed as `ex` says: another kernel, dtype or remat, and scanned
+    or unscanned blocks (the parameters restacked or sliced accordingly)."""
+    if ex == model.ex:
+        return model
+    graphdef, like = nnx.split(nnx.eval_shape(lambda: Transformer(model.cfg, ex, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, relayout(nnx.state(model), like))
+
+
+def unscanned(model: Transformer) -> Transformer:
+    """The same model with exec.scan_layers=False: each block's parameters sliced from the
+    stacked ones (a model that is already unscanned is returned as is)."""
+    return with_exec(model, dataclasses.replace(model.ex, scan_layers=False))
+
+
+def relayout(tree, like: nnx.State):
+    """Every nnx.State in `tree` (parameters, or optimizer moments shaped like them) in the block
+    layout of `like` (an abstract state of the same model): blocks stacked under "blocks" with
+    [L, ...] leaves (exec.scan_layers) or listed as ("blocks", i, ...). Values come from `tree`,
+    variable types and metadata (logical axes) from `like`."""
+    target = list(nnx.to_flat_state(like))
+    to_scan = not any(isinstance(p[1], int) for p, _ in target if p[0] == "blocks" and len(p) > 1)
+
+    def convert(state):
+        if not isinstance(state, nnx.State) or "blocks" not in state:
+            return state
+        flat = {p: v[...] for p, v in nnx.to_flat_state(state)}
+        if set(flat) == {p for p, _ in target}:
+            return state  # already in this layout
+
+        def value(path):
+            if path[0] != "blocks":
+                return flat[path]
+            if to_scan:  # ("blocks", ...) <- stack of ("blocks", i, ...)
+                layers = sorted({p[1] for p in flat if p[0] == "blocks"})
+                return jnp.stack([flat[(path[0], i) + path[1:]] for i in layers])
+            return flat[(path[0],) + path[2:]][path[1]]  # ("blocks", i, ...) <- ("blocks", ...)[i]
+        return nnx.from_flat_state([(p, v.replace(value(p))) for p, v in target])
+    return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, nnx.State))

@@ -1,0 +1,156 @@
+"""A run directory: what is written into it, and the one loader every reader of a run uses.
+
+    WORKDIR/config.json      the run's Config (gattn.config.to_dict), written atomically
+    WORKDIR/checkpoints/     Orbax: {step, params, opt_state}, the data iterator, `meta`
+                             (counters, and the config the checkpoint was trained with)
+    WORKDIR/tokenizer/, tfds/, metrics.jsonl, tensorboard/, summary.json, eval/
+
+Readers (eval.py, the main job, studies, `--init-from`, the converter, notebooks) call `load`:
+the run's config plus the caller's overrides, on the devices present now, with execution
+settings free to change and the architecture fixed:
+
+    load_config(workdir, overrides)      the run's Config; an architecture change is refused
+    load(workdir, step, overrides)       (cfg, model, step)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+from gattn import cli
+from gattn.config import POSITION_FIELDS, Config, ConfigError, differences, from_dict, to_dict
+
+CONFIG = "config.json"
+# What a resumed run shares with its checkpoint: the architecture, data and batch layout.
+# Everything else (more steps, a new LR, another kernel, remat, scan or mesh) may change.
+RESUME_FIXED = ("model", "data", "train.seed", "train.batch_size", "train.seq_len")
+# What an evaluation may change in the model: how positions are encoded (YaRN on a checkpoint).
+EVAL_MAY_CHANGE = tuple(f"model.{f}" for f in POSITION_FIELDS)
+
+
+def write_config(workdir: str | Path, cfg: Config) -> None:
+    """WORKDIR/config.json, replaced atomically (a reader never sees half a file)."""
+    path = Path(workdir) / CONFIG
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(to_dict(cfg), indent=2))
+    os.replace(tmp, path)
+
+
+def meta(cfg: Config, **extra) -> dict:
+    """The JSON saved with every checkpoint: training counters and the config it was trained
+    with (what `check_same` compares a resumed or continued run against)."""
+    return {"skipped_steps": 0, "loss_spikes": 0, "recent_losses": [], "final_loss": None,
+            **extra, "config": to_dict(cfg)}
+
+
+def read_config(workdir: str | Path) -> Config:
+    """The Config of run `workdir` as it was written (no overrides)."""
+    path = Path(workdir) / CONFIG
+    if not path.is_file():
+        raise ConfigError("--workdir", str(workdir), f"expected a run directory holding {CONFIG} "
+                          "(written by train.py or python -m gattn.convert)")
+    try:
+        return from_dict(Config, json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise ConfigError("--workdir", str(workdir), f"its {CONFIG} is not valid JSON ({e})") from None
+
+
+def check_same(now: Config, then: Config | dict, fixed: tuple[str, ...], *, may_change: tuple[str, ...] = (),
+               what: str = "the checkpoint in this workdir was trained with", fix: str = "") -> None:
+    """Refuses `now` if a field under `fixed` (but not under `may_change`) differs from `then`,
+    naming the field and both values."""
+    for name, mine, theirs in differences(now, then, fixed, may_differ=may_change):
+        raise ConfigError(name, mine, f"{what} {theirs!r}" + (f"; {fix}" if fix else ""))
+
+
+def load_config(workdir: str | Path, overrides: list[str] = ()) -> Config:
+    """The run's config with `overrides` applied. Execution settings (exec.*, mesh.*), data and
+    training fields may change; the architecture may not, except how positions are encoded
+    (model.rope_base, model.yarn: YaRN on a trained checkpoint, whose original length defaults to
+    the run's train.seq_len)."""
+    run = read_config(workdir)
+    overrides = list(overrides)
+    names = [cli.canonical(o.removeprefix("--").removeprefix("config.").partition("=")[0].strip())
+             for o in overrides]
+    if (any(n.startswith("model.yarn.") for n in names) and "model.yarn.original_len" not in names
+            and run.model.yarn is None):
+        overrides.append(f"model.yarn.original_len={run.train.seq_len}")
+    cfg = cli.apply_overrides(run, overrides)
+    check_same(cfg, run, ("model",), may_change=EVAL_MAY_CHANGE,
+               what=f"the run {workdir} is a model with",
+               fix="a checkpoint is read with its own architecture (only exec.*, mesh.*, data.*, "
+                   "model.rope_base and model.yarn.* may change)")
+    return cfg
+
+
+class Loaded(NamedTuple):
+    cfg: Config
+    model: object  # gattn.model.transformer.Transformer
+    step: int
+
+
+def portable(cfg: Config) -> Config:
+    """`cfg` runnable on the devices present: the run's mesh if they can hold it (else every
+    device on the data axis), and the pallas kernel only on TPU (elsewhere it runs in interpret
+    mode, ~100x slower, and the xla attention computes the same)."""
+    import jax  # noqa: PLC0415
+
+    from gattn.config import MeshConfig  # noqa: PLC0415
+    from gattn.model import sharding  # noqa: PLC0415
+
+    try:
+        sharding.make_mesh(cfg.mesh)
+    except ConfigError as e:
+        print(f"note: {e}; using all {jax.device_count()} device(s) on the data axis instead "
+              "(set --config.mesh.* to choose)", file=sys.stderr)
+        cfg = dataclasses.replace(cfg, mesh=MeshConfig())
+    if cfg.exec.attention_impl == "pallas" and jax.default_backend() != "tpu":
+        cfg = dataclasses.replace(cfg, exec=dataclasses.replace(cfg.exec, attention_impl="xla"))
+    return cfg
+
+
+def load(workdir: str | Path, step: int | None = None, overrides: list[str] = (), *,
+         cfg: Config | None = None) -> Loaded:
+    """(cfg, model, step): the parameters of `workdir`'s checkpoint `step` (default: the latest),
+    built with the run's config plus `overrides` (or `cfg`, from `load_config`), sharded over the
+    devices present now (see `portable`; an explicit `exec.attention_impl` override is kept).
+    Only parameters are read, so any optimizer and any execution settings will do: a checkpoint
+    saved with scanned layers loads unscanned, and the reverse."""
+    from flax import nnx  # noqa: PLC0415
+
+    from gattn.model import sharding  # noqa: PLC0415
+    from gattn.model.transformer import Transformer, relayout  # noqa: PLC0415
+    from gattn.train import checkpoint  # noqa: PLC0415
+
+    workdir = Path(workdir)
+    cfg = cfg if cfg is not None else load_config(workdir, overrides)
+    if not any("attention_impl" in o for o in overrides):
+        cfg = portable(cfg)
+    steps = checkpoint.saved_steps(workdir)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in {workdir / 'checkpoints'}")
+    if step is not None and step not in steps:
+        raise ConfigError("--step", step, f"one of the saved steps {steps}")
+    step = steps[-1] if step is None else step
+    saved = checkpoint.saved_config(workdir, step) or read_config(workdir)
+    mesh = sharding.make_mesh(cfg.mesh)
+
+    def abstract(ex):
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, ex, rngs=nnx.Rngs(0))), nnx.Param)
+        return graphdef, checkpoint.abstract(params, sharding.param_shardings(params, mesh))
+
+    graphdef, target = abstract(cfg.exec)
+    stored = target if saved.exec.scan_layers == cfg.exec.scan_layers else abstract(saved.exec)[1]
+    mngr = checkpoint.manager(workdir, 1, 1)
+    try:
+        params = checkpoint.restore_params(mngr, stored, step)
+    finally:
+        mngr.close()
+    if stored is not target:
+        params = checkpoint.place(relayout(params, target), target)
+    return Loaded(cfg, nnx.merge(graphdef, params), step)

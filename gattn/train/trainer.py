@@ -1,0 +1,338 @@
+"""The training loop: data, AdamW, NaN guard, loss-spike counter, validation, metrics, checkpoints.
+
+A run lives in its work directory: `checkpoints/` (Orbax), `metrics.jsonl` (one JSON object per
+logged step), `tensorboard/`, `tokenizer/`, `tfds/` and, at the end, `summary.json`. Starting a
+run in a directory that holds a checkpoint resumes from the latest complete one: same data order,
+same numbers as an uninterrupted run. SIGTERM saves a checkpoint and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import math
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from gattn.config import Config, ConfigError, from_dict
+from gattn.data import pipeline
+from gattn.data.tokenizer import load_tokenizer
+from gattn.model import sharding
+from gattn.model.transformer import Transformer, relayout
+from gattn.train import checkpoint, init_from, optim, rundir
+from gattn.train.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum
+
+
+class TrainingStopped(RuntimeError):
+    """Too many consecutive non-finite steps: the run stops; the last checkpoint stays good."""
+
+
+def state_shardings(tx, abstract_params, mesh):
+    """Shardings of {step, params, opt_state}: parameters by their logical axes (gattn/sharding.py),
+    the optimizer's moments like their parameters, scalars replicated."""
+    params = sharding.param_shardings(abstract_params, mesh)
+    opt_state = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), params,
+                                      transform_non_params=lambda _: sharding.replicated(mesh))
+    return {"step": sharding.replicated(mesh), "params": params, "opt_state": opt_state}
+
+
+def _state_builder(cfg: Config, mesh):
+    """(graphdef, build, shardings): `build()` makes {step, params, opt_state} from the seed."""
+    tx = optim.optimizer(cfg.train)
+    new_model = lambda: Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(cfg.train.seed))  # noqa: E731
+    graphdef, abstract_params = nnx.split(nnx.eval_shape(new_model), nnx.Param)
+
+    def build():
+        params = nnx.state(new_model(), nnx.Param)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+    return graphdef, build, state_shardings(tx, abstract_params, mesh)
+
+
+def init_state(cfg: Config, mesh=None):
+    """(graphdef, state): state = {step, params, opt_state} as a pytree of arrays, created directly
+    in its shardings on `mesh` (default: `cfg.mesh` over the present devices), so no device ever
+    holds the whole model."""
+    mesh = mesh if mesh is not None else sharding.make_mesh(cfg.mesh)
+    graphdef, build, shardings = _state_builder(cfg, mesh)
+    return graphdef, jax.jit(build, out_shardings=shardings)()
+
+
+def abstract_state(cfg: Config, mesh):
+    """The ShapeDtypeStructs (with shardings on `mesh`) of `init_state(cfg, mesh)`'s state."""
+    _, build, shardings = _state_builder(cfg, mesh)
+    return checkpoint.abstract(jax.eval_shape(build), shardings)
+
+
+def restore(mngr, cfg: Config, saved: Config, state, mesh):
+    """(state, data_state, meta) of the latest checkpoint, or None. A checkpoint saved with the
+    other block layout (exec.scan_layers) is restored in its own layout, then restacked."""
+    target = checkpoint.abstract(state)
+    if saved.exec.scan_layers == cfg.exec.scan_layers:
+        return checkpoint.restore(mngr, target)
+    restored = checkpoint.restore(mngr, abstract_state(dataclasses.replace(cfg, exec=saved.exec), mesh))
+    if restored is None:
+        return None
+    state, data_state, meta = restored
+    return checkpoint.place(relayout(state, target["params"]), target), data_state, meta
+
+
+def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
+    """A jitted step. A non-finite loss or gradient leaves params and optimizer state unchanged
+    (the step is skipped and reported), so it never reaches a checkpoint. With `shardings` (of
+    the state, see `state_shardings`) and `mesh`, the step is compiled with explicit input and
+    output shardings: the state keeps its layout, batches split over data x expert."""
+    tx, lr = optim.optimizer(cfg.train), optim.schedule(cfg.train)
+
+    def step(state, batch):
+        def loss_fn(params):
+            model = nnx.merge(graphdef, params)
+            ce, aux = lm_loss_and_aux(model, batch["tokens"], batch["segment_ids"], batch["positions"])
+            return ce + aux_loss(cfg.model.moe, aux), (ce, aux)
+
+        (_, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+        grad_norm = optax.global_norm(grads)  # the clip computes it too (shared)
+        keep = lambda: (state["params"], state["opt_state"], jnp.asarray(False))  # noqa: E731
+
+        def update():
+            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+            # Finite gradients are not enough: a huge step can overflow the new weights. (A finite
+            # grad norm bounds every g^2, so the Adam moments stay finite.)
+            return jax.lax.cond(optim.all_finite(params), lambda: (params, opt_state, jnp.asarray(True)), keep)
+
+        # Branches instead of elementwise selects over params and optimizer state: ~35 ms/step
+        # less on CPU at the peer shapes, and the update can run in place.
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params, opt_state, ok = jax.lax.cond(ok, update, keep)
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": ok,
+                   "lr": lr(state["step"]), **aux_metrics(aux)}
+        return new_state, metrics
+
+    if shardings is None:
+        return jax.jit(step, donate_argnums=0)
+    if mesh is None:
+        raise ValueError("make_train_step: `shardings` need the `mesh` they were made for")
+    batch = sharding.batch_sharding(mesh)
+    return jax.jit(step, donate_argnums=0, in_shardings=(shardings, batch),
+                   out_shardings=(shardings, sharding.replicated(mesh)))
+
+
+def make_eval_step(graphdef):
+    @jax.jit
+    def eval_step(params, batch):
+        model = nnx.merge(graphdef, params)
+        return lm_nll_sum(model, batch["tokens"], batch["segment_ids"], batch["positions"])
+    return eval_step
+
+
+def validate(eval_step, params, batches: dict[str, list], mesh=None) -> dict[str, float]:
+    """Held-out loss and perplexity per domain (under `mesh`, as the train step runs, so the
+    Pallas attention and the expert-parallel MoE take the same path)."""
+    out = {}
+    for domain, domain_batches in batches.items():
+        total = count = 0.0
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            for b in domain_batches:
+                s, c = eval_step(params, b)
+                total, count = total + float(s), count + float(c)
+        out[f"val_loss/{domain}"] = total / count
+        out[f"val_ppl/{domain}"] = math.exp(min(total / count, 50.0))
+    return out
+
+
+class SpikeCounter:
+    """A loss spike: a loss above the median of the previous `window` losses by `margin` (nats)."""
+
+    def __init__(self, window: int, margin: float):
+        self.recent, self.margin, self.count = collections.deque(maxlen=window), margin, 0
+
+    def __call__(self, loss: float) -> bool:
+        spike = bool(len(self.recent) == self.recent.maxlen
+                     and loss > float(np.median(self.recent)) + self.margin)
+        self.count += int(spike)
+        self.recent.append(loss)
+        return spike
+
+
+class MetricsLog:
+    """WORKDIR/metrics.jsonl (and TensorBoard). On resume, entries past the restored step (written
+    by the interrupted run after its last checkpoint) are dropped, so each step appears once."""
+
+    def __init__(self, workdir: Path, resumed_step: int):
+        self.path = workdir / "metrics.jsonl"
+        if self.path.exists():
+            kept = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resumed_step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError):
+                    pass  # a line cut short when the previous run was killed
+            self.path.write_text("".join(k + "\n" for k in kept))
+        try:
+            from tensorboardX import SummaryWriter  # noqa: PLC0415
+
+            self.tb = SummaryWriter(str(workdir / "tensorboard"))
+        except ImportError:  # TensorBoard is optional; metrics.jsonl is always written
+            self.tb = None
+
+    def write(self, step: int, metrics: dict):
+        # Non-finite values (a skipped step's loss) are written as null: NaN is not JSON.
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
+                 for k, v in metrics.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and v == v:
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self):
+        if self.tb is not None:
+            self.tb.close()
+
+
+def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
+    """Trains `cfg` in `workdir` (resuming if it holds a checkpoint; else starting from the
+    parameters of `train.init_from` when set); returns the summary."""
+    workdir = Path(workdir)
+    # A continued run's source is checked before anything is written (and only until it has a
+    # checkpoint of its own: resuming never reads the source again).
+    source_step = init_from.check(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
+    workdir.mkdir(parents=True, exist_ok=True)
+    if source_step is not None:
+        init_from.copy_tokenizer(cfg, workdir)
+    t = cfg.train
+    tokenizer = load_tokenizer(cfg, workdir)
+    data = pipeline.train_iterator(cfg, tokenizer, workdir)
+    val_batches = pipeline.validation_batches(cfg, tokenizer, workdir)
+
+    mesh = sharding.make_mesh(cfg.mesh)
+    shards = mesh.shape["data"] * mesh.shape["expert"]
+    if t.batch_size % shards:
+        raise ConfigError("train.batch_size", t.batch_size,
+                          f"a multiple of the {shards} data x expert shards of the mesh {dict(mesh.shape)}")
+    graphdef, state = init_state(cfg, mesh)
+    mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every)
+    try:  # a checkpoint of another model or data is refused before any array is read
+        saved_meta = checkpoint.restore_meta(mngr) or {}
+        if "converted_from" in saved_meta:
+            raise ConfigError("--workdir", str(workdir),
+                              f"it holds a model converted from {saved_meta['converted_from']} (parameters "
+                              "only): train from it in a new run directory with --init-from")
+        if saved_meta.get("config"):
+            rundir.check_same(cfg, saved_meta["config"], rundir.RESUME_FIXED,
+                              fix="resume with the same value or use a new --workdir")
+    except ConfigError:
+        mngr.close()  # nothing was written: the workdir stays as it was
+        raise
+    saved_cfg = from_dict(Config, saved_meta["config"]) if saved_meta.get("config") else cfg
+    restored = restore(mngr, cfg, saved_cfg, state, mesh)
+    meta = rundir.meta(cfg)
+    if restored is not None:
+        state, data_state, meta = restored
+        pipeline.set_state(data, data_state)
+    elif source_step is not None:
+        state = {**state, "params": init_from.params(cfg, state["params"], source_step)}
+    rundir.write_config(workdir, cfg)
+    start = int(state["step"])
+    log = MetricsLog(workdir, start)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    train_step, eval_step = make_train_step(cfg, graphdef, shardings, mesh), make_eval_step(graphdef)
+    spikes = SpikeCounter(t.spike_window, t.spike_margin)
+    spikes.count = meta["loss_spikes"]
+    spikes.recent.extend(meta["recent_losses"])  # the spike window continues across a resume
+
+    stop = {"signal": None}
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
+    bar = _progress(progress, start, t.steps)
+    bad_in_a_row, skipped, val, loss = 0, meta["skipped_steps"], {}, meta["final_loss"]
+    tokens_per_step, clock, timed_steps, eval_seconds = t.batch_size * t.seq_len, time.perf_counter(), 0, 0.0
+
+    def tokens_per_sec():  # training throughput: compilation and validation time left out
+        return tokens_per_step * timed_steps / max(time.perf_counter() - clock - eval_seconds, 1e-9)
+
+    try:
+        for step in range(start + 1, t.steps + 1):
+            with jax.set_mesh(mesh):  # the step's in_shardings split the host batch over the mesh
+                state, m = train_step(state, next(data))
+            loss, finite = float(m["loss"]), bool(m["finite"])
+            bad_in_a_row = 0 if finite else bad_in_a_row + 1
+            skipped += not finite
+            if finite:
+                spikes(loss)
+            if bad_in_a_row >= t.max_bad_steps:
+                raise TrainingStopped(
+                    f"{bad_in_a_row} consecutive steps had a non-finite loss or gradient (last: step "
+                    f"{step}, loss {loss}); stopping. The latest checkpoint (step {mngr.latest_step()}) "
+                    "holds finite weights: lower train.learning_rate or check the data, then rerun.")
+            timed_steps += step > start + 1  # the first step includes compilation
+            if step == start + 1:
+                clock = time.perf_counter()
+            if step % t.eval_every == 0 or step == t.steps:
+                t0 = time.perf_counter()
+                val = validate(eval_step, state["params"], val_batches, mesh)
+                eval_seconds += time.perf_counter() - t0
+            if step % t.log_every == 0 or step % t.eval_every == 0 or step == t.steps:
+                record = {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+                          "tokens_per_sec": tokens_per_sec() if timed_steps else 0.0,
+                          "skipped_steps": skipped, "loss_spikes": spikes.count,
+                          **{k: float(v) for k, v in m.items() if k.startswith("moe/")}}
+                if step % t.eval_every == 0 or step == t.steps:
+                    record.update(val)
+                log.write(step, record)
+            bar.update(step, loss, tokens_per_sec())
+            stopping = stop["signal"] is not None
+            if step == t.steps or stopping or mngr.should_save(step):  # build the args only then
+                meta = rundir.meta(cfg, skipped_steps=skipped, loss_spikes=spikes.count,
+                                   recent_losses=list(spikes.recent), final_loss=loss if finite else None)
+                checkpoint.save(mngr, step, state, data.get_state(), meta, force=True)
+            if stopping:
+                mngr.wait_until_finished()
+                print(f"\nSIGTERM: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
+                break
+    finally:
+        mngr.wait_until_finished()
+        mngr.close()
+        log.close()
+        bar.close()
+        signal.signal(signal.SIGTERM, previous)
+    if not val:  # nothing left to train (a finished run rerun): validate what is there
+        val = validate(eval_step, state["params"], val_batches, mesh)
+    summary = {"step": int(state["step"]), "completed": int(state["step"]) >= t.steps,
+               "final_loss": loss, "skipped_steps": skipped, "loss_spikes": spikes.count, **val}
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+class _progress:
+    """A tqdm bar with step, loss, tokens/s and ETA (or nothing, for tests)."""
+
+    def __init__(self, enabled: bool, start: int, total: int):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=2.0)
+        self.last = start
+
+    def update(self, step: int, loss: float, tokens_per_sec: float):
+        if self.bar is not None:
+            self.bar.update(step - self.last)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
+        self.last = step
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
