@@ -173,7 +173,7 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
 
 def check_variant(cfg: Config) -> None:
     if cfg.variant not in variants.REGISTRY:
-        raise ConfigError("variant", cfg.variant, f"expected one of {', '.join(variants.REGISTRY)}")
+        raise ConfigError("variant", cfg.variant, f"expected one of {', '.join(map(repr, variants.REGISTRY))}")
 
 
 # --------------------------------------------------------------------------- argparse glue

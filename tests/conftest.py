@@ -8,3 +8,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu takes a machine-wide lock file by default; a second process compiling for TPU at the same
 # time (another test run, a benchmark) would fail on it. Compiling needs no exclusive device.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from gattn.config import ModelConfig  # noqa: E402 (JAX-free: importing it here costs nothing)
+
+# The tiny architecture most tests build: 2 layers, GQA 4 query heads over 2 kv heads, head_dim 8.
+# A test that depends on other numbers passes them (tiny_model(vocab_size=96, head_dim=16)).
+TINY_DIMS = dict(vocab_size=61, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=8, d_ff=64)
+
+
+def tiny_model(**changes) -> ModelConfig:
+    """The shared tiny ModelConfig (TINY_DIMS) with `changes` (any ModelConfig field) applied.
+    Tests import it (`from conftest import tiny_model`); so do the programs in tests/multidevice."""
+    return ModelConfig(**{**TINY_DIMS, **changes})
+

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from gattn import cli
 from gattn import config as C
-from gattn.config import ConfigError, GateSpec, ModelConfig, SwitchHeadsSpec
+from gattn.config import ConfigError, ExecConfig, GateSpec, ModelConfig, SwitchHeadsSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,11 +51,6 @@ def test_gate_positions_accept_paper_names():
     (dict(head_dim=7), "head_dim", 7, "even"),
     (dict(ffn_activation="swish2"), "ffn_activation", "swish2", "'silu'"),
     (dict(sdpa_nonlinearity="layernorm"), "sdpa_nonlinearity", "layernorm", "'rmsnorm'"),
-    (dict(dtype="float16"), "dtype", "float16", "'bfloat16'"),
-    (dict(remat="some"), "remat", "some", "'dots'"),
-    (dict(attention_impl="cuda"), "attention_impl", "cuda", "'pallas'"),
-    (dict(flash_block_k=100), "flash_block_k", 100, "multiple of 8"),
-    (dict(flash_block_q=0), "flash_block_q", 0, "> 0"),
     (dict(rope_base=-1.0), "rope_base", -1.0, "> 0"),
     (dict(output_clip=-5.0), "output_clip", -5.0, "> 0"),
     (dict(gate="sdpa"), "gate", "sdpa", "GateSpec"),
@@ -62,11 +58,54 @@ def test_gate_positions_accept_paper_names():
     (dict(rope_base=float("inf")), "rope_base", float("inf"), "> 0"),
     (dict(output_clip=float("inf")), "output_clip", float("inf"), "> 0"),
     (dict(qk_norm=1), "qk_norm", 1, "True or False"),
-    (dict(scan_layers="yes"), "scan_layers", "yes", "True or False"),
     (dict(d_ff=8, match_ffn_params=True, gate=GateSpec()), "match_ffn_params", True, "larger d_ff"),
 ])
 def test_bad_model_config_names_field_value_and_choices(kwargs, field, value, allowed):
     _raises(lambda: ModelConfig(**kwargs), field, value, allowed)
+
+
+@pytest.mark.parametrize("kwargs, field, value, allowed", [
+    (dict(dtype="float16"), "dtype", "float16", "'bfloat16'"),
+    (dict(remat="some"), "remat", "some", "'dots'"),
+    (dict(attention_impl="cuda"), "attention_impl", "cuda", "'pallas'"),
+    (dict(flash_block_k=100), "flash_block_k", 100, "multiple of 8"),
+    (dict(flash_block_q=0), "flash_block_q", 0, "> 0"),
+    (dict(scan_layers="yes"), "scan_layers", "yes", "True or False"),
+])
+def test_bad_exec_config_names_field_value_and_choices(kwargs, field, value, allowed):
+    _raises(lambda: ExecConfig(**kwargs), field, value, allowed)
+
+
+def test_execution_settings_are_apart_from_the_architecture():
+    """ModelConfig holds what a checkpoint is; ExecConfig how it is computed. The old spelling
+    `model.attention_impl` (overrides, an older run's config.json) is read as exec.*."""
+    arch = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert not arch & {f.name for f in dataclasses.fields(ExecConfig)}
+    cfg = cli.apply_overrides(C.Config(), ["model.attention_impl=pallas", "exec.remat=full"])
+    assert (cfg.exec.attention_impl, cfg.exec.remat) == ("pallas", "full")
+    old = C.to_dict(C.Config())
+    old["model"].update(old.pop("exec"), scan_layers=True)
+    assert C.from_dict(C.Config, old).exec.scan_layers is True
+    # differences() compares configs field by field, and honours the allowed prefixes
+    a, b = C.Config(), cli.apply_overrides(C.Config(), ["model.num_layers=3", "exec.remat=full"])
+    assert C.differences(b, a, ("model",)) == [("model.num_layers", 3, 2)]
+    assert C.differences(b, a, ("model", "exec"), may_differ=("exec",)) == [("model.num_layers", 3, 2)]
+
+
+def test_a_field_given_twice_is_refused():
+    with pytest.raises(ConfigError) as e:
+        cli.apply_overrides(C.Config(), ["train.steps=5", "--config.train.steps=7"])
+    assert e.value.field == "train.steps" and "given twice" in str(e.value) and "'5'" in str(e.value)
+
+
+def test_presets_load_by_name_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.load("tiny") == cli.load(ROOT / "configs/tiny.py")
+    assert cli.load("configs/moe_15a2b.py").model.moe is not None  # the repo's path, from elsewhere
+    assert "table4_tiny" in cli.presets("study")
+    with pytest.raises(ConfigError) as e:
+        cli.load("no_such_preset")
+    assert e.value.field == "--config" and "tiny" in str(e.value)
 
 
 def test_bad_switch_heads():
@@ -76,7 +115,8 @@ def test_bad_switch_heads():
 
 
 def test_unknown_variant_label_is_rejected():
-    _raises(lambda: C.Config(variant="sdpa_gate_typo"), "variant", "sdpa_gate_typo", "'sdpa_elementwise'")
+    _raises(lambda: cli.check_variant(C.Config(variant="sdpa_gate_typo")), "variant", "sdpa_gate_typo",
+            "'sdpa_elementwise'")
 
 
 def test_configs_are_frozen():
@@ -87,15 +127,15 @@ def test_configs_are_frozen():
 
 def test_overrides_coerce_types_and_create_nested_gate():
     cfg = C.Config()
-    cfg = C.apply_overrides(cfg, ["--config.model.num_layers=3", "model.rope_base=1e6",
+    cfg = cli.apply_overrides(cfg, ["--config.model.num_layers=3", "model.rope_base=1e6",
                                   "model.tie_embeddings=true", "model.gate.position=G2",
                                   "model.gate.granularity=headwise", "train.learning_rate=0.01"])
     assert cfg.model.num_layers == 3 and isinstance(cfg.model.num_layers, int)
     assert cfg.model.rope_base == 1e6 and cfg.model.tie_embeddings is True
     assert cfg.model.gate == GateSpec(position="value", granularity="headwise")
     assert cfg.train.learning_rate == 0.01
-    assert C.apply_overrides(cfg, ["model.gate=none"]).model.gate is None
-    assert C.apply_overrides(cfg, ["model.output_clip=100"]).model.output_clip == 100.0
+    assert cli.apply_overrides(cfg, ["model.gate=none"]).model.gate is None
+    assert cli.apply_overrides(cfg, ["model.output_clip=100"]).model.output_clip == 100.0
 
 
 @pytest.mark.parametrize("override, field, value, allowed", [
@@ -111,7 +151,7 @@ def test_overrides_coerce_types_and_create_nested_gate():
 ])
 def test_bad_overrides_name_the_full_path(override, field, value, allowed):
     with pytest.raises(ConfigError) as e:
-        C.apply_overrides(C.Config(), [override])
+        cli.apply_overrides(C.Config(), [override])
     assert e.value.field == field
     if value is not None:
         assert e.value.value == value
@@ -123,52 +163,52 @@ def test_overrides_do_not_depend_on_their_order(order):
     """Cross-field checks see all overrides at once (each order alone would be invalid midway)."""
     items = ["model.kv_heads=3", "model.q_heads=6",
              "model.switch_heads.num_experts=4", "model.switch_heads.top_k=3"]
-    cfg = C.apply_overrides(C.Config(), items[::order])
+    cfg = cli.apply_overrides(C.Config(), items[::order])
     assert (cfg.model.q_heads, cfg.model.kv_heads) == (6, 3)
     assert cfg.model.switch_heads == SwitchHeadsSpec(num_experts=4, top_k=3)
 
 
 def test_value_and_fields_of_the_same_config_conflict():
     with pytest.raises(ConfigError) as e:
-        C.apply_overrides(C.Config(), ["model.gate=none", "model.gate.position=G2"])
+        cli.apply_overrides(C.Config(), ["model.gate=none", "model.gate.position=G2"])
     assert e.value.field == "model.gate" and "not both" in e.value.allowed
 
 
 def test_config_variant_override_applies_the_variant():
     """--config.variant=NAME is --variant NAME: the model changes, not only the label."""
-    cfg = C.load(ROOT / "configs/tiny.py", ["--config.variant=v_headwise"])
+    cfg = cli.load(ROOT / "configs/tiny.py", ["--config.variant=v_headwise"])
     assert cfg.variant == "v_headwise"
     assert cfg.model.gate == GateSpec(position="value", granularity="headwise")
 
 
 def test_load_config_file_with_variant_and_overrides():
-    cfg = C.load(ROOT / "configs/tiny.py", ["--config.model.num_layers=2"], variant="sdpa_headwise")
+    cfg = cli.load(ROOT / "configs/tiny.py", ["--config.model.num_layers=2"], variant="sdpa_headwise")
     assert cfg.variant == "sdpa_headwise"
     assert cfg.model.gate == GateSpec(granularity="headwise") and cfg.model.num_layers == 2
     with pytest.raises(ConfigError) as e:
-        C.load(ROOT / "configs/tiny.py", variant="no_such_variant")
+        cli.load(ROOT / "configs/tiny.py", variant="no_such_variant")
     assert e.value.field == "variant"
     with pytest.raises(ConfigError) as e:
-        C.load(ROOT / "configs/missing.py")
+        cli.load(ROOT / "configs/missing.py")
     assert e.value.field == "--config"
 
 
 def test_extension_preset_changes_only_what_no_parameter_depends_on():
     """configs/extend_tiny.py: the tiny model with RoPE base 1M at 4x the sequence length."""
-    tiny, ext = C.load(ROOT / "configs/tiny.py"), C.load(ROOT / "configs/extend_tiny.py")
+    tiny, ext = cli.load(ROOT / "configs/tiny.py"), cli.load(ROOT / "configs/extend_tiny.py")
     assert (ext.model.rope_base, ext.train.seq_len) == (1e6, 4 * tiny.train.seq_len)
     assert dataclasses.replace(ext.model, rope_base=tiny.model.rope_base) == tiny.model
-    cfg = C.apply_overrides(C.Config(), ["train.init_from=runs/a", "train.init_step=400"])
+    cfg = cli.apply_overrides(C.Config(), ["train.init_from=runs/a", "train.init_step=400"])
     assert (cfg.train.init_from, cfg.train.init_step) == ("runs/a", 400)
     with pytest.raises(ConfigError) as e:
-        C.apply_overrides(C.Config(), ["train.init_step=400"])
+        cli.apply_overrides(C.Config(), ["train.init_step=400"])
     assert e.value.field == "train.init_step"
 
 
 def test_bad_config_fails_before_any_jax_work():
     """Checking a config must not even import JAX (so errors come instantly)."""
-    code = ("import sys\nfrom gattn import config as C\n"
-            "try:\n    C.apply_overrides(C.Config(), ['model.kv_heads=3'])\n"
+    code = ("import sys\nfrom gattn import cli, config as C\n"
+            "try:\n    cli.apply_overrides(C.Config(), ['model.kv_heads=3'])\n"
             "except C.ConfigError as e:\n    print(e)\n"
             "print('jax' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -6,16 +6,14 @@ but sum in different orders). bfloat16 inputs are compared with the float32 refe
 before p @ v and its output to bf16, as the xla path does.
 """
 
-import subprocess
-import sys
-import textwrap
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from gattn.kernels import BlockSizes, attention_xla, gated_flash_attention
+
+import multidevice
 
 BLOCKS = BlockSizes(block_q=8, block_k=16, block_q_dkv=16, block_k_dkv=8)
 
@@ -155,30 +153,5 @@ def test_bad_block_sizes_raise():
 
 def test_shard_attention_over_batch_and_heads_matches_reference():
     """8 simulated devices, mesh (data 2, model 4): each device runs the kernel on its rows and
-    heads; values and gradients equal the unsharded reference."""
-    code = textwrap.dedent("""
-        import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-        import jax, jax.numpy as jnp, numpy as np
-        from jax.sharding import AxisType
-        from gattn import kernels
-        mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-        rng = np.random.default_rng(0)
-        arr = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
-        q, k, v, g = arr(2, 24, 8, 16), arr(2, 24, 4, 16), arr(2, 24, 4, 16), arr(2, 24, 8)
-        seg = jnp.asarray([[1] * 20 + [0] * 4, [1] * 10 + [2] * 14], jnp.int32)
-        attn = kernels.shard_attention(kernels.attention_pallas, mesh)
-        f = lambda q, k, v, g: attn(q, k, v, g, segment_ids=seg, block_q=8, block_k=8)
-        r = lambda q, k, v, g: kernels.attention_xla(q, k, v, g, segment_ids=seg)
-        np.testing.assert_allclose(jax.jit(f)(q, k, v, g), r(q, k, v, g), atol=1e-5)
-        grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), (0, 1, 2, 3)))(q, k, v, g)
-        ref = jax.grad(lambda *a: jnp.sum(r(*a) ** 2), (0, 1, 2, 3))(q, k, v, g)
-        for a, b in zip(grads, ref):
-            np.testing.assert_allclose(a, b, atol=2e-5)
-        text = jax.jit(f).lower(q, k, v, g).as_text()
-        assert "shard_map" in text or "sdy.manual_computation" in text, "not sharded"
-        print("ok", len(jax.devices()))
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "ok 8" in out.stdout
+    heads; values and gradients equal the unsharded reference (tests/multidevice/sharded_flash.py)."""
+    assert "ok 8" in multidevice.run("sharded_flash", "--mesh", "2,4")

@@ -10,13 +10,16 @@ import pytest
 from flax import nnx
 
 from gattn import variants
+from gattn.config import ExecConfig, GateSpec
 from gattn.eval import analysis
-from gattn.config import GateSpec, ModelConfig
+from gattn.model.capture import EVERYTHING, Capture
+from gattn.model.transformer import Transformer, with_exec
 from gattn.train.loss import lm_loss
-from gattn.model.transformer import Transformer
 
-TINY = ModelConfig(vocab_size=61, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=8,
-                   d_ff=64, attention_block_q=4)
+from conftest import tiny_model
+
+TINY = tiny_model()
+EX = ExecConfig(attention_block_q=4)  # 12-token rows run through 3 causal query blocks
 B, S = 2, 12
 
 
@@ -30,8 +33,8 @@ def copy_params(src, dst):
     return dst
 
 
-def build(cfg, seed=0):
-    return Transformer(cfg, rngs=nnx.Rngs(seed))
+def build(cfg, seed=0, **exec_changes):
+    return Transformer(cfg, dataclasses.replace(EX, **exec_changes), rngs=nnx.Rngs(seed))
 
 
 @pytest.mark.parametrize("position", ["sdpa", "value", "key", "query", "dense"])
@@ -85,12 +88,19 @@ def test_switch_v_1top1_equals_v_headwise_gate():
 @pytest.mark.parametrize("remat", ["none", "full", "dots"])
 def test_scan_over_layers_equals_the_layer_loop(remat):
     loop = build(variants.apply("sdpa_elementwise", TINY))
-    scan_cfg = dataclasses.replace(variants.apply("sdpa_elementwise", TINY), scan_layers=True, remat=remat)
-    scan = build(scan_cfg, seed=7)
+    scan = build(variants.apply("sdpa_elementwise", TINY), seed=7, scan_layers=True, remat=remat)
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b, nnx.Param) for b in loop.blocks])
     nnx.update(scan.blocks, stacked)
     rest = {k: v for k, v in nnx.to_flat_state(nnx.state(loop, nnx.Param)) if k[0] != "blocks"}
     nnx.update(scan, nnx.from_flat_state(rest))
+    # with_exec restacks the same way: the same parameters, the same execution settings.
+    converted = with_exec(loop, scan.ex)
+    assert converted.ex == scan.ex and converted.cfg == scan.cfg
+    want = dict(nnx.to_flat_state(nnx.state(scan, nnx.Param)))
+    got = dict(nnx.to_flat_state(nnx.state(converted, nnx.Param)))
+    assert got.keys() == want.keys()
+    for path, var in got.items():
+        np.testing.assert_array_equal(var[...], want[path][...], err_msg=str(path))
     x = tokens()
     forward, grad = nnx.jit(lambda m, x: m(x)), nnx.jit(nnx.grad(lm_loss))
     np.testing.assert_allclose(forward(scan, x), forward(loop, x), rtol=1e-5, atol=1e-5)
@@ -118,7 +128,7 @@ def test_tied_embeddings_share_the_table():
 def test_bf16_compute_with_fp32_params_tracks_fp32():
     cfg = variants.apply("sdpa_elementwise", TINY)
     f32 = build(cfg)
-    bf16 = copy_params(f32, build(dataclasses.replace(cfg, dtype="bfloat16")))
+    bf16 = copy_params(f32, build(cfg, dtype="bfloat16"))
     assert bf16.blocks[0].attn.wq[...].dtype == jnp.float32
     out, ref = bf16(tokens()), f32(tokens())
     assert out.dtype == jnp.float32
@@ -126,7 +136,7 @@ def test_bf16_compute_with_fp32_params_tracks_fp32():
     spread = float(jnp.max(jnp.abs(ref - ref.mean())))
     assert float(jnp.max(jnp.abs(out - ref))) < 0.03 * spread
     assert abs(float(lm_loss(bf16, tokens())) - float(lm_loss(f32, tokens()))) < 1e-3
-    pure = build(dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16"))
+    pure = build(dataclasses.replace(cfg, param_dtype="bfloat16"), dtype="bfloat16")
     assert pure.blocks[0].attn.gate.w[...].dtype == jnp.bfloat16
 
 
@@ -140,10 +150,8 @@ def test_causal_model_ignores_future_tokens():
 
 def test_intermediates_are_collected_from_the_forward_pass():
     model = build(variants.apply("sdpa_elementwise", TINY))
-    model.set_attributes(collect_intermediates=True)
-    logits = model(tokens())
+    logits, _ = model.forward(tokens(), capture=EVERYTHING)
     inter = nnx.pop(model, nnx.Intermediate)
-    model.set_attributes(collect_intermediates=False)
     blk = inter["blocks"][0]
     probs = blk["attn"]["attn_probs"][0]
     assert probs.shape == (B, TINY.q_heads, S, S)
@@ -153,6 +161,26 @@ def test_intermediates_are_collected_from_the_forward_pass():
     assert float(scores.min()) > 0 and float(scores.max()) < 1
     assert blk["block_out"][0].shape == (B * S, TINY.d_model)
     np.testing.assert_allclose(model(tokens()), logits, rtol=1e-6)
+    assert not nnx.state(model, nnx.Intermediate)  # a plain call captures nothing
+
+
+def test_capturing_the_attention_matrix_needs_the_xla_attention():
+    """A pallas model refuses to capture attention probabilities (the kernel never forms them)
+    rather than switching kernels; a scanned model refuses any capture. `analysis.collect` runs
+    such a model as `for_analysis` makes it (xla, unscanned) with the same parameters."""
+    cfg = variants.apply("sdpa_elementwise", TINY)
+    pallas = build(cfg, attention_impl="pallas", scan_layers=True)
+    with pytest.raises(ValueError, match="attention_impl='xla'"):
+        unscanned_pallas = with_exec(pallas, dataclasses.replace(pallas.ex, scan_layers=False))
+        unscanned_pallas.forward(tokens(), capture=Capture(attn_probs=True))
+    with pytest.raises(ValueError, match="scan_layers"):
+        pallas.forward(tokens(), capture=Capture(block_out=True))
+    xla = with_exec(pallas, EX)
+    assert analysis.for_analysis(pallas).ex == dataclasses.replace(pallas.ex, attention_impl="xla", scan_layers=False)
+    got, want = analysis.collect(pallas, tokens()), analysis.collect(xla, tokens())
+    for a, b in zip(got, want, strict=True):
+        for name in b:
+            np.testing.assert_allclose(a[name], b[name], rtol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("name", ["baseline", "sdpa_elementwise"])
@@ -218,7 +246,7 @@ def test_config_name_lists_match_the_implementations():
                                      pytest.param("v_elementwise", marks=pytest.mark.slow),
                                      pytest.param("sdpa_rmsnorm_gate", marks=pytest.mark.slow)])
 def test_pallas_attention_matches_xla_in_loss_and_gradients(variant):
-    """attention_impl='pallas' (interpret mode here) trains the same model: the fused sigmoid
+    """exec.attention_impl='pallas' (interpret mode here) trains the same model: the fused sigmoid
     SDPA gate (first two; headwise with attention biases, whose gate bias the kernel's gate logits
     carry), a gate the kernel does not fuse (G2), and a gate behind a non-linearity."""
     if variant == "sdpa_rmsnorm_gate":
@@ -228,8 +256,7 @@ def test_pallas_attention_matches_xla_in_loss_and_gradients(variant):
     if variant == "sdpa_headwise":
         cfg = dataclasses.replace(cfg, attention_bias=True)
     xla = build(cfg)
-    pallas = copy_params(xla, build(dataclasses.replace(cfg, attention_impl="pallas",
-                                                        flash_block_q=8, flash_block_k=8)))
+    pallas = copy_params(xla, build(cfg, attention_impl="pallas", flash_block_q=8, flash_block_k=8))
     x = tokens(b=2, s=20)
     seg = jnp.asarray([[1] * 12 + [2] * 6 + [0] * 2, [1] * 20])
     pos = jnp.asarray([list(range(12)) + list(range(6)) + [0, 0], list(range(20))])

@@ -11,7 +11,8 @@ from flax import nnx
 
 from gattn.train import optim
 from gattn.train import trainer
-from gattn.config import LR_PRESETS, Config, ConfigError, GateSpec, ModelConfig, TrainConfig
+from gattn.config import (LR_PRESETS, Config, ConfigError, ExecConfig, GateSpec, ModelConfig, MoESpec,
+                          SwitchHeadsSpec, TrainConfig)
 
 TRAIN = TrainConfig(steps=1000, learning_rate=4e-3, min_learning_rate=4e-5, warmup_steps=100)
 
@@ -89,17 +90,46 @@ def test_non_finite_step_is_skipped_and_reported():
     np.testing.assert_array_equal(after["params"]["lm_head"][...], before["params"]["lm_head"][...])
 
 
-def test_decay_mask_with_scanned_layers_and_per_head_norms():
-    """Stacked (scan_layers) norm scales and the per-head SDPA RMSNorm scale are 2-D but are
-    still norm scales: no decay."""
-    cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=2, q_heads=2, kv_heads=1, head_dim=8,
-                      d_ff=32, scan_layers=True, sdpa_nonlinearity="rmsnorm", qk_norm=True)
+# Every kind of parameter the model can have, by its name: the matrices are decayed; biases, norm
+# scales and the input-independent gate tensor are not (the spec the roles must meet).
+DECAYED = {"w", "wq", "wk", "wv", "wo", "router", "w1", "w2", "w3", "embed", "lm_head"}
+NOT_DECAYED = {"bq", "bk", "bv", "bo", "b", "scale", "q_norm", "k_norm", "sdpa_norm", "theta"}
+EVERY_KIND = [  # (model changes, exec scan): together they build every parameter there is
+    dict(attention_bias=True, qk_norm=True, gate=GateSpec(), sandwich_norm=True),
+    dict(gate=GateSpec(position="value", input_dependent=False), sdpa_nonlinearity="rmsnorm"),
+    dict(switch_heads=SwitchHeadsSpec(targets="kv", num_experts=2, top_k=1), tie_embeddings=True),
+    dict(moe=MoESpec(num_experts=4, top_k=2, expert_width=8), gate=GateSpec(position="dense")),
+]
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("changes", EVERY_KIND)
+def test_decay_mask_covers_every_kind_of_parameter(changes, scan):
+    cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=2, q_heads=2, kv_heads=1, head_dim=8, d_ff=32,
+                      **changes)
+    params = nnx.split(trainer.Transformer(cfg, ExecConfig(scan_layers=scan), rngs=nnx.Rngs(0)), nnx.Param)[1]
+    mask = {path: v for path, v in jax.tree_util.tree_leaves_with_path(optim.decay_mask(params))}
+    names = {path: [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1] for path in mask}
+    assert set(names.values()) <= DECAYED | NOT_DECAYED, set(names.values()) - DECAYED - NOT_DECAYED
+    for path, decayed in mask.items():
+        assert bool(decayed) == (names[path] in DECAYED), jax.tree_util.keystr(path)
+
+
+def test_adamw_leaves_biases_and_scales_alone():
+    """One step with zero gradients: only weight decay moves anything, and only the matrices."""
+    cfg = ModelConfig(vocab_size=32, d_model=16, num_layers=1, q_heads=2, kv_heads=1, head_dim=8, d_ff=32,
+                      attention_bias=True, gate=GateSpec())
     params = nnx.split(trainer.Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)[1]
-    flat = {tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)): v
-            for path, v in jax.tree_util.tree_leaves_with_path(optim.decay_mask(params))}
-    assert not flat[("blocks", "attn_norm", "scale")] and not flat[("blocks", "attn", "sdpa_norm")]
-    assert not flat[("blocks", "attn", "q_norm")]
-    assert flat[("blocks", "attn", "wq")] and flat[("blocks", "ffn", "w1")]
+    params = jax.tree.map(lambda x: x + 0.5, params)  # biases start at 0: make any decay visible
+    tx = optim.optimizer(TrainConfig(steps=10, warmup_steps=0, learning_rate=0.1, weight_decay=0.5))
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    after = optax.apply_updates(params, updates)
+    moved = {".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in p if not isinstance(k, jax.tree_util.GetAttrKey)):
+             bool(jnp.any(a != b)) for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(after), jax.tree.leaves(params))}
+    assert moved["blocks.0.attn.wq"] and moved["embed"] and moved["blocks.0.attn.gate.w"], moved
+    for name in ("bq", "bk", "bv", "bo", "gate.b"):
+        assert not moved[f"blocks.0.attn.{name}"], name
+    assert not moved["final_norm.scale"] and not moved["blocks.0.attn_norm.scale"]
 
 
 def test_an_update_that_overflows_the_weights_is_skipped():

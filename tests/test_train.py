@@ -102,10 +102,8 @@ def test_divergence_stops_with_a_clear_message_and_finite_checkpoints(config_fil
     assert max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) >= 2
     code = textwrap.dedent(f"""
         import jax, numpy as np
-        from gattn import config as C
-        from gattn.train import trainer
-        cfg = C.load({str(config_file)!r})
-        model = trainer.load_model(cfg, {str(workdir)!r})
+        from gattn.train import rundir
+        model = rundir.load({str(workdir)!r}).model
         from flax import nnx
         print(all(bool(np.isfinite(x).all()) for x in jax.tree.leaves(nnx.state(model))))
         """)
@@ -168,6 +166,27 @@ def test_resume_refuses_a_different_model_and_keeps_the_checkpoint(config_file, 
     assert losses(workdir)[0] == list(range(1, 9))
 
 
+def test_resume_with_other_execution_settings_continues(config_file, tmp_path):
+    """Execution settings are not the architecture: a run resumes under another kernel, remat and
+    block layout (scanned), and continues as a plain resume of the same run does."""
+    plain, moved = tmp_path / "plain", tmp_path / "moved"
+    for workdir in (plain, moved):
+        subprocess.run(train_cmd(config_file, workdir, "--steps", "6"), check=True, capture_output=True, timeout=300)
+    subprocess.run(train_cmd(config_file, plain, "--steps", "8"), check=True, capture_output=True, timeout=300)
+    out = subprocess.run(train_cmd(config_file, moved, "--steps", "8", "--config.exec.attention_impl=pallas",
+                                   "--config.exec.remat=full", "--config.exec.scan_layers=true",
+                                   "--config.exec.flash_block_q=32", "--config.exec.flash_block_k=32"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    steps, rows = losses(moved)
+    assert steps == list(range(1, 9))
+    expected = losses(plain)[1]
+    for step in (7, 8):  # the same weights and data; another kernel and layout may round differently
+        np.testing.assert_allclose(rows[step]["loss"], expected[step]["loss"], rtol=1e-5)
+    saved = json.loads((moved / "config.json").read_text())
+    assert saved["exec"]["attention_impl"] == "pallas" and saved["exec"]["scan_layers"] is True
+
+
 def test_moe_run_logs_its_auxiliary_losses(config_file, tmp_path):
     """train.py on a MoE model: metrics.jsonl carries the MoE aux values beside the LM loss."""
     work = tmp_path / "moe"
@@ -190,17 +209,16 @@ def test_continued_training_starts_from_another_runs_parameters(config_file, tmp
     import jax
     from flax import nnx
 
-    from gattn import config as config_lib
-    from gattn.train import init_from
-    from gattn.train import trainer
+    from gattn import cli
     from gattn.config import ConfigError
+    from gattn.train import init_from, rundir, trainer
 
     base, ext = tmp_path / "base", tmp_path / "ext"
-    trainer.train(config_lib.load(config_file, ["train.steps=6"]), base, progress=False)
+    trainer.train(cli.load(config_file, ["train.steps=6"]), base, progress=False)
     for extra, field, names in ((["model.d_ff=96"], "model.d_ff", ("has 64",)),
                                 (["model.ffn_activation=gelu"], "model.ffn_activation", ("'silu'",)),
                                 (["train.init_step=4"], "train.init_step", ("6]",))):
-        bad = config_lib.load(config_file, [f"train.init_from={base}", "train.steps=4", *extra])
+        bad = cli.load(config_file, [f"train.init_from={base}", "train.steps=4", *extra])
         with pytest.raises(ConfigError) as e:
             trainer.train(bad, tmp_path / "bad", progress=False)
         assert e.value.field == field and all(n in e.value.allowed for n in names), e.value
@@ -208,7 +226,7 @@ def test_continued_training_starts_from_another_runs_parameters(config_file, tmp
 
     subprocess.run(train_cmd(config_file, ext, "--init-from", base, "--steps", "4", "--config.model.rope_base=1e6",
                              "--config.train.seq_len=64"), check=True, capture_output=True, timeout=300)
-    cfg = config_lib.load_run(ext)
+    cfg = rundir.read_config(ext)
     assert (cfg.model.rope_base, cfg.train.seq_len, cfg.train.init_from) == (1e6, 64, str(base))
     (src_tok,) = (base / "tokenizer").glob("*.model")
     assert (ext / "tokenizer" / "init_from.model").read_bytes() == src_tok.read_bytes()
@@ -216,7 +234,7 @@ def test_continued_training_starts_from_another_runs_parameters(config_file, tmp
     # What the run started from is the source's step-6 parameters, exactly.
     _, state = trainer.init_state(cfg)
     start = init_from.params(cfg, state["params"], init_from.check(cfg))
-    src = nnx.state(trainer.load_model(config_lib.load_run(base), base), nnx.Param)
+    src = nnx.state(rundir.load(base).model, nnx.Param)
     jax.tree.map(np.testing.assert_array_equal, start, src)
     first = losses(ext)[1][1]["loss"]
     assert first < losses(base)[1][1]["loss"]  # not a fresh start

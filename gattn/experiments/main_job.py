@@ -1,12 +1,15 @@
 """The main job: baseline vs SDPA-gated attention, trained on the embedded corpus, side by side.
 
     python -m gattn.main_job [--workdir workdir/main] [--variants baseline,sdpa_elementwise]
-                             [--config configs/tiny.py] [--steps N] [--config.FIELD=VALUE ...]
+                             [--config configs/tiny.py] [--steps N] [--quiet] [--config.FIELD=VALUE ...]
 
-Each variant trains in WORKDIR/VARIANT with identical data, seed and budget (rerunning resumes or
-skips finished runs), then is measured on held-out text from the real forward pass: perplexity
-per domain, loss spikes, mean gate score, F-Attn (attention on the row's first token) and M-Act
-(max hidden activation). The table is printed and written to WORKDIR/results.json.
+A preset of the study runner (gattn.experiments.study): one seed, the config file's model and
+budget, each variant trained in WORKDIR/VARIANT with identical data, seed and budget (rerunning
+skips finished runs and resumes an interrupted one), then measured on held-out text from the real
+forward pass: perplexity per domain, loss spikes, mean gate score, F-Attn (attention on the row's
+first token) and M-Act (max hidden activation). The table is printed and written to
+WORKDIR/results.json. `python eval.py --compare WORKDIR/baseline WORKDIR/sdpa_elementwise` adds
+figures.
 """
 
 from __future__ import annotations
@@ -15,22 +18,13 @@ import argparse
 import json
 from pathlib import Path
 
+from gattn import cli
+from gattn.experiments import study as study_lib
+from gattn.experiments.study.report import MEASURED
 
-from gattn.eval import analysis
-from gattn.train import trainer
-from gattn import config as config_lib
-from gattn.data import pipeline
-from gattn.data.tokenizer import load_tokenizer
-from gattn.model.params import count_params
-from gattn.cli import ensure_malloc_tunables
-
-
-def measure(cfg, workdir: Path) -> dict:
-    """Gate score, F-Attn, sink-head share and M-Act on the first held-out batch of every domain."""
-    model = trainer.load_model(cfg, workdir)
-    batches = pipeline.validation_batches(cfg, load_tokenizer(cfg, workdir), workdir)
-    overall = analysis.measure(model, [b[0] for b in batches.values()])["overall"]
-    return {k: overall[k] for k in ("gate_score", "f_attn", "sink_head_share", "m_act") if k in overall}
+# The keys of a results.json row (a diverged run's: variant, params, diverged).
+KEYS = ("variant", "params", "step", "completed", "final_loss", "skipped_steps", "loss_spikes", "tokens_per_sec",
+        *MEASURED)
 
 
 def main(argv=None):
@@ -40,31 +34,28 @@ def main(argv=None):
     ap.add_argument("--variants", default="baseline,sdpa_elementwise")
     ap.add_argument("--steps", type=int, help="training steps per variant (sets train.steps)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
-    args, overrides = config_lib.parse_args(ap, argv, steps_set_train_steps=True)
-    names = args.variants.split(",")
-    cfgs = {n: config_lib.load(args.config, overrides, variant=n) for n in names}  # all checked first
-    rows = []
-    for name, cfg in cfgs.items():
-        workdir = Path(args.workdir) / name
-        print(f"== {name}: {count_params(cfg.model):,} parameters, {cfg.train.steps} steps of "
-              f"{cfg.train.batch_size}x{cfg.train.seq_len} tokens -> {workdir}", flush=True)
-        try:
-            summary = trainer.train(cfg, workdir, progress=not args.quiet)
-        except trainer.TrainingStopped as e:  # the paper's high-LR baselines do this
-            print(f"{name} diverged: {e}", flush=True)
-            rows.append({"variant": name, "params": count_params(cfg.model), "diverged": True})
-            continue
-        if not summary["completed"]:  # SIGTERM: the checkpoint is saved; a rerun resumes
-            print(f"{name} stopped at step {summary['step']}; rerun the same command to resume.")
-            return 1
-        tok_s = [json.loads(line).get("tokens_per_sec") for line in
-                 (workdir / "metrics.jsonl").read_text().splitlines()]
-        rows.append({"variant": name, "params": count_params(cfg.model), **summary,
-                     "tokens_per_sec": tok_s[-1] if tok_s else None, **measure(cfg, workdir)})
+    args, overrides = cli.parse_args(ap, argv, steps_set_train_steps=True)
+    study = study_lib.comparison(args.config, args.variants.split(","), overrides, description="the main job",
+                                 sink_points=2, measure_batches=1)
+    t = study.base.train
+    print(f"== {', '.join(study.variants)}: {t.steps} steps of {t.batch_size}x{t.seq_len} tokens each "
+          f"-> {args.workdir}/VARIANT", flush=True)
+    records = study_lib.run_cells(study, args.workdir, progress=not args.quiet)
+    if records is None:  # SIGTERM: the checkpoint is saved; the runner said to rerun
+        return 1
+    rows = [row(study_lib.cell_row(study, r, Path(args.workdir))) for r in records]
     Path(args.workdir, "results.json").write_text(json.dumps(rows, indent=2))
     print()
     print(table(rows))
     return 0
+
+
+def row(cell: dict) -> dict:
+    """A results.json row: `KEYS` and the validation loss and perplexity per domain."""
+    if cell.get("diverged"):
+        return {"variant": cell["variant"], "params": cell["params"], "diverged": True, "reason": cell["diverged"]}
+    return {**{k: cell[k] for k in KEYS if k in cell}, "completed": True,
+            **{k: v for k, v in cell.items() if k.startswith(("val_loss/", "val_ppl/"))}}
 
 
 def table(rows: list[dict]) -> str:
@@ -82,6 +73,7 @@ def table(rows: list[dict]) -> str:
               ("tokens/s", lambda r: f"{r['tokens_per_sec']:,.0f}" if r["tokens_per_sec"] else "-")]
     out = ["| | " + " | ".join(r["variant"] for r in rows) + " |",
            "|---|" + "---|" * len(rows)]
+
     def cell(fmt, r):
         if r.get("diverged"):
             return "diverged"
@@ -95,5 +87,4 @@ def table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    ensure_malloc_tunables()
-    raise SystemExit(config_lib.run_cli(main))
+    cli.run_entry_point(main)

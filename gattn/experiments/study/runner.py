@@ -1,0 +1,157 @@
+"""Running a study: each cell trained by the one training loop (gattn.train.trainer), measured as
+eval.py measures (gattn.eval.evaluate) plus F-Attn at its checkpoints, and marked finished by its
+cell.json; a rerun skips finished cells and resumes the unfinished one."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from gattn.config import ConfigError, Config, flat_fields, from_dict, to_dict
+from gattn.experiments.study.spec import Cell, Study, cell_config, cells, describe, planned_steps
+
+STOPPED = "stopped (SIGTERM); rerun the same command to resume"
+
+
+def _share(workdir: Path, shared: Path) -> None:
+    """The cell reads the study's one tokenizer and prepared dataset (relative symlinks, so the
+    study folder can move)."""
+    for name in ("tokenizer", "tfds"):
+        (shared / name).mkdir(parents=True, exist_ok=True)
+        link = workdir / name
+        if not link.is_symlink():
+            link.symlink_to(os.path.relpath(shared / name, workdir), target_is_directory=True)
+
+
+def read_metrics(workdir: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl (none if it has none)."""
+    path = Path(workdir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _losses(workdir: Path) -> dict:
+    rows = read_metrics(workdir)
+    steps = [r["step"] for r in rows]
+    spikes, before = [], 0
+    for r in rows:  # the logged count rises at each spike (logged every step in a study)
+        if r.get("loss_spikes", 0) > before:
+            spikes.append(r["step"])
+        before = r.get("loss_spikes", before)
+    # (a non-finite loss is logged as null)
+    loss = [r["loss"] if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"]) else None
+            for r in rows]
+    return {"steps": steps, "loss": loss, "spike_steps": spikes}
+
+
+def _sink_curve(cfg: Config, workdir: Path, max_batches: int) -> list[dict]:
+    """F-Attn and M-Act at the planned checkpoints, restored as eval.py restores them (the one
+    loader, gattn.train.rundir), on the batches the table's measurements use."""
+    from gattn.data import pipeline  # noqa: PLC0415
+    from gattn.data.tokenizer import load_tokenizer  # noqa: PLC0415
+    from gattn.eval import analysis  # noqa: PLC0415
+    from gattn.train import checkpoint, rundir  # noqa: PLC0415
+
+    batches = pipeline.validation_batches(cfg, load_tokenizer(cfg, workdir), workdir)
+    chosen = [b for d in sorted(batches) for b in batches[d][:max_batches]]
+    out = []
+    for step in sorted(set(checkpoint.saved_steps(workdir)) & set(planned_steps(cfg))):
+        model = rundir.load(workdir, step).model
+        overall = analysis.measure(model, chosen)["overall"]
+        out.append({"step": step, "tokens": step * cfg.train.batch_size * cfg.train.seq_len,
+                    "f_attn": overall["f_attn"], "m_act": overall["m_act"]})
+    return out
+
+
+def run_cell(study: Study, cell: Cell, root: Path, *, shared: Path | None = None,
+             progress: bool = False) -> dict | None:
+    """Trains and measures one cell (or returns its record if it is finished); None if training
+    was stopped by SIGTERM (its checkpoint is saved: rerunning resumes it)."""
+    from gattn.eval import evaluate  # noqa: PLC0415
+    from gattn.train import trainer  # noqa: PLC0415
+
+    workdir = root / cell.path
+    done = workdir / "cell.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    cfg = cell_config(study, cell)
+    workdir.mkdir(parents=True, exist_ok=True)
+    _share(workdir, shared or root / "shared")
+    record = {"variant": cell.variant, "lr": cell.lr, "seed": cell.seed, "path": str(cell.path)}
+    start = time.perf_counter()
+    try:
+        summary = trainer.train(cfg, workdir, progress=progress)
+        if not summary["completed"]:
+            return None
+        record.update(loss_spikes=summary["loss_spikes"], skipped_steps=summary["skipped_steps"], diverged=None)
+    except trainer.TrainingStopped as e:
+        record["diverged"] = f"training stopped: {e}"
+    record["losses"] = _losses(workdir)
+    finite = [x for x in record["losses"]["loss"] if x is not None]
+    record["final_loss"] = finite[-1] if finite else None  # (a skipped step's NaN is not the result)
+    if not record["diverged"] and (not finite or finite[-1] > study.divergence_threshold):
+        record["diverged"] = f"final loss above {study.divergence_threshold:.3f}" if finite else "no finite loss"
+    trained = time.perf_counter()
+    if not record["diverged"]:
+        res = evaluate.evaluate(workdir, max_batches=study.measure_batches, figures=False)
+        record["perplexity"] = {d: v["ppl"] for d, v in res["perplexity"].items()}
+        record["measurements"] = res["measurements"]
+        record["sink_curve"] = _sink_curve(cfg, workdir, study.measure_batches)
+    # Wall time of this session's part (a resumed cell counts from its resume).
+    record["seconds"] = {"train": trained - start, "measure": time.perf_counter() - trained}
+    tmp = done.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, done)  # atomic: a cell is finished or not
+    return record
+
+
+def run_cells(study: Study, root: str | Path, *, shared: str | Path | None = None, progress: bool = False,
+              log=print) -> list[dict] | None:
+    """Runs every cell in turn (finished ones are skipped) in `root`, all reading one tokenizer
+    and dataset in `shared` (default ROOT/shared); their records, or None if a cell was stopped
+    by SIGTERM."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _check_same_study(study, root)
+    (root / "study.json").write_text(json.dumps(describe(study), indent=2))
+    records, grid = [], cells(study)
+    for i, cell in enumerate(grid, 1):
+        finished = (root / cell.path / "cell.json").is_file()
+        log(f"[{i}/{len(grid)}] {cell.variant} lr={cell.lr:g} seed={cell.seed}: "
+            + ("finished earlier, skipped" if finished else "training"), flush=True)
+        rec = run_cell(study, cell, root, shared=Path(shared) if shared else None, progress=progress)
+        if rec is None:
+            log(STOPPED, flush=True)
+            return None
+        records.append(rec)
+    return records
+
+
+def run(study: Study, root: str | Path, *, progress: bool = False, log=print) -> dict | None:
+    """Runs every cell in turn (finished ones are skipped), then writes the report. None if a
+    cell was stopped by SIGTERM."""
+    from gattn.experiments.study.report import write_report  # noqa: PLC0415
+
+    records = run_cells(study, root, progress=progress, log=log)
+    return None if records is None else write_report(study, records, Path(root))
+
+
+def _check_same_study(study: Study, root: Path) -> None:
+    """A study directory continues only the study it was started with: finished cells of another
+    budget, model or data would be mixed into the report."""
+    path = root / "study.json"
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    try:  # a study.json written before a config schema change: its base as the schema reads it now
+        old["base"] = to_dict(from_dict(Config, old["base"]))
+    except (ConfigError, KeyError, TypeError):
+        pass
+    old, new = flat_fields(old), flat_fields(describe(study))
+    changed = sorted(k for k in set(old) | set(new) if k != "description" and old.get(k) != new.get(k))
+    if changed:
+        k = changed[0]
+        raise ConfigError(k, new.get(k), f"{root} holds a study run with {k} = {old.get(k)!r} "
+                          f"({len(changed)} field(s) differ): rerun it unchanged, or use a new --workdir")

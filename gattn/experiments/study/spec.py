@@ -1,0 +1,213 @@
+"""What a study is: the `Study` grid, its cells and their configs, and the study file that defines
+it (`get_study() -> Study`, a path or a preset name under gattn/configs/study/)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import string
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from gattn import cli, variants
+from gattn.config import Config, ConfigError, to_dict
+from gattn.experiments.study.claims import CLAIMS, GATED, PAPER_GATED, PAPER_REFERENCE, REFERENCE, Claim
+
+CELL_FIELDS = ("variant", "lr", "seed")  # the names a `cell_dir` template may use
+# What a study directory holds besides its cells (a cell directory may not start with these).
+STUDY_FILES = ("shared", "figures", "study.json", "report.json", "report.md", "results.json")
+
+
+@dataclass(frozen=True)
+class Study:
+    """A grid of runs. `base` sets the model size, data and token budget (train.steps x
+    batch_size x seq_len); each cell applies a variant, a learning rate and a seed to it."""
+
+    base: Config
+    variants: tuple[str, ...] = ("baseline", "sdpa_elementwise")
+    seeds: tuple[int, ...] = (0, 1, 2)
+    learning_rates: tuple[float, ...] = ()  # () = base.train.learning_rate only
+    # A run diverged if training stopped on non-finite losses, or if its final training loss is
+    # above this (0: ln(vocab_size), the loss of a uniform guess; inf: only a stop counts).
+    diverged_loss: float = 0.0
+    sink_points: int = 4                     # checkpoints at which F-Attn is measured (vs tokens)
+    measure_batches: int = 2                 # held-out batches per domain for the measurements
+    description: str = ""
+    # Where each cell trains, under the study directory: a template of {variant}, {lr} and {seed}
+    # ({lr} and {seed} required when the study has several of them).
+    cell_dir: str = "runs/{variant}/lr_{lr:g}/seed_{seed}"
+    # The claims and their verdicts (claims.py): a table of claims whose pairs name variants, or
+    # the roles GATED and REFERENCE, which are these two variants.
+    claims: tuple[Claim, ...] = CLAIMS
+    gated: str = PAPER_GATED
+    reference: str = PAPER_REFERENCE
+    # `--config.FIELD=VALUE` overrides applied to each cell after its variant, so that an override
+    # can tweak a variant (as train.py's `--variant X --config.model.gate...` does). A study file's
+    # command-line overrides apply to `base` instead (see `load`).
+    overrides: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.base, Config):
+            raise ConfigError("base", self.base, "expected a gattn.config.Config")
+        if not self.variants or len(set(self.variants)) != len(self.variants):
+            raise ConfigError("variants", self.variants, "expected distinct registered variant names")
+        for field in ("variants", "gated", "reference"):
+            for v in (self.variants if field == "variants" else (getattr(self, field),)):
+                if v not in variants.REGISTRY:
+                    raise ConfigError(field, v, f"expected registered names ({', '.join(variants.REGISTRY)})")
+        if self.gated == self.reference:
+            raise ConfigError("gated", self.gated, "expected a variant other than `reference`")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or \
+                any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in self.seeds):
+            raise ConfigError("seeds", self.seeds, "expected distinct integers >= 0")
+        if any(not isinstance(lr, (int, float)) or not lr > 0 for lr in self.learning_rates) or \
+                len(set(self.learning_rates)) != len(self.learning_rates):
+            raise ConfigError("learning_rates", self.learning_rates, "expected distinct numbers > 0, or ()")
+        if not isinstance(self.diverged_loss, (int, float)) or not self.diverged_loss >= 0:
+            raise ConfigError("diverged_loss", self.diverged_loss, "expected a number >= 0 (0: ln(vocab_size))")
+        steps = self.base.train.steps
+        if not isinstance(self.sink_points, int) or not 1 <= self.sink_points <= steps:
+            raise ConfigError("sink_points", self.sink_points, f"expected an integer in [1, train.steps={steps}]")
+        if not isinstance(self.measure_batches, int) or self.measure_batches < 1:
+            raise ConfigError("measure_batches", self.measure_batches, "expected an integer >= 1")
+        if not isinstance(self.claims, tuple) or not all(isinstance(c, Claim) for c in self.claims) or \
+                len({c.key for c in self.claims}) != len(self.claims):
+            raise ConfigError("claims", self.claims, "expected a tuple of Claims with distinct keys")
+        if not isinstance(self.overrides, tuple) or not all(isinstance(o, str) for o in self.overrides):
+            raise ConfigError("overrides", self.overrides, "expected a tuple of 'FIELD=VALUE' strings")
+        _check_cell_dir(self)
+        for cell in cells(self):  # every cell's config is checked before anything trains
+            cell_config(self, cell)
+
+    @property
+    def lrs(self) -> tuple[float, ...]:
+        return tuple(float(x) for x in self.learning_rates) or (self.base.train.learning_rate,)
+
+    @property
+    def reference_lr(self) -> float:
+        """The learning rate of the tables and the per-variant claims: the base config's when it
+        is in the sweep, else the sweep's first."""
+        return self.base.train.learning_rate if self.base.train.learning_rate in self.lrs else self.lrs[0]
+
+    @property
+    def divergence_threshold(self) -> float:
+        return self.diverged_loss or math.log(self.base.model.vocab_size)
+
+    @property
+    def tokens(self) -> int:
+        t = self.base.train
+        return t.steps * t.batch_size * t.seq_len
+
+    @property
+    def roles(self) -> dict[str, str]:
+        """The variants the claims' roles stand for."""
+        return {GATED: self.gated, REFERENCE: self.reference}
+
+
+@dataclass(frozen=True)
+class Cell:
+    variant: str
+    lr: float
+    seed: int
+    path: Path  # relative to the study directory (`Study.cell_dir`)
+
+
+def _cell_path(template: str, variant: str, lr: float, seed: int) -> Path:
+    return Path(template.format(variant=variant, lr=lr, seed=seed))
+
+
+def cells(study: Study) -> list[Cell]:
+    """In training order: learning rate, then variant, then seed."""
+    return [Cell(v, lr, s, _cell_path(study.cell_dir, v, lr, s))
+            for lr in study.lrs for v in study.variants for s in study.seeds]
+
+
+def _check_cell_dir(study: Study) -> None:
+    """A relative template naming each cell's own directory (none shared, none outside)."""
+    template = study.cell_dir
+
+    def bad(why):
+        return ConfigError("cell_dir", template, why)
+
+    if not isinstance(template, str) or not template:
+        raise bad("expected a path template such as 'runs/{variant}/lr_{lr:g}/seed_{seed}'")
+    try:
+        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        raise bad(f"expected a format string ({e})") from None
+    if names - set(CELL_FIELDS):
+        raise bad(f"expected only the fields {{variant}}, {{lr}} and {{seed}}, not {sorted(names - set(CELL_FIELDS))}")
+    for name, several in (("variant", True), ("lr", len(study.lrs) > 1), ("seed", len(study.seeds) > 1)):
+        if several and name not in names:
+            raise bad(f"expected {{{name}}} in it" + {"variant": "", "lr": " (the study has several learning rates)",
+                                                      "seed": " (the study has several seeds)"}[name])
+    try:
+        paths = [c.path for c in cells(study)]
+    except (ValueError, KeyError, IndexError, AttributeError) as e:
+        raise bad(f"could not format it ({e})") from None
+    for p in paths:
+        pure = PurePosixPath(p.as_posix())
+        if pure.is_absolute() or ".." in pure.parts or not pure.parts or pure.parts[0] in STUDY_FILES:
+            raise bad(f"gives {str(p)!r}: expected a relative directory inside the study's, "
+                      f"apart from {', '.join(STUDY_FILES)}")
+    if len(set(paths)) != len(paths):
+        raise bad("gives two cells the same directory (use {lr} with a format that tells the rates apart)")
+
+
+def cell_config(study: Study, cell: Cell) -> Config:
+    base = study.base
+    t = base.train
+    every = max(1, t.steps // study.sink_points)
+    train = dataclasses.replace(
+        t, seed=cell.seed, learning_rate=cell.lr, min_learning_rate=t.min_learning_rate * cell.lr / t.learning_rate,
+        log_every=1, checkpoint_every=every, keep_checkpoints=study.sink_points + 6,  # (+ SIGTERM saves)
+        eval_every=t.steps)  # (validated once at the end; the cell's measurements follow)
+    cfg = dataclasses.replace(base, model=variants.apply(cell.variant, base.model), train=train, variant=cell.variant)
+    return cli.apply_overrides(cfg, list(study.overrides)) if study.overrides else cfg
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> Study:
+    """`get_study()` of a study file (or a preset's, by name: `table4_tiny`), with
+    `--config.FIELD=VALUE` overrides applied to its base config (sizes, steps, data) and checked."""
+    path = cli.resolve(path, "study", kind="study")
+    study = cli.call_file(path, "get_study", "study", "Study")
+    if not isinstance(study, Study):
+        raise ConfigError("study", str(path), "get_study() must return a gattn.experiments.study.Study")
+    if overrides:
+        study = dataclasses.replace(study, base=cli.apply_overrides(study.base, list(overrides)))
+    return study
+
+
+def comparison(config: str | Path, names: list[str], overrides: list[str] = (), *, sink_points: int = 1,
+               **fields) -> Study:
+    """A one-seed study of variants side by side (the main job, the demo): `config` (a config
+    file or preset) with the overrides is the base; each variant is applied to the config file's
+    model and then the overrides, as train.py's --variant does; each cell trains in DIR/VARIANT;
+    a run counts as diverged only when training stopped on non-finite losses; F-Attn is measured
+    at `sink_points` checkpoints (fewer if there are fewer steps). `fields`: other Study fields."""
+    if any(o.removeprefix("--").removeprefix("config.").startswith("variant=") for o in overrides):
+        raise ConfigError("--config.variant", None, "choose the variants with --variants a,b")
+    base = cli.load(config, overrides)
+    return Study(**{"base": base, "variants": tuple(names), "seeds": (base.train.seed,), "cell_dir": "{variant}",
+                    "diverged_loss": math.inf, "overrides": tuple(overrides),
+                    "sink_points": min(sink_points, base.train.steps), **fields})
+
+
+def describe(study: Study) -> dict:
+    """The study as study.json (and report.json) hold it: what a continued run must share."""
+    t = study.base.train
+    out = {"description": study.description, "variants": list(study.variants), "seeds": list(study.seeds),
+           "learning_rates": list(study.lrs), "reference_lr": study.reference_lr,
+           "steps": t.steps, "batch_size": t.batch_size, "seq_len": t.seq_len, "tokens": study.tokens,
+           "diverged_loss": study.divergence_threshold, "base": to_dict(study.base)}
+    if study.overrides:
+        out["overrides"] = list(study.overrides)
+    return json.loads(json.dumps(out))
+
+
+def planned_steps(cfg: Config) -> list[int]:
+    """The checkpoints the F-Attn curve is measured at: the first step, every checkpoint_every
+    steps, the last (a SIGTERM's extra checkpoint is left out, so seeds share their steps)."""
+    t = cfg.train
+    return sorted({1, t.steps, *range(t.checkpoint_every, t.steps + 1, t.checkpoint_every)})
