@@ -29,12 +29,10 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh
 
-from gattn import config as config_lib
-from gattn.train import optim
-from gattn.model import params
-from gattn.model import sharding
-from gattn.train import trainer
+from gattn import cli
+from gattn.model import params, sharding
 from gattn.model.transformer import Transformer
+from gattn.train import optim, trainer
 
 HBM_GIB = {"TPU v5 lite": 16, "TPU v5": 95, "TPU v5p": 95, "TPU v6 lite": 32, "TPU v4": 32}
 
@@ -47,7 +45,7 @@ def compile_step(cfg, topology: str, mesh_shape: tuple[int, int, int], batch_per
                 axis_types=(AxisType.Auto,) * 3)
     tx = optim.optimizer(cfg.train)
     graphdef, abstract_params = nnx.split(
-        nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))), nnx.Param)
+        nnx.eval_shape(lambda: Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(0))), nnx.Param)
     shardings = trainer.state_shardings(tx, abstract_params, mesh)
     state = jax.eval_shape(lambda p: {"step": jnp.zeros((), jnp.int32), "params": p,
                                       "opt_state": tx.init(p)}, abstract_params)
@@ -78,13 +76,13 @@ def report(compiled, kind: str) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="moe_15a2b")
+    ap.add_argument("--preset", default="moe_15a2b", help=f"one of {', '.join(cli.presets())}, or a config file")
     ap.add_argument("--variant", default=None)
     ap.add_argument("--topology", default="v5p:4x4x2")
     ap.add_argument("--mesh", default="4,8,1", help="data,expert,model")
     ap.add_argument("--batch-per-device", type=int, default=1)
-    args, overrides = config_lib.parse_args(ap, argv)
-    cfg = config_lib.load(params.preset_path(args.preset), overrides, variant=args.variant)
+    args, overrides = cli.parse_args(ap, argv)
+    cfg = cli.load(args.preset, overrides, variant=args.variant)
     mesh_shape = tuple(int(x) for x in args.mesh.split(","))
     compiled, kind, rows, seconds = compile_step(cfg, args.topology, mesh_shape, args.batch_per_device)
     out = {"preset": args.preset, "variant": cfg.variant, "topology": args.topology, "device": kind,
@@ -96,4 +94,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(config_lib.run_cli(main))
+    raise SystemExit(cli.run_cli(main))

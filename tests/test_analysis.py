@@ -9,12 +9,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from gattn.config import ExecConfig, GateSpec, MoESpec
 from gattn.eval import analysis
-from gattn.config import GateSpec, MoESpec, ModelConfig
 from gattn.model.transformer import Transformer
 
-TINY = ModelConfig(vocab_size=61, d_model=32, num_layers=3, q_heads=4, kv_heads=2, head_dim=8,
-                   d_ff=64, attention_block_q=4)
+from conftest import tiny_model
+
+TINY = tiny_model(num_layers=3)
+EX = ExecConfig(attention_block_q=4)  # 12-token rows run through 3 causal query blocks
+
+
+def build(cfg, seed=0, **exec_changes):
+    return Transformer(cfg, dataclasses.replace(EX, **exec_changes), rngs=nnx.Rngs(seed))
 
 
 def test_first_token_attention_is_the_hand_computation_on_packed_rows():
@@ -119,15 +125,15 @@ GATES = [None, GateSpec(), GateSpec(position="value", granularity="headwise"),
 
 @pytest.mark.parametrize("gate", GATES + ["moe", "remat"])
 def test_m_act_and_gate_score_equal_direct_computations(gate):
-    cfg = dataclasses.replace(TINY, gate=GateSpec())
+    cfg, remat = dataclasses.replace(TINY, gate=GateSpec()), "none"
     if gate == "moe":
         cfg = dataclasses.replace(cfg, moe=MoESpec(num_experts=4, top_k=2, expert_width=16))
     elif gate == "remat":
-        cfg = dataclasses.replace(cfg, remat="full")
+        remat = "full"
     else:
         cfg = dataclasses.replace(TINY, gate=gate)
     gate = cfg.gate
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = build(cfg, remat=remat)
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, TINY.vocab_size)
     before = np.asarray(model(tokens))
     r = analysis.summarize(model, tokens)
@@ -152,7 +158,7 @@ def test_gated_sparsity_is_what_the_gate_returns():
     cfg = dataclasses.replace(TINY, gate=GateSpec(input_dependent=False))
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, TINY.vocab_size)
     for theta, gated_share in ((-40.0, 1.0), (40.0, None)):
-        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        model = build(cfg)
         for blk in model.blocks:
             blk.attn.gate.theta[...] = jnp.full_like(blk.attn.gate.theta[...], theta)
         for row in analysis.summarize(model, tokens)["per_layer"]:
@@ -163,7 +169,7 @@ def test_gated_sparsity_is_what_the_gate_returns():
 
 def test_measure_streams_batches_and_leaves_padding_out():
     """Two batches accumulate like one; padded tokens (segment 0) change nothing."""
-    model = Transformer(dataclasses.replace(TINY, gate=GateSpec()), rngs=nnx.Rngs(0))
+    model = build(dataclasses.replace(TINY, gate=GateSpec()))
     tok = np.asarray(jax.random.randint(jax.random.key(2), (4, 13), 0, TINY.vocab_size))
     seg = np.ones_like(tok)
     pos = np.broadcast_to(np.arange(13), tok.shape)
@@ -198,7 +204,7 @@ def test_window_perplexity_is_the_mean_next_token_loss_of_each_window():
     """Three windows of 8 (+1) tokens cut from a 30-token stream, each read from position 0: the
     perplexities equal exp of the mean loss computed from the logits directly; query-chunked
     attention gives the same; a stream shorter than one window gives None."""
-    model = Transformer(TINY, rngs=nnx.Rngs(2))
+    model = build(TINY, seed=2)
     stream = np.random.default_rng(3).integers(0, TINY.vocab_size, 30)
     got = analysis.window_perplexity(model, stream, 8)
     nll = []
@@ -210,6 +216,6 @@ def test_window_perplexity_is_the_mean_next_token_loss_of_each_window():
     assert got["windows"] == 3
     assert got["ppl"] == pytest.approx(np.exp(nll.mean()), rel=1e-5)
     assert got["ppl_second_half"] == pytest.approx(np.exp(nll[:, 4:].mean()), rel=1e-5)
-    chunked = Transformer(dataclasses.replace(TINY, attention_query_chunk=2), rngs=nnx.Rngs(2))
+    chunked = build(TINY, seed=2, attention_query_chunk=2)
     assert analysis.window_perplexity(chunked, stream, 8)["ppl"] == pytest.approx(got["ppl"], rel=1e-5)
     assert analysis.window_perplexity(model, stream[:8], 8) is None

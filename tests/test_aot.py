@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gattn import config as config_lib
+from gattn import cli
 from gattn.model import params
 
 _spec = importlib.util.spec_from_file_location(
@@ -26,7 +26,7 @@ _spec.loader.exec_module(aot)
                  marks=pytest.mark.slow),  # a 32k row through the Pallas kernel: ~40 s
 ])
 def test_preset_train_step_compiles_for_tpu_and_fits(preset, overrides, topology, mesh):
-    cfg = config_lib.load(params.preset_path(preset), overrides, variant="sdpa_elementwise")
+    cfg = cli.load(preset, overrides, variant="sdpa_elementwise")
     compiled, kind, rows, _ = aot.compile_step(cfg, topology, mesh, batch_per_device=1)
     out = aot.report(compiled, kind)
     assert out["fits"] is True, out
@@ -36,13 +36,13 @@ def test_preset_train_step_compiles_for_tpu_and_fits(preset, overrides, topology
 
 
 def test_presets_have_the_papers_sizes():
-    moe = config_lib.load(params.preset_path("moe_15a2b")).model
+    moe = cli.load("moe_15a2b").model
     assert 14.5e9 < params.count_params(moe) < 15.5e9
     assert 2.4e9 < params.activated_params(moe) < 2.7e9
     for name in ("dense_1p7b", "dense_1p7b_48l"):
-        dense = config_lib.load(params.preset_path(name)).model
+        dense = cli.load(name).model
         assert 1.65e9 < params.count_params(dense) == params.activated_params(dense) < 1.8e9
-    assert config_lib.load(params.preset_path("dense_1p7b_48l")).model.num_layers == 48
-    dense, ext = (config_lib.load(params.preset_path(n)) for n in ("dense_1p7b", "extend_1p7b_32k"))
+    assert cli.load("dense_1p7b_48l").model.num_layers == 48
+    dense, ext = (cli.load(n) for n in ("dense_1p7b", "extend_1p7b_32k"))
     assert ext.model == dense.model and ext.train.seq_len == 32_768  # init_from accepts it
     assert 75e9 < ext.train.batch_size * ext.train.seq_len * ext.train.steps < 85e9  # ~80B tokens

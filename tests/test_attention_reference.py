@@ -24,16 +24,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gattn.model.attention import Attention
-from gattn.config import GateSpec, ModelConfig, SwitchHeadsSpec
+from gattn.config import ExecConfig, GateSpec, SwitchHeadsSpec
 from gattn.kernels import attention_xla
+from gattn.model.attention import Attention
+from gattn.model.capture import NOTHING, Capture
+
+from conftest import tiny_model
 
 RTOL, ATOL = 1e-4, 1e-5
 
 # Small but non-trivial: 4 query heads over 2 kv heads, head_dim 8, d_model 16. A large init_std
 # makes the gate logits O(1), so sigmoid/silu are far from their linear regime around 0.
-BASE = ModelConfig(vocab_size=32, d_model=16, num_layers=1, q_heads=4, kv_heads=2, head_dim=8,
-                   d_ff=32, init_std=0.3, rope_base=10_000.0, norm_eps=1e-6)
+BASE = tiny_model(vocab_size=32, d_model=16, num_layers=1, q_heads=4, kv_heads=2, head_dim=8,
+                  d_ff=32, init_std=0.3, rope_base=10_000.0, norm_eps=1e-6)
 B, S = 2, 8
 
 
@@ -186,10 +189,10 @@ def f64(v):
     return np.asarray(v[...], np.float64)
 
 
-def make_attention(cfg, seed=0, *, random_theta=True):
+def make_attention(cfg, seed=0, *, random_theta=True, ex=ExecConfig()):
     """Builds the layer and replaces the ones/zeros-initialised vectors (norm scales, gate theta)
     by random values so that the reference checks how they are used."""
-    attn = Attention(cfg, rngs=nnx.Rngs(seed))
+    attn = Attention(cfg, ex, rngs=nnx.Rngs(seed))
     rng = np.random.default_rng(seed + 1000)
     for name in ("q_norm", "k_norm", "sdpa_norm"):
         if hasattr(attn, name):
@@ -226,13 +229,13 @@ def inputs(cfg, b=B, s=S, seed=0):
     return x, positions
 
 
-def run_layer(attn, x, positions, segment_ids, batch):
+def run_layer(attn, x, positions, segment_ids, batch, capture=NOTHING):
     seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    return np.asarray(attn(jnp.asarray(x), jnp.asarray(positions), seg, batch))
+    return np.asarray(attn(jnp.asarray(x), jnp.asarray(positions), seg, batch, capture))
 
 
-def assert_matches_reference(cfg, seed=0, b=B, s=S, segment_ids=None, positions=None):
-    attn = make_attention(cfg, seed)
+def assert_matches_reference(cfg, seed=0, b=B, s=S, segment_ids=None, positions=None, ex=ExecConfig()):
+    attn = make_attention(cfg, seed, ex=ex)
     x, pos = inputs(cfg, b, s, seed)
     if positions is not None:
         pos = positions
@@ -340,10 +343,10 @@ def test_gqa_kv_head_assignment_is_grouped_not_interleaved():
 def test_layer_with_positions_offset_and_blocked_queries_matches_reference():
     """Longer sequences go through the blocked causal path (block_q < S) with the same result;
     RoPE uses the given positions (here shifted per row)."""
-    cfg = dataclasses.replace(BASE, attention_block_q=4, gate=gate(position="sdpa"))
+    cfg = dataclasses.replace(BASE, gate=gate(position="sdpa"))
     b, s = 2, 16
     pos = (np.tile(np.arange(s), b) + np.repeat([0, 37], s)).astype(np.int32)
-    assert_matches_reference(cfg, seed=3, b=b, s=s, positions=pos)
+    assert_matches_reference(cfg, seed=3, b=b, s=s, positions=pos, ex=ExecConfig(attention_block_q=4))
 
 
 def test_rope_is_applied_with_the_given_positions():
@@ -365,16 +368,15 @@ def test_rope_is_applied_with_the_given_positions():
 @pytest.mark.parametrize("case", ["G1_sdpa_elementwise_sigmoid", "G2_value_headwise",
                                   "G1_sdpa_head_shared"])
 def test_sown_intermediates_match_reference(case):
-    """With collect_intermediates on, the layer sows the attention probabilities, the SDPA output
+    """Given a capture of them, the layer sows the attention probabilities, the SDPA output
     (before non-linearity and gate) and the gate scores ([N, heads, width]) the reference has."""
     cfg = dataclasses.replace(BASE, **LAYER_CASES[case])
     attn = make_attention(cfg, seed=7)
-    attn.collect_intermediates = True
-    attn.gate.collect_intermediates = True
     b, s = PACKED.shape
     x, _ = inputs(cfg, b=b, s=s, seed=7)
     pos = packed_positions(PACKED)
-    got = run_layer(attn, x, pos, PACKED, (b, s))
+    capture = Capture(attn_probs=True, sdpa_out=True, gate=True)
+    got = run_layer(attn, x, pos, PACKED, (b, s), capture)
     inter = nnx.pop(attn, nnx.Intermediate)
     trace = {}
     want = np_attention(cfg, params_of(attn), x, pos, PACKED, (b, s), trace=trace)

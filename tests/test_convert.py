@@ -19,7 +19,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from gattn.interop import convert
-from gattn.eval import evaluate
+from gattn.train import rundir
 from gattn.config import ConfigError
 from gattn.interop.convert import ConversionError
 
@@ -69,7 +69,7 @@ def hf_logits(model) -> np.ndarray:
 
 
 def gattn_logits(workdir) -> np.ndarray:
-    _, model, _ = evaluate.restore(workdir)
+    model = rundir.load(workdir).model
     return np.asarray(model(jnp.asarray(TOKENS)))
 
 
@@ -195,7 +195,7 @@ def test_llama_export_of_a_gattn_baseline_without_qk_norm(tmp_path, tokenizer_fi
 def _flat_params(workdir):
     from flax import nnx
 
-    _, model, _ = evaluate.restore(workdir)
+    model = rundir.load(workdir).model
     return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
@@ -302,7 +302,7 @@ def test_eval_and_continued_training_on_a_converted_model(tmp_path, tokenizer_fi
     import subprocess
     import sys
 
-    from gattn import config as config_lib
+    from gattn import cli
     from gattn.train import trainer
 
     model, flags = release_model("elementwise")
@@ -327,7 +327,7 @@ def test_eval_and_continued_training_on_a_converted_model(tmp_path, tokenizer_fi
     for domain, v in res["perplexity"].items():  # a random model: about uniform over 320 tokens
         assert 50 < v["ppl"] < 5000, (domain, v)
 
-    cfg = config_lib.load(run / "config.json", [f"train.init_from={run}", "train.steps=2", "train.batch_size=2",
+    cfg = cli.load(run / "config.json", [f"train.init_from={run}", "train.steps=2", "train.batch_size=2",
                                                 "train.seq_len=64", "data.eval_batches=1", "data.eval_batch_size=2",
                                                 "data.code_max_bytes=200000",
                                                 "train.eval_every=2", "train.warmup_steps=1"])
@@ -335,7 +335,7 @@ def test_eval_and_continued_training_on_a_converted_model(tmp_path, tokenizer_fi
     assert summary["completed"] and math.isfinite(summary["final_loss"])
     assert (tmp_path / "ft" / "tokenizer" / "hf" / "tokenizer.json").read_bytes() == tokenizer_file.read_bytes()
     with pytest.raises(ConfigError, match="converted from .*--init-from"):
-        trainer.train(config_lib.load_run(run, ["data.code_max_bytes=200000"]), run, progress=False)
+        trainer.train(rundir.load_config(run, ["data.code_max_bytes=200000"]), run, progress=False)
 
 
 def test_config_fields_are_read_as_transformers_5_reads_them():

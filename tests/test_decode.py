@@ -10,12 +10,13 @@ import pytest
 from flax import nnx
 
 from gattn import variants
+from gattn.config import MoESpec, YarnSpec
 from gattn.eval import decode
-from gattn.config import ModelConfig, MoESpec, YarnSpec
-from gattn.model.transformer import Transformer, unscanned
+from gattn.model.transformer import Transformer, unscanned, with_exec
 
-TINY = ModelConfig(vocab_size=96, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=16,
-                   d_ff=64, init_std=0.2)
+from conftest import tiny_model
+
+TINY = tiny_model(vocab_size=96, head_dim=16, init_std=0.2)
 MOE = dataclasses.replace(TINY, moe=MoESpec(num_experts=4, top_k=2, expert_width=32))
 PROMPTS = [[5, 17, 3], [40, 2, 9, 71, 8, 8, 30], [12, 60, 1, 44, 7]]
 ROWS = [PROMPTS[1] + [3, 50, 77], PROMPTS[2] + [88]]
@@ -100,11 +101,12 @@ def test_cached_logits_equal_the_full_forward_with_attention_biases():
 
 
 def scanned_twin(loop):
-    """The scan_layers model with `loop`'s weights, stacked."""
-    cfg = dataclasses.replace(loop.cfg, scan_layers=True)
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    """The scan_layers model with `loop`'s weights, stacked (by hand, not by `with_exec`)."""
+    ex = dataclasses.replace(loop.ex, scan_layers=True)
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(loop.cfg, ex, rngs=nnx.Rngs(0))))
     params = nnx.state(loop)
-    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[params["blocks"][i] for i in range(cfg.num_layers)])
+    layers = loop.cfg.num_layers
+    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[params["blocks"][i] for i in range(layers)])
     return nnx.merge(graphdef, params)
 
 
@@ -114,8 +116,14 @@ def test_unscanned_slices_the_stacked_layers_and_the_scanned_model_decodes():
     assert scanned.blocks.attn.wq[...].shape[0] == loop.cfg.num_layers
 
     back = unscanned(scanned)
-    assert not back.cfg.scan_layers and unscanned(back) is back
+    assert not back.ex.scan_layers and unscanned(back) is back and back.cfg == loop.cfg
     jax.tree.map(np.testing.assert_array_equal, nnx.state(back), nnx.state(loop))
+    # with_exec(..., scan_layers=True) stacks as scanned_twin does.
+    stacked = dict(nnx.to_flat_state(nnx.state(with_exec(loop, scanned.ex))))
+    want = dict(nnx.to_flat_state(nnx.state(scanned)))
+    assert stacked.keys() == want.keys()
+    for path, var in stacked.items():
+        np.testing.assert_array_equal(var[...], want[path][...], err_msg=str(path))
     tokens, valid = padded(ROWS, left=False)
     np.testing.assert_allclose(full_forward(*nnx.split(scanned), tokens, valid.astype(jnp.int32)),
                                full_forward(*nnx.split(back), tokens, valid.astype(jnp.int32)),

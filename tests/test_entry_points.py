@@ -23,16 +23,24 @@ def test_variants_cli_lists_every_variant_with_its_table_row():
     assert all(name in text for name in by_name)
 
 
-def test_demo_trains_variants_and_reports_gate_statistics():
-    out = run("-m", "gattn.demo", "--variants", "baseline,sdpa_headwise", "--steps", "3", "--json",
-              "--config.model.num_layers=1", "--config.train.seq_len=32").stdout
-    rows = json.loads(out[out.index("["):])
+def test_demo_trains_variants_and_reports_gate_statistics(tmp_path):
+    args = ("-m", "gattn.demo", "--variants", "baseline,sdpa_headwise", "--steps", "3", "--json",
+            "--workdir", str(tmp_path), "--config.model.num_layers=1", "--config.train.seq_len=32")
+    out = run(*args).stdout
+    rows = json.loads(out)                     # --json: stdout holds only the rows
     base, gated = rows
     assert "gate_score" not in base            # ungated: absent, not zero
     assert 0 < gated["gate_score"] < 1
     assert gated["added_params"] == 128 * 4    # d_model x q_heads, one layer
     for r in rows:
         assert 0 <= r["f_attn"] <= 1 and r["m_act"] > 0 and r["held_out_loss"] > 0
+        assert r["first_loss"] > r["last_loss"] > 0
+        # Trained by train.py's loop: its metrics.jsonl, one row per step, in WORKDIR/KEY/VARIANT.
+        (metrics,) = tmp_path.glob(f"*/{r['variant']}/metrics.jsonl")
+        assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
+    # Rerunning with the same settings reuses the finished runs (no new run directory).
+    assert json.loads(run(*args).stdout) == rows
+    assert len({p.parent for p in tmp_path.glob("*/*/cell.json")}) == 2
 
 
 def test_bad_config_on_the_command_line_is_a_clear_error():

@@ -10,12 +10,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = textwrap.dedent("""
-    from gattn.config import Config, DataConfig, ModelConfig, TrainConfig
+    from gattn.config import Config, DataConfig, ExecConfig, ModelConfig, TrainConfig
 
     def get_config():
         return Config(
+            exec=ExecConfig(scan_layers=True),
             model=ModelConfig(vocab_size=512, d_model=32, num_layers=3, q_heads=4, kv_heads=2,
-                              head_dim=8, d_ff=64, scan_layers=True),
+                              head_dim=8, d_ff=64),
             train=TrainConfig(batch_size=4, seq_len=32, steps=6, warmup_steps=2, log_every=3,
                               eval_every=6, checkpoint_every=3, keep_checkpoints=3),
             data=DataConfig(code_max_bytes=200_000, eval_batches=2, eval_batch_size=4))
@@ -26,7 +27,7 @@ CONFIG = textwrap.dedent("""
 def runs(tmp_path_factory):
     """Two 6-step runs (baseline and SDPA-gated; scanned layers, as a large run would use) that
     share data, seed and tokenizer."""
-    from gattn import config as config_lib
+    from gattn import cli
     from gattn.train import trainer
 
     root = tmp_path_factory.mktemp("eval")
@@ -34,7 +35,7 @@ def runs(tmp_path_factory):
     dirs = {}
     for name in ("baseline", "sdpa_elementwise"):
         overrides = [f"data.tokenizer={next((root / 'baseline' / 'tokenizer').glob('*.model'))}"] if dirs else []
-        cfg = config_lib.load(root / "tiny.py", overrides, variant=name)
+        cfg = cli.load(root / "tiny.py", overrides, variant=name)
         trainer.train(cfg, root / name, progress=False)
         dirs[name] = root / name
     return dirs
@@ -87,6 +88,22 @@ def test_ungated_runs_report_gate_fields_as_absent_and_step_selects_a_checkpoint
     assert bad.returncode == 2 and "--map-layers" in bad.stderr and "0..2" in bad.stderr
     bad = run_eval("--workdir", runs["baseline"], "--step", 5)
     assert bad.returncode == 2 and "--step" in bad.stderr and "saved steps [" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_eval_refuses_an_architecture_change_and_keeps_the_results(runs):
+    """A checkpoint is evaluated with its own architecture: a changed model field is refused by
+    name before anything is written; execution settings may change."""
+    results = runs["baseline"] / "eval" / "results.json"
+    before = results.read_bytes() if results.exists() else None
+    out = run_eval("--workdir", runs["baseline"], "--config.model.num_layers=2", "--no-figures")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "'model.num_layers' = 2" in out.stderr and "a model with 3" in out.stderr, out.stderr
+    assert (results.read_bytes() if results.exists() else None) == before
+    out = run_eval("--workdir", runs["baseline"], "--config.exec.scan_layers=false", "--config.exec.remat=full",
+                   "--no-figures", "--max-batches", 1)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(results.read_text())["overrides"] == ["--config.exec.scan_layers=false",
+                                                            "--config.exec.remat=full"]
 
 
 def test_compare_prints_a_table_4_row_per_run_and_overlays_curves(runs, tmp_path):
@@ -163,8 +180,8 @@ def test_ruler_with_yarn_and_a_table_5_comparison(runs, tmp_path):
 
     # The plain run's result is reused only for the same lengths, settings and overrides; a result
     # file of other settings is refused, not mixed in.
-    from gattn.eval import evaluate
     from gattn.config import ConfigError
+    from gattn.eval import long_context as evaluate
 
     settings = {"tasks": tasks.split(","), "num_samples": 2, "seed": 0, "overrides": []}
     assert plain["overrides"] == [] and evaluate.reusable(plain, run, [512], settings)

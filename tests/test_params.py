@@ -2,8 +2,10 @@
 
 import dataclasses
 import json
+import os
 import math
 import subprocess
+from pathlib import Path
 import sys
 
 import jax
@@ -12,8 +14,11 @@ from flax import nnx
 
 from gattn import variants
 from gattn.model import params
-from gattn.config import ModelConfig, MoESpec
+from gattn.config import ExecConfig, ModelConfig, MoESpec
+from gattn.experiments import tables
 from gattn.model.transformer import Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = ModelConfig(vocab_size=64, d_model=48, num_layers=2, q_heads=4, kv_heads=2, head_dim=8, d_ff=96)
 AVAILABLE = variants.applicable(SMALL)
@@ -30,7 +35,7 @@ ATTENTION_ONLY = [n for n in AVAILABLE if _attention_only(n)]
 
 def test_table1_added_params_reproduce_the_paper_column():
     """Every Table 1 row matches 'Added Param' at the paper's rounding."""
-    rows = params.added_params_table(params.TABLE1)
+    rows = tables.added_params_table(tables.TABLE1)
     assert [r["row"] for r in rows] == list(range(1, 16))
     mismatched = [(r["row"], r["rounded"], r["paper"]) for r in rows if not r["match"]]
     assert not mismatched
@@ -41,7 +46,7 @@ def test_table1_added_params_reproduce_the_paper_column():
 
 
 def test_paper_rounding():
-    assert [params.paper_rounding(m) for m in (0, 0.197, 1.573, 25.17, 100.66, 201.33)] == \
+    assert [tables.paper_rounding(m) for m in (0, 0.197, 1.573, 25.17, 100.66, 201.33)] == \
         ["0", "0.2", "1.6", "25", "100", "201"]
 
 
@@ -55,8 +60,10 @@ def test_eval_shape_count_equals_materialised_count():
 @pytest.mark.parametrize("name", ["sdpa_elementwise", "sandwich_norm", "switch_kv_4top4"])
 @pytest.mark.parametrize("scan", [False, True])
 def test_count_from_one_and_two_layers_equals_building_every_layer(name, scan):
-    cfg = dataclasses.replace(variants.apply(name, SMALL), num_layers=5, scan_layers=scan)
+    cfg = dataclasses.replace(variants.apply(name, SMALL), num_layers=5)
     assert params.count_params(cfg) == params._count_built(cfg)
+    built = nnx.eval_shape(lambda: Transformer(cfg, ExecConfig(scan_layers=scan), rngs=nnx.Rngs(0)))
+    assert params.count_params(cfg) == sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(built, nnx.Param)))
     moe = dataclasses.replace(cfg, moe=MoESpec(num_experts=4, top_k=2, expert_width=16))
     assert params.count_params(moe) == params._count_built(moe)
 
@@ -112,7 +119,7 @@ def test_params_cli_table1_json():
 
 def test_paper_scale_count_allocates_nothing():
     """Counting the 24-layer paper model must not materialise its ~1.2B weights."""
-    n = params.count_params(params.PAPER_MOE_DIMS)
+    n = params.count_params(tables.PAPER_MOE_DIMS)
     assert n > 1e9 and math.isfinite(n)
 
 
@@ -126,3 +133,20 @@ def test_attention_biases_add_one_per_projection_output(name):
     per_layer = (cfg.q_heads + 2 * cfg.kv_heads) * cfg.head_dim + cfg.d_model + heads * width
     assert params.count_params(biased) - params.count_params(cfg) == per_layer * cfg.num_layers
     assert biased.attention_added_params - cfg.attention_added_params == heads * width
+
+
+def test_presets_work_after_a_plain_install_from_any_directory(tmp_path):
+    """`pip install .` (not editable) ships the presets inside the package: `--preset` then works
+    from a directory without the repository's configs/."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(ROOT)], check=True, capture_output=True, timeout=300)
+    assert (target / "gattn" / "configs" / "moe_15a2b.py").is_file()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    where = subprocess.run([sys.executable, "-c", "import gattn; print(gattn.__file__)"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(target))  # the installed copy, not the repository
+    out = subprocess.run([sys.executable, "-m", "gattn.params", "--preset", "moe_15a2b", "--json"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["config"]["params"] > 10e9

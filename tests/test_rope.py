@@ -1,4 +1,4 @@
-"""RoPE and YaRN (gattn/layers.py): YaRN at scale 1 is plain RoPE; its frequencies follow the
+"""RoPE and YaRN (gattn/model/layers.py): YaRN at scale 1 is plain RoPE; its frequencies follow the
 NTK-by-parts ramp of Peng et al. 2023; its temperature scales the logits; the config switch works
 on a built model."""
 
@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gattn import config as C
-from gattn.config import ConfigError, ModelConfig, YarnSpec
+from gattn.cli import apply_overrides
+from gattn.config import Config, ConfigError, ModelConfig, YarnSpec
 from gattn.model.layers import apply_rope, rope_frequencies
 from gattn.model.transformer import Transformer
+
+from conftest import tiny_model
 
 
 def test_yarn_at_scale_1_is_plain_rope():
@@ -24,7 +26,7 @@ def test_yarn_at_scale_1_is_plain_rope():
     x = jax.random.normal(jax.random.key(0), (9, 3, 64))
     pos = jnp.arange(9) * 37
     np.testing.assert_array_equal(apply_rope(x, pos, 1e4), apply_rope(x, pos, 1e4, YarnSpec(1.0, 256)))
-    cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=1, q_heads=2, kv_heads=1, head_dim=16, d_ff=32)
+    cfg = tiny_model(vocab_size=64, num_layers=1, q_heads=2, kv_heads=1, head_dim=16, d_ff=32)
     tokens = jnp.arange(24).reshape(2, 12) % 64
     a = Transformer(cfg, rngs=nnx.Rngs(0))(tokens)
     b = Transformer(dataclasses.replace(cfg, yarn=YarnSpec(1.0, 8)), rngs=nnx.Rngs(0))(tokens)
@@ -62,15 +64,15 @@ def test_interpolated_pairs_at_position_s_p_equal_plain_rope_at_p_and_q_k_carry_
 
 
 def test_yarn_is_a_command_line_switch_with_clear_errors():
-    cfg = C.apply_overrides(C.Config(), ["model.yarn.factor=8", "model.yarn.original_len=4096"])
+    cfg = apply_overrides(Config(), ["model.yarn.factor=8", "model.yarn.original_len=4096"])
     assert cfg.model.yarn == YarnSpec(8.0, 4096)
-    assert C.apply_overrides(cfg, ["model.yarn=none"]).model.yarn is None
+    assert apply_overrides(cfg, ["model.yarn=none"]).model.yarn is None
     for overrides, field in ((["model.yarn.factor=4"], "model.yarn.original_len"),
                              (["model.yarn.factor=0.5", "model.yarn.original_len=8"], "model.yarn.factor"),
                              (["model.yarn.beta_slow=40", "model.yarn.original_len=8"], "model.yarn.beta_slow"),
                              (["model.yarn.original_len=-3"], "model.yarn.original_len")):
         with pytest.raises(ConfigError) as e:
-            C.apply_overrides(C.Config(), overrides)
+            apply_overrides(Config(), overrides)
         assert e.value.field == field
 
 

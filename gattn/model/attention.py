@@ -27,47 +27,47 @@ class SwitchProjection(nnx.Module):
     out[n, h] = sum_{e in topk(s[n, h])} s[n, h, e] * (x W_e)[n, h],  s = sigmoid(x W_r)."""
 
     def __init__(self, cfg: ModelConfig, ex: ExecConfig, *, rngs: nnx.Rngs):
-        e, hk, k = cfg.switch_heads.num_experts, cfg.kv_heads, cfg.head_dim
-        self.w = param("weight", rngs, (e, cfg.d_model, hk * k), ("expert", "embed", "kv_heads"),
+        e, hk, hd = cfg.switch_heads.num_experts, cfg.kv_heads, cfg.head_dim
+        self.w = param("weight", rngs, (e, cfg.d_model, hk * hd), ("expert", "embed", "kv_heads"),
                        std=cfg.init_std, dtype=DTYPES[cfg.param_dtype])
-        self.shape, self.dtype = (e, hk, k), DTYPES[ex.dtype]
+        self.shape, self.dtype = (e, hk, hd), DTYPES[ex.dtype]
 
     def __call__(self, x_NxD, weights_NxHxE):
-        e, hk, k = self.shape
+        e, hk, hd = self.shape
         w = self.w[...].astype(self.dtype)
         out_NxExHK = jnp.einsum("nd,edo->neo", x_NxD.astype(self.dtype), w)
-        out_NxExHxK = out_NxExHK.reshape(-1, e, hk, k)
+        out_NxExHxK = out_NxExHK.reshape(-1, e, hk, hd)
         return jnp.einsum("nhe,nehk->nhk", weights_NxHxE.astype(self.dtype), out_NxExHxK)
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, ex: ExecConfig = ExecConfig(), *, rngs: nnx.Rngs):
         self.cfg, self.ex = cfg, ex
-        d, hq, hk, k = cfg.d_model, cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        d, hq, hk, hd = cfg.d_model, cfg.q_heads, cfg.kv_heads, cfg.head_dim
         pd, std = DTYPES[cfg.param_dtype], cfg.init_std
         self.dtype = DTYPES[ex.dtype]
-        self.wq = param("weight", rngs, (d, hq * k), ("embed", "heads"), std=std, dtype=pd)
+        self.wq = param("weight", rngs, (d, hq * hd), ("embed", "heads"), std=std, dtype=pd)
         sw = cfg.switch_heads
         if sw is None or sw.targets == "v":
-            self.wk = param("weight", rngs, (d, hk * k), ("embed", "kv_heads"), std=std, dtype=pd)
+            self.wk = param("weight", rngs, (d, hk * hd), ("embed", "kv_heads"), std=std, dtype=pd)
         if sw is None:
-            self.wv = param("weight", rngs, (d, hk * k), ("embed", "kv_heads"), std=std, dtype=pd)
+            self.wv = param("weight", rngs, (d, hk * hd), ("embed", "kv_heads"), std=std, dtype=pd)
         else:
             self.router = param("weight", rngs, (d, hk * sw.num_experts), ("embed", "kv_heads"), std=std, dtype=pd)
             self.v_experts = SwitchProjection(cfg, ex, rngs=rngs)
             if sw.targets == "kv":
                 self.k_experts = SwitchProjection(cfg, ex, rngs=rngs)
-        self.wo = param("weight", rngs, (hq * k, d), ("heads", "embed"), std=std, dtype=pd)
+        self.wo = param("weight", rngs, (hq * hd, d), ("heads", "embed"), std=std, dtype=pd)
         if cfg.attention_bias:
-            self.bq = param("bias", None, (hq * k,), ("heads",), dtype=pd)
-            self.bk = param("bias", None, (hk * k,), ("kv_heads",), dtype=pd)
-            self.bv = param("bias", None, (hk * k,), ("kv_heads",), dtype=pd)
+            self.bq = param("bias", None, (hq * hd,), ("heads",), dtype=pd)
+            self.bk = param("bias", None, (hk * hd,), ("kv_heads",), dtype=pd)
+            self.bv = param("bias", None, (hk * hd,), ("kv_heads",), dtype=pd)
             self.bo = param("bias", None, (d,), ("embed",), dtype=pd)
         if cfg.qk_norm:
-            self.q_norm = param("scale", None, (k,), ("head_dim",), value=1.0, dtype=pd)
-            self.k_norm = param("scale", None, (k,), ("head_dim",), value=1.0, dtype=pd)
+            self.q_norm = param("scale", None, (hd,), ("head_dim",), value=1.0, dtype=pd)
+            self.k_norm = param("scale", None, (hd,), ("head_dim",), value=1.0, dtype=pd)
         if cfg.sdpa_nonlinearity == "rmsnorm":
-            self.sdpa_norm = param("scale", None, (hq, k), ("heads", "head_dim"), value=1.0, dtype=pd)
+            self.sdpa_norm = param("scale", None, (hq, hd), ("heads", "head_dim"), value=1.0, dtype=pd)
         self.gate = Gate(cfg.gate, cfg, ex, rngs=rngs) if cfg.gate is not None else None
 
     def _gate_at(self, position: str, y_NxHxW, x_NxD, capture: Capture = NOTHING):
@@ -93,25 +93,25 @@ class Attention(nnx.Module):
         """q [N, Hq, K], k and v [N, Hk, K] as SDPA takes them: projected, QK-normed, gated,
         rotated."""
         cfg, n = self.cfg, x_NxD.shape[0]
-        hq, hk, k = cfg.q_heads, cfg.kv_heads, cfg.head_dim
-        q = self._project(x_NxD, "q").reshape(n, hq, k)
+        hq, hk, hd = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        q = self._project(x_NxD, "q").reshape(n, hq, hd)
         if cfg.switch_heads is None:
-            kk = self._project(x_NxD, "k").reshape(n, hk, k)
-            v = self._project(x_NxD, "v").reshape(n, hk, k)
+            k = self._project(x_NxD, "k").reshape(n, hk, hd)
+            v = self._project(x_NxD, "v").reshape(n, hk, hd)
         else:
             weights = self._switch_weights(x_NxD)
             v = self.v_experts(x_NxD, weights)
-            kk = (self.k_experts(x_NxD, weights) if cfg.switch_heads.targets == "kv"
-                  else dense(x_NxD, self.wk, self.dtype).reshape(n, hk, k))
+            k = (self.k_experts(x_NxD, weights) if cfg.switch_heads.targets == "kv"
+                  else dense(x_NxD, self.wk, self.dtype).reshape(n, hk, hd))
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
-            kk = rms_norm(kk, self.k_norm[...], cfg.norm_eps)
+            k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
         q = self._gate_at("query", q, x_NxD, capture)
-        kk = self._gate_at("key", kk, x_NxD, capture)
+        k = self._gate_at("key", k, x_NxD, capture)
         v = self._gate_at("value", v, x_NxD, capture)
         q = apply_rope(q, positions_N, cfg.rope_base, cfg.yarn, cfg.rope_dim)
-        kk = apply_rope(kk, positions_N, cfg.rope_base, cfg.yarn, cfg.rope_dim)
-        return q, kk, v
+        k = apply_rope(k, positions_N, cfg.rope_base, cfg.yarn, cfg.rope_dim)
+        return q, k, v
 
     def _output(self, y_NxHxK, x_NxD, *, sdpa_gate: bool = True, capture: Capture = NOTHING):
         """G1 non-linearity and gate (unless the kernel applied it), W_O, then the G5 gate."""
@@ -128,8 +128,8 @@ class Attention(nnx.Module):
                  capture: Capture = NOTHING):
         cfg, ex, n = self.cfg, self.ex, x_NxD.shape[0]
         b, s = batch
-        hq, hk, k = cfg.q_heads, cfg.kv_heads, cfg.head_dim
-        q, kk, v = self._qkv(x_NxD, positions_N, capture)
+        hq, hk, hd = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+        q, k, v = self._qkv(x_NxD, positions_N, capture)
         if capture.attn_probs and ex.attention_impl != "xla":
             raise ValueError(f"capturing the attention matrix needs exec.attention_impl='xla' (this model "
                              f"runs {ex.attention_impl!r}, which never forms it); build the model with "
@@ -144,31 +144,31 @@ class Attention(nnx.Module):
         options = (dict(block_q=ex.attention_block_q, query_chunk=ex.attention_query_chunk)
                    if ex.attention_impl == "xla" else dict(block_q=ex.flash_block_q, block_k=ex.flash_block_k))
         out = kernels.attention(
-            q.reshape(b, s, hq, k), kk.reshape(b, s, hk, k), v.reshape(b, s, hk, k), gate_logits,
+            q.reshape(b, s, hq, hd), k.reshape(b, s, hk, hd), v.reshape(b, s, hk, hd), gate_logits,
             impl=ex.attention_impl, causal=True, segment_ids=segment_ids_BxS,
             return_probs=capture.attn_probs, **options)
         if capture.attn_probs:
             out, probs_BxHxSxS = out
             self.sow(nnx.Intermediate, "attn_probs", probs_BxHxSxS)
-        y = out.reshape(n, hq, k)
+        y = out.reshape(n, hq, hd)
         if capture.sdpa_out:
             self.sow(nnx.Intermediate, "sdpa_out", y)
         return self._output(y, x_NxD, sdpa_gate=not fused, capture=capture)
 
     def decode(self, x_NxD, positions_N, k_BxHxTxK, v_BxHxTxK, mask_BxSxT, index):
-        """Cached attention for S new tokens per row (N = B * S): writes their k and v into the
+        """Cached attention for S new tokens per row (N = B * S): writes their hd and v into the
         cache slots index..index+S-1, attends every new query over the cache slots `mask_BxSxT`
-        shows it. Returns (out [N, D], k cache, v cache)."""
+        shows it. Returns (out [N, D], hd cache, v cache)."""
         cfg, n = self.cfg, x_NxD.shape[0]
         b = k_BxHxTxK.shape[0]
         s = n // b
-        q, kk, v = self._qkv(x_NxD, positions_N)
+        q, k, v = self._qkv(x_NxD, positions_N)
         at = (0, 0, index, 0)
 
         def write(cache, new_NxHxK):
             new = new_NxHxK.reshape(b, s, cfg.kv_heads, -1).transpose(0, 2, 1, 3)
             return jax.lax.dynamic_update_slice(cache, new.astype(cache.dtype), at)
 
-        k_BxHxTxK, v_BxHxTxK = write(k_BxHxTxK, kk), write(v_BxHxTxK, v)
+        k_BxHxTxK, v_BxHxTxK = write(k_BxHxTxK, k), write(v_BxHxTxK, v)
         out = kernels.attention_masked(q.reshape(b, s, cfg.q_heads, -1), k_BxHxTxK, v_BxHxTxK, mask_BxSxT)
         return self._output(out.reshape(n, cfg.q_heads, -1), x_NxD), k_BxHxTxK, v_BxHxTxK

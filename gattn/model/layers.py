@@ -1,7 +1,9 @@
 """Small building blocks: parameters with logical axis names, dense, RMSNorm, RoPE (and YaRN), SwiGLU.
 
-Shapes are carried in names: N = tokens (batch * sequence, the residual stream is 2-D), D =
-d_model, H = heads, K = head_dim, F = FFN width, V = vocabulary.
+Shapes are carried in names, one legend for the whole package: B = batch rows, S = sequence,
+N = tokens (B * S: the residual stream is 2-D), D = d_model, H = heads, K = head_dim, F = FFN
+width, V = vocabulary, T = cache slots; in the MoE, E = experts, P = experts picked per token
+(top-k), M = routed rows (N * P), C = capacity.
 """
 
 from __future__ import annotations

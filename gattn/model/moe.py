@@ -1,7 +1,7 @@
 """A fine-grained mixture-of-experts FFN: route, permute, grouped matmul, unpermute.
 
     route      softmax router over E experts, keep the top-k per token (optionally renormalised)
-    permute    sort the N * k (token, expert) assignments by expert: [N*k, D] and group sizes [E]
+    permute    sort the N * k (token, expert) assignments by expert: [N*P, D] and group sizes [E]
     grouped    each expert's SwiGLU on its contiguous rows (`jax.lax.ragged_dot`, dropless)
     unpermute  scatter the rows back and sum each token's k outputs, weighted by the router
 
@@ -82,17 +82,17 @@ class MoE(nnx.Module):
         if expert_parallel.applies(mesh, spec):  # experts split over the mesh: explicit all-to-all
             return expert_parallel.moe_forward(self.weights(), spec, self.act, self.dtype, x_NxD, mesh)
         logits_NxE = dense(x_NxD, self.router, self.dtype, out_dtype=jnp.float32)
-        weights_NxK, experts_NxK, probs_NxE = route(logits_NxE, spec)
-        rows, order, sizes = permute(x_NxD, experts_NxK, spec.num_experts)
+        weights_NxP, experts_NxP, probs_NxE = route(logits_NxE, spec)
+        rows, order, sizes = permute(x_NxD, experts_NxP, spec.num_experts)
         if spec.capacity_factor is None:
             out_rows, dropped = self.experts(rows, sizes), jnp.zeros((), jnp.int32)
         else:
-            expert_of_row = jnp.take(experts_NxK.reshape(-1), order)
+            expert_of_row = jnp.take(experts_NxP.reshape(-1), order)
             out_rows, keep = self.experts_with_capacity(rows, sizes, expert_of_row,
                                                         capacity(spec, x_NxD.shape[0]))
             dropped = jnp.sum(~keep).astype(jnp.int32)
-        out = unpermute(out_rows, order, weights_NxK)
+        out = unpermute(out_rows, order, weights_NxP)
         groups = spec.micro_batches if spec.lbl_scope == "micro" else 1
-        aux = {"lbl": load_balancing_loss(probs_NxE, experts_NxK, groups),
+        aux = {"lbl": load_balancing_loss(probs_NxE, experts_NxP, groups),
                "z_loss": router_z_loss(logits_NxE), "load": sizes, "dropped": dropped}
         return out, aux

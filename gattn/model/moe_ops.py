@@ -14,12 +14,12 @@ from gattn.config import MoESpec
 
 
 def route(logits_NxE: jax.Array, spec: MoESpec):
-    """(weights [N, k], experts [N, k], probs [N, E]): softmax in float32, top-k."""
+    """(weights [N, P], experts [N, P], probs [N, E]): softmax in float32, top-k."""
     probs_NxE = jax.nn.softmax(logits_NxE.astype(jnp.float32), axis=-1)
-    weights_NxK, experts_NxK = jax.lax.top_k(probs_NxE, spec.top_k)
+    weights_NxP, experts_NxP = jax.lax.top_k(probs_NxE, spec.top_k)
     if spec.renormalize:
-        weights_NxK = weights_NxK / jnp.sum(weights_NxK, axis=-1, keepdims=True)
-    return weights_NxK, experts_NxK, probs_NxE
+        weights_NxP = weights_NxP / jnp.sum(weights_NxP, axis=-1, keepdims=True)
+    return weights_NxP, experts_NxP, probs_NxE
 
 
 def balance(counts_E: jax.Array, prob_sums_E: jax.Array, tokens, top_k: int) -> jax.Array:
@@ -33,36 +33,36 @@ def balance(counts_E: jax.Array, prob_sums_E: jax.Array, tokens, top_k: int) -> 
     return e * jnp.sum(f * p, axis=-1)
 
 
-def load_balancing_loss(probs_NxE: jax.Array, experts_NxK: jax.Array, groups: int = 1) -> jax.Array:
+def load_balancing_loss(probs_NxE: jax.Array, experts_NxP: jax.Array, groups: int = 1) -> jax.Array:
     """`balance` per group of tokens (the batch split into `groups` equal parts, in token order),
     averaged over groups. groups=1 is the global-batch loss."""
     n, e = probs_NxE.shape
     if n % groups:
         raise ValueError(f"lbl over {groups} micro-batches needs tokens ({n}) divisible by it")
-    counts_GxE = jax.vmap(lambda x: jnp.bincount(x, length=e))(experts_NxK.reshape(groups, -1))
+    counts_GxE = jax.vmap(lambda x: jnp.bincount(x, length=e))(experts_NxP.reshape(groups, -1))
     prob_sums_GxE = jnp.sum(probs_NxE.reshape(groups, n // groups, e), axis=1)
-    return jnp.mean(balance(counts_GxE, prob_sums_GxE, n // groups, experts_NxK.shape[1]))
+    return jnp.mean(balance(counts_GxE, prob_sums_GxE, n // groups, experts_NxP.shape[1]))
 
 
 def router_z_loss(logits_NxE: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits_NxE.astype(jnp.float32), axis=-1)))
 
 
-def permute(x_NxD: jax.Array, experts_NxK: jax.Array, num_experts: int):
-    """(rows [N*k, D] sorted by expert, order [N*k]: the assignment each row came from, group
+def permute(x_NxD: jax.Array, experts_NxP: jax.Array, num_experts: int):
+    """(rows [N*P, D] sorted by expert, order [N*P]: the assignment each row came from, group
     sizes [E])."""
-    flat = experts_NxK.reshape(-1)
+    flat = experts_NxP.reshape(-1)
     order = jnp.argsort(flat, stable=True)
-    rows = jnp.take(x_NxD, order // experts_NxK.shape[1], axis=0)
+    rows = jnp.take(x_NxD, order // experts_NxP.shape[1], axis=0)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     return rows, order, sizes
 
 
-def unpermute(rows_MxD: jax.Array, order_M: jax.Array, weights_NxK: jax.Array) -> jax.Array:
+def unpermute(rows_MxD: jax.Array, order_M: jax.Array, weights_NxP: jax.Array) -> jax.Array:
     """Inverse of `permute`, then each token's k outputs summed with its router weights."""
-    n, k = weights_NxK.shape
-    per_assignment = jnp.zeros_like(rows_MxD).at[order_M].set(rows_MxD).reshape(n, k, -1)
-    out = jnp.einsum("nkd,nk->nd", per_assignment.astype(jnp.float32), weights_NxK)
+    n, p = weights_NxP.shape
+    per_assignment = jnp.zeros_like(rows_MxD).at[order_M].set(rows_MxD).reshape(n, p, -1)
+    out = jnp.einsum("npd,np->nd", per_assignment.astype(jnp.float32), weights_NxP)
     return out.astype(rows_MxD.dtype)
 
 

@@ -98,7 +98,7 @@ def run_cell(study: Study, cell: Cell, root: Path, *, shared: Path | None = None
         res = evaluate.evaluate(workdir, max_batches=study.measure_batches, figures=False)
         record["perplexity"] = {d: v["ppl"] for d, v in res["perplexity"].items()}
         record["measurements"] = res["measurements"]
-        record["sink_curve"] = _sink_curve(cfg, workdir, study.measure_batches)
+        record["sink_curve"] = _sink_curve(cfg, workdir, study.measure_batches) if study.sink_points else []
     # Wall time of this session's part (a resumed cell counts from its resume).
     record["seconds"] = {"train": trained - start, "measure": time.perf_counter() - trained}
     tmp = done.with_suffix(".tmp")

@@ -31,7 +31,7 @@ class Study:
     # A run diverged if training stopped on non-finite losses, or if its final training loss is
     # above this (0: ln(vocab_size), the loss of a uniform guess; inf: only a stop counts).
     diverged_loss: float = 0.0
-    sink_points: int = 4                     # checkpoints at which F-Attn is measured (vs tokens)
+    sink_points: int = 4                     # checkpoints at which F-Attn is measured (0: none)
     measure_batches: int = 2                 # held-out batches per domain for the measurements
     description: str = ""
     # Where each cell trains, under the study directory: a template of {variant}, {lr} and {seed}
@@ -67,8 +67,9 @@ class Study:
         if not isinstance(self.diverged_loss, (int, float)) or not self.diverged_loss >= 0:
             raise ConfigError("diverged_loss", self.diverged_loss, "expected a number >= 0 (0: ln(vocab_size))")
         steps = self.base.train.steps
-        if not isinstance(self.sink_points, int) or not 1 <= self.sink_points <= steps:
-            raise ConfigError("sink_points", self.sink_points, f"expected an integer in [1, train.steps={steps}]")
+        if not isinstance(self.sink_points, int) or not 0 <= self.sink_points <= steps:
+            raise ConfigError("sink_points", self.sink_points,
+                              f"expected an integer in [1, train.steps={steps}], or 0 (no F-Attn curve)")
         if not isinstance(self.measure_batches, int) or self.measure_batches < 1:
             raise ConfigError("measure_batches", self.measure_batches, "expected an integer >= 1")
         if not isinstance(self.claims, tuple) or not all(isinstance(c, Claim) for c in self.claims) or \
@@ -158,7 +159,7 @@ def _check_cell_dir(study: Study) -> None:
 def cell_config(study: Study, cell: Cell) -> Config:
     base = study.base
     t = base.train
-    every = max(1, t.steps // study.sink_points)
+    every = max(1, t.steps // max(study.sink_points, 1))
     train = dataclasses.replace(
         t, seed=cell.seed, learning_rate=cell.lr, min_learning_rate=t.min_learning_rate * cell.lr / t.learning_rate,
         log_every=1, checkpoint_every=every, keep_checkpoints=study.sink_points + 6,  # (+ SIGTERM saves)
