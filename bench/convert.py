@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gattn.cli import ensure_malloc_tunables  # noqa: E402
+from gattn.cli import ensure_malloc_tunables, keep_jax_off_absent_tpu  # noqa: E402
 
+keep_jax_off_absent_tpu()  # no libtpu start-up errors on a CPU host (libtpu is only a compiler here)
 ensure_malloc_tunables()
 
 import jax  # noqa: E402
@@ -36,7 +37,7 @@ from flax import nnx  # noqa: E402
 from tokenizers import Tokenizer, models  # noqa: E402
 
 from gattn.interop import convert  # noqa: E402
-from gattn.eval import evaluate
+from gattn.train import rundir  # noqa: E402
 
 
 def build(kind: str, args) -> torch.nn.Module:
@@ -84,7 +85,7 @@ def bench(kind: str, args, root: Path) -> dict:
         t = time.perf_counter()
         ref = model(torch.tensor(tokens)).logits.numpy()
         torch_s = time.perf_counter() - t
-    _, ours_model, _ = evaluate.restore(root / f"{kind}_run")
+    _, ours_model, _ = rundir.load(root / f"{kind}_run")
     graphdef, state = nnx.split(ours_model)
     fwd = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
     fwd(state, jnp.asarray(tokens)).block_until_ready()  # compile

@@ -3,7 +3,7 @@
     python bench/decode.py [--config configs/tiny.py] [--variant sdpa_elementwise] [--batch 4]
                            [--prompt-len 64] [--new-tokens 64]
 
-Prints JSON: tokens/s of `gattn.decode.generate` (batched, cached) and of
+Prints JSON: tokens/s of `gattn.eval.decode.generate` (batched, cached) and of
 `generate_without_cache` (the reference: one row at a time, the whole sequence rerun per token),
 their ratio, and whether both produced the same tokens. A randomly initialised model (no eos), so
 every row generates exactly --new-tokens tokens; both are warmed up (compiled) before timing.
@@ -18,15 +18,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gattn.cli import ensure_malloc_tunables  # noqa: E402
+from gattn.cli import ensure_malloc_tunables, keep_jax_off_absent_tpu  # noqa: E402
 
+keep_jax_off_absent_tpu()  # no libtpu start-up errors on a CPU host (libtpu is only a compiler here)
 ensure_malloc_tunables()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from gattn import config as config_lib  # noqa: E402
+from gattn import cli  # noqa: E402
 from gattn.eval import decode  # noqa: E402
 from gattn.model.transformer import Transformer  # noqa: E402
 
@@ -38,9 +39,9 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    args, overrides = config_lib.parse_args(ap, argv)
-    cfg = config_lib.load(args.config, overrides, variant=args.variant)
-    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    args, overrides = cli.parse_args(ap, argv)
+    cfg = cli.load(args.config, overrides, variant=args.variant)
+    model = Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.model.vocab_size, args.prompt_len - i).tolist() for i in range(args.batch)]
     max_len = args.prompt_len + args.new_tokens
@@ -60,4 +61,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(config_lib.run_cli(main))
+    raise SystemExit(cli.run_cli(main))

@@ -10,8 +10,8 @@ randomly initialised model), prints JSON with:
   - the compiled temporary memory of one prefill pass (XLA's memory_analysis: the [chunk, L] or
     [L, L] attention scores per layer dominate it) for both, and their ratio;
   - the compiled temporary memory of the training-path forward at length L with the xla
-    attention's causal query blocks (attention_block_q), without (0: one [L, L] block), and with
-    the sequential query chunks for long contexts (attention_query_chunk = --chunk);
+    attention's causal query blocks (exec.attention_block_q), without (0: one [L, L] block), and
+    with the sequential query chunks for long contexts (exec.attention_query_chunk = --chunk);
   - decode tokens/s (greedy, kv cache) after the prompt, and the process's peak RSS so far.
 Lengths run from short to long, so the peak RSS after each is that length's high-water mark.
 """
@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gattn.cli import ensure_malloc_tunables  # noqa: E402
+from gattn.cli import ensure_malloc_tunables, keep_jax_off_absent_tpu  # noqa: E402
 
+keep_jax_off_absent_tpu()  # no libtpu start-up errors on a CPU host (libtpu is only a compiler here)
 ensure_malloc_tunables()
 
 import jax  # noqa: E402
@@ -35,10 +36,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from gattn import config as config_lib  # noqa: E402
+from gattn import cli  # noqa: E402
+from gattn.config import ExecConfig, ModelConfig  # noqa: E402
 from gattn.eval import decode  # noqa: E402
-from gattn.model.transformer import Transformer  # noqa: E402
 from gattn.eval.ruler import peak_rss_mb  # noqa: E402
+from gattn.model.transformer import Transformer  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -50,9 +52,9 @@ def prefill_temp_mib(model, tokens, valid, cache) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / MIB
 
 
-def forward_temp_mib(cfg, length: int) -> float:
+def forward_temp_mib(cfg: ModelConfig, ex: ExecConfig, length: int) -> float:
     """Temporary memory of the training-path forward (logits of one row of `length` tokens)."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, ex, rngs=nnx.Rngs(0))))
     tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
     fwd = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
     return fwd.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes / MIB
@@ -73,12 +75,12 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=32)
-    args, overrides = config_lib.parse_args(ap, argv)
-    cfg = config_lib.load(args.config, overrides, variant=args.variant)
-    model = Transformer(cfg.model, rngs=nnx.Rngs(0))
+    args, overrides = cli.parse_args(ap, argv)
+    cfg = cli.load(args.config, overrides, variant=args.variant)
+    model = Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     out = {"jax": jax.__version__, "config": args.config, "variant": args.variant, "batch": args.batch,
-           "chunk": args.chunk, "new_tokens": args.new_tokens, "attention_block_q": cfg.model.attention_block_q,
+           "chunk": args.chunk, "new_tokens": args.new_tokens, "attention_block_q": cfg.exec.attention_block_q,
            "per_length": []}
     for length in sorted(int(x) for x in args.lengths.split(",")):
         s = length - args.new_tokens
@@ -96,10 +98,10 @@ def main(argv=None):
             row[f"prefill_{name}_temp_mib"] = round(prefill_temp_mib(
                 model, jnp.asarray(tokens[:, :c]), jnp.asarray(valid[:, :c]), model.init_cache(args.batch, length)), 1)
         row["prefill_memory_ratio"] = round(row["prefill_one_pass_temp_mib"] / row["prefill_chunked_temp_mib"], 2)
-        for name, block, chunk in (("blocked", cfg.model.attention_block_q, 0), ("unblocked", 0, 0),
+        for name, block, chunk in (("blocked", cfg.exec.attention_block_q, 0), ("unblocked", 0, 0),
                                    ("query_chunked", 0, args.chunk)):
-            row[f"forward_{name}_temp_mib"] = round(forward_temp_mib(
-                dataclasses.replace(cfg.model, attention_block_q=block, attention_query_chunk=chunk), length), 1)
+            ex = dataclasses.replace(cfg.exec, attention_block_q=block, attention_query_chunk=chunk)
+            row[f"forward_{name}_temp_mib"] = round(forward_temp_mib(cfg.model, ex, length), 1)
         # Decode after the prompt: one greedy token per step against the `length`-slot cache.
         graphdef, state = nnx.split(model)
         logits, cache = decode.prefill(model, tokens, valid, model.init_cache(args.batch, length),
@@ -117,4 +119,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(config_lib.run_cli(main))
+    raise SystemExit(cli.run_cli(main))

@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gattn.cli import ensure_malloc_tunables  # noqa: E402
+from gattn.cli import ensure_malloc_tunables, keep_jax_off_absent_tpu  # noqa: E402
 
+keep_jax_off_absent_tpu()  # no libtpu start-up errors on a CPU host (libtpu is only a compiler here)
 ensure_malloc_tunables()
 
 import time  # noqa: E402

@@ -5,7 +5,7 @@
 
 Prints JSON: per variant the median AdamW step time (variants interleaved round by round),
 tokens/s, GFLOP per step (6 * N_nonemb * B * T + 12 * L * B * T^2 * Hq * K, as in
-shared/PERFORMANCE.md) and the fraction of the 2048x2048 fp32
+docs/performance.md) and the fraction of the 2048x2048 fp32
 matmul peak measured in the same process (median over the rounds; host load moves it), plus
 the step-time ratio of each variant to the first one and that variant's share of extra FLOPs,
 and tokens/s relative to the PyTorch peer's ~3,600 on the peer shapes. The step is the trainer's
@@ -23,21 +23,23 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gattn.cli import ensure_malloc_tunables  # noqa: E402
+from gattn.cli import ensure_malloc_tunables, keep_jax_off_absent_tpu  # noqa: E402
 
+keep_jax_off_absent_tpu()  # no libtpu start-up errors on a CPU host (libtpu is only a compiler here)
 ensure_malloc_tunables()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from gattn import config as config_lib  # noqa: E402
-from gattn.train import trainer  # noqa: E402
+from gattn import cli  # noqa: E402
+from gattn.config import ExecConfig, ModelConfig  # noqa: E402
 from gattn.kernels import reference  # noqa: E402
-from gattn.model.transformer import Transformer  # noqa: E402
 from gattn.model.params import count_params  # noqa: E402
+from gattn.model.transformer import Transformer  # noqa: E402
+from gattn.train import trainer  # noqa: E402
 
-# PyTorch 2.13 + transformers Qwen3 on the peer shapes (configs/peer.py), shared/PERFORMANCE.md.
+# PyTorch 2.13 + transformers Qwen3 on the peer shapes (configs/peer.py), docs/performance.md.
 PEER_TOKENS_PER_S = 3600.0
 
 
@@ -59,7 +61,7 @@ def step_gflop(cfg, batch: int, seq: int) -> float:
     return (6 * n_nonemb * batch * seq + attn) / 1e9
 
 
-def matmul_floor(cfg, batch: int, seq: int):
+def matmul_floor(cfg: ModelConfig, ex: ExecConfig, batch: int, seq: int):
     """A timer for the step's matmuls alone, at the step's shapes: for every dense projection
     (each 2-D weight but the embedding table; a scanned stack counts once per layer) the forward
     x @ W and the two backward dots g @ W^T and x^T @ g, plus the attention core (the xla
@@ -67,7 +69,7 @@ def matmul_floor(cfg, batch: int, seq: int):
     time a step could not go below with these dots, measured in the same process."""
     if cfg.moe is not None:
         raise ValueError("matmul_floor: dense configs only (an MoE step's dots depend on routing)")
-    _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, ex, rngs=nnx.Rngs(0))), nnx.Param)
     n = batch * seq
     shapes = collections.Counter()
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
@@ -81,7 +83,7 @@ def matmul_floor(cfg, batch: int, seq: int):
     qs = [jax.random.normal(next(keys), (batch, seq, cfg.q_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
     kvs = [jax.random.normal(next(keys), (batch, seq, cfg.kv_heads, cfg.head_dim)) for _ in range(cfg.num_layers)]
     core = jax.grad(lambda q, k, v: jnp.sum(reference.attention_xla(
-        q, k, v, causal=True, block_q=cfg.attention_block_q)), argnums=(0, 1, 2))
+        q, k, v, causal=True, block_q=ex.attention_block_q)), argnums=(0, 1, 2))
 
     @jax.jit
     def dots(xs, ws, gs, qs, kvs):
@@ -123,10 +125,10 @@ def make_step(cfg, batch: int, seq: int):
 
 def bench_config(path: str, names: list[str], overrides: list[str], rounds: int, steps: int,
                  floor: bool = True) -> dict:
-    cfgs = {n: config_lib.load(path, overrides, variant=n) for n in names}
+    cfgs = {n: cli.load(path, overrides, variant=n) for n in names}
     b, t = cfgs[names[0]].train.batch_size, cfgs[names[0]].train.seq_len
     timers = {n: make_step(cfgs[n], b, t) for n in names}
-    floor_timer = matmul_floor(cfgs[names[0]].model, b, t) if floor else None
+    floor_timer = matmul_floor(cfgs[names[0]].model, cfgs[names[0]].exec, b, t) if floor else None
     # Interleave the variants round by round so that drifts in host speed hit them all alike.
     times, peaks, floors = {n: [] for n in names}, [], []
     for _ in range(rounds):
@@ -170,7 +172,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="steps per variant per round")
     ap.add_argument("--no-floor", action="store_true",
                     help="skip timing the step's matmuls alone (the matmul floor)")
-    args, overrides = config_lib.parse_args(ap, argv)
+    args, overrides = cli.parse_args(ap, argv)
     names = args.variants.split(",")
     out = {"jax": jax.__version__, "devices": str(jax.devices()),
            "peer_tokens_per_s": PEER_TOKENS_PER_S, "configs": {}}
@@ -183,4 +185,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    raise SystemExit(config_lib.run_cli(main))
+    raise SystemExit(cli.run_cli(main))

@@ -28,6 +28,7 @@ FFN_ACTIVATIONS = ("silu", "gelu", "relu")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("xla", "pallas")  # plain jnp reference / fused Pallas flash kernel
+MOE_IMPLS = ("partitioned", "all_to_all")
 LBL_SCOPES = ("global", "micro")
 
 
@@ -66,7 +67,7 @@ def _integer(name: str, value: Any, *, zero_ok: bool = False) -> None:
 
 @dataclass(frozen=True)
 class GateSpec:
-    """One point of the paper's gate design space (Sec. 2.2; SPEC section 1).
+    """One point of the paper's gate design space (Sec. 2.2, Fig. 1).
 
     position:     where the gate acts: sdpa (G1), value (G2), key (G3), query (G4), dense (G5).
     granularity:  elementwise (a score per dimension) or headwise (one scalar per head).
@@ -114,7 +115,7 @@ class GateSpec:
                 and self.input_dependent)
 
     def shape(self, cfg: "ModelConfig") -> tuple[int, int]:
-        """(heads, width) of the score before any head sharing (see gattn/gates.py)."""
+        """(heads, width) of the score before any head sharing (see gattn/model/gates.py)."""
         if self.position == "dense":
             return 1, cfg.d_model
         heads = cfg.q_heads if self.position in ("sdpa", "query") else cfg.kv_heads
@@ -363,6 +364,12 @@ class ExecConfig:
                       (memory O(chunk * S) per layer; long contexts on CPU).
     flash_block_q, flash_block_k: query / key blocks of the pallas kernel (multiples of 8; TPU
                       wants multiples of 128).
+    moe_impl:         partitioned: the MoE layer is one program that XLA's partitioner splits over
+                      the mesh (dropless or with a capacity counted over the whole batch);
+                      all_to_all: tokens exchanged explicitly over the mesh's expert axis inside
+                      shard_map (needs model.moe.capacity_factor and mesh.expert > 1 dividing the
+                      experts; capacity is counted per data x expert shard). Chosen here, never
+                      by whatever mesh happens to be set.
     """
 
     dtype: str = "float32"
@@ -373,12 +380,14 @@ class ExecConfig:
     attention_query_chunk: int = 0
     flash_block_q: int = 512
     flash_block_k: int = 512
+    moe_impl: str = "partitioned"
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
         _bool("scan_layers", self.scan_layers)
         _choice("remat", self.remat, REMAT_POLICIES)
         _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _choice("moe_impl", self.moe_impl, MOE_IMPLS)
         _integer("attention_block_q", self.attention_block_q, zero_ok=True)
         _integer("attention_query_chunk", self.attention_query_chunk, zero_ok=True)
         for name in ("flash_block_q", "flash_block_k"):
@@ -425,7 +434,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation, checkpointing and logging of a run (gattn/optim.py, gattn/trainer.py)."""
+    """Optimisation, checkpointing and logging of a run (gattn/train/optim.py, gattn/train/trainer.py)."""
 
     seed: int = 0
     batch_size: int = 8             # global batch (sequences)
@@ -484,7 +493,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh axes (gattn/sharding.py): data parallel, expert parallel, model (tensor)
+    """Device mesh axes (gattn/model/sharding.py): data parallel, expert parallel, model (tensor)
     parallel. Their product is the device count; data = -1 takes what the others leave."""
 
     data: int = -1
@@ -521,6 +530,14 @@ class Config:
                            ("mesh", MeshConfig), ("exec", ExecConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(name, type(getattr(self, name)).__name__, f"expected a {kind.__name__}")
+        if self.exec.moe_impl == "all_to_all":
+            moe = self.model.moe
+            if moe is None or moe.capacity_factor is None:
+                raise ConfigError("exec.moe_impl", "all_to_all", "the explicit all-to-all needs a MoE model with "
+                                  "model.moe.capacity_factor set (fixed-size buffers); use 'partitioned'")
+            if self.mesh.expert < 2 or moe.num_experts % self.mesh.expert:
+                raise ConfigError("exec.moe_impl", "all_to_all", f"it splits the {moe.num_experts} experts over "
+                                  f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them")
 
 
 

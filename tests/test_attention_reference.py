@@ -1,6 +1,6 @@
 """One attention layer (`gattn.attention.Attention`) against an independent float64 NumPy reference.
 
-The reference below is written from the paper's formulas (Qiu et al. 2025, Sec. 2; SPEC section 1)
+The reference below is written from the paper's formulas (Qiu et al. 2025, Sec. 2, Fig. 1)
 and the codebase's documented conventions; it calls no gattn function:
 
     Q = X W_Q, K = X W_K, V = X W_V            [N, heads, K], column h*K + j is head h dim j

@@ -215,3 +215,17 @@ def test_bad_config_fails_before_any_jax_work():
     lines = out.stdout.strip().splitlines()
     assert "'model.q_heads' = 4" in lines[0] and "multiple of kv_heads (3)" in lines[0], lines
     assert lines[-1] == "False"
+
+
+def test_the_moe_path_is_chosen_by_the_config_and_checked_against_the_mesh():
+    moe = cli.apply_overrides(C.Config(), ["model.moe.num_experts=8", "model.moe.top_k=2"])
+    assert moe.exec.moe_impl == "partitioned"
+    for extra, allowed in ((["exec.moe_impl=all_to_all"], "capacity_factor"),
+                           (["exec.moe_impl=all_to_all", "model.moe.capacity_factor=1.25"], "mesh.expert"),
+                           (["exec.moe_impl=all_to_all", "model.moe.capacity_factor=1.25", "mesh.expert=3"],
+                            "dividing")):
+        with pytest.raises(ConfigError) as e:
+            cli.apply_overrides(moe, extra)
+        assert e.value.field == "exec.moe_impl" and allowed in e.value.allowed, e.value
+    ok = cli.apply_overrides(moe, ["exec.moe_impl=all_to_all", "model.moe.capacity_factor=1.25", "mesh.expert=4"])
+    assert ok.exec.moe_impl == "all_to_all"

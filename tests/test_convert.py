@@ -1,4 +1,4 @@
-"""Hugging Face interop (gattn/convert.py): small random transformers models, saved with
+"""Hugging Face interop (gattn/interop/convert.py): small random transformers models, saved with
 save_pretrained, converted, and compared with gattn's forward pass on the same tokens (float32).
 
 The authors' release is not in transformers: `release_model` builds it from its documented layout

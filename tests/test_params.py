@@ -40,8 +40,8 @@ def test_table1_added_params_reproduce_the_paper_column():
     mismatched = [(r["row"], r["rounded"], r["paper"]) for r in rows if not r["match"]]
     assert not mismatched
     by_row = {r["row"]: r["added_params"] for r in rows}
-    assert by_row[5] == 24 * 2048 * 32 * 128  # SPEC: 24 x 2048 x 32 x 128 = 201M
-    assert by_row[11] == 24 * 2048 * 4        # one scalar per kv head (SPEC section 1)
+    assert by_row[5] == 24 * 2048 * 32 * 128  # 24 x 2048 x 32 x 128 = 201M
+    assert by_row[11] == 24 * 2048 * 4        # one scalar per kv head (Table 1 row 11)
     assert by_row[4] == 24 * 4 * (3 * 2048 * 679 + 2048)  # 4 experts and their router columns
 
 

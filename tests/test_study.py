@@ -183,3 +183,51 @@ def test_bad_study_configs_name_the_field(tmp_path):
     path.write_text(STUDY)
     with pytest.raises(ConfigError, match="sink_points"):
         study.load(path, ["train.steps=1", "train.warmup_steps=0"])  # 2 sink points in 1 step
+
+
+def test_cell_dir_is_a_checked_template(tmp_path):
+    from gattn.config import Config, TrainConfig
+
+    base = Config(train=TrainConfig(steps=10, warmup_steps=2))
+    flat = study.Study(base=base, seeds=(0,), cell_dir="{variant}")
+    assert [str(c.path) for c in study.cells(flat)] == ["baseline", "sdpa_elementwise"]
+    assert str(study.cells(study.Study(base=base))[1].path) == "runs/baseline/lr_0.003/seed_1"
+    for kwargs, match in [(dict(cell_dir="runs/{variant}"), r"cell_dir.*expected \{seed\}"),
+                          (dict(cell_dir="runs/{seed}"), r"expected \{variant\}"),
+                          (dict(cell_dir="{variant}/{seed}", learning_rates=(1e-3, 2e-3)), r"expected \{lr\}"),
+                          (dict(cell_dir="{variant}/{seed}/{step}"), "only the fields"),
+                          (dict(cell_dir="../{variant}/{seed}"), "relative directory"),
+                          (dict(cell_dir="shared/{variant}/{seed}"), "relative directory"),
+                          (dict(cell_dir="{variant}/{seed}/{lr:.0f}", learning_rates=(1e-3, 2e-3)), "same directory")]:
+        with pytest.raises(ConfigError, match=match):
+            study.Study(base=base, **kwargs)
+
+
+def test_claims_point_at_the_study_s_variants():
+    from gattn.config import Config, TrainConfig
+
+    base = Config(train=TrainConfig(steps=10, warmup_steps=2))
+    for kwargs, match in [(dict(gated="no_such_gate"), "gated.*no_such_gate"), (dict(gated="baseline"), "gated"),
+                          (dict(reference="nope"), "reference")]:
+        with pytest.raises(ConfigError, match=match):
+            study.Study(base=base, **kwargs)
+    with pytest.raises(ConfigError, match="claims.x.pairs"):
+        study.Claim("x", "X", ((study.GATED, study.REFERENCE), ("baseline", "v_elementwise")), test="sink")
+    groups = [group("baseline", 20.0, f_attn=0.5, m_act=100.0), group("sdpa_headwise", 18.0, f_attn=0.1, m_act=10.0)]
+    assert verdicts(groups)["gated_beats_baseline"]["verdict"] == "untested"  # the paper's: sdpa_elementwise
+    headwise = {c["claim"]: c for c in study.claims(groups, 1e-3, gated="sdpa_headwise")}
+    assert headwise["gated_beats_baseline"]["verdict"] == "supported"
+    assert "sdpa_headwise PPL 18.00 ± 0.10 vs baseline 20.00" in headwise["gated_beats_baseline"]["text"]
+    assert headwise["gating_removes_sink_and_massive_activations"]["verdict"] == "supported"
+    assert "it needs baseline and sdpa_headwise" in headwise["gating_tolerates_higher_lr"]["text"]
+    own = (study.Claim("headwise_beats_baseline", "Headwise beats the baseline", (("sdpa_headwise", "baseline"),)),)
+    (claim,) = study.claims(groups, 1e-3, table=own)
+    assert claim["claim"] == "headwise_beats_baseline" and claim["verdict"] == "supported"
+
+
+def test_a_preset_loads_by_name():
+    s = study.load("table4_tiny", ["train.steps=60"])
+    assert s.base.train.steps == 60 and "sdpa_headwise" in s.variants
+    assert study.load("configs/study/lr_stability_tiny.py").lrs == (3e-3, 3e-2, 3e-1)
+    with pytest.raises(ConfigError, match="table4_tiny"):
+        study.load("no_such_study")

@@ -1,4 +1,4 @@
-"""The PyTorch peer's shapes from shared/PERFORMANCE.md: 4 layers, d_model 256, 4 x 64 heads (MHA),
+"""The PyTorch peer's shapes of bench/step_time.py (docs/performance.md): 4 layers, d_model 256, 4 x 64 heads (MHA),
 SwiGLU 688, vocab 8192, untied, sequence 256, batch 8, fp32. The reference point for CPU speed."""
 
 from gattn.config import Config, ModelConfig, TrainConfig

@@ -14,7 +14,7 @@ from gattn.data import corpus
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 INIT_FROM_TOKENIZER = "init_from.model"  # a continued run's copy of its source's (gattn/init_from.py)
-HF_TOKENIZER_DIR = "hf"  # WORKDIR/tokenizer/hf/: a converted model's tokenizer.json (gattn/convert.py)
+HF_TOKENIZER_DIR = "hf"  # WORKDIR/tokenizer/hf/: a converted model's tokenizer.json (gattn/interop/convert.py)
 
 
 class HFTokenizer:

@@ -1,5 +1,5 @@
 """Evaluation of a run's checkpoint: perplexity per held-out domain, the paper's measurements
-(`gattn.analysis`), optional few-shot tasks (`gattn.fewshot`), figures (`gattn.plots`), and the
+(`gattn.eval.analysis`), optional few-shot tasks (`gattn.eval.fewshot`), figures (`gattn.eval.plots`), and the
 comparison of several runs (Table 4 of the paper, for your checkpoints).
 
     evaluate(workdir)  ->  WORKDIR/eval/results.json, results.md, *.png

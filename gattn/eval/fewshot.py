@@ -169,7 +169,7 @@ def _cut(text: str, stops: list[str]) -> str:
 
 def generation(model, tokenizer, examples, prompts, *, max_new_tokens=64, batch_size=8,
                max_len=None) -> dict:
-    """Greedy decoding with the kv cache (gattn.decode), stopped at eos or the first stop string."""
+    """Greedy decoding with the kv cache (gattn.eval.decode), stopped at eos or the first stop string."""
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
     # Rows of one batch share a stop rule: batch the examples by their stop strings.
     groups: dict[tuple, list[int]] = {}

@@ -24,7 +24,7 @@ def evaluate_ruler(workdir: str | Path, lengths: list[int], *, step: int | None 
                    overrides: list[str] = (), tasks: tuple[str, ...] = ruler.TASKS, num_samples: int = 8,
                    seed: int = 0, batch_size: int = 4, prefill_chunk: int = 512,
                    out_dir: str | Path | None = None, figures: bool = True) -> dict:
-    """The RULER-style benchmark (gattn/ruler.py) and the window perplexity on `workdir`'s
+    """The RULER-style benchmark (gattn/eval/ruler.py) and the window perplexity on `workdir`'s
     checkpoint at each length, with the run's config plus `overrides` (e.g. a new rope_base, or
     YaRN: model.yarn.factor=4; its original_len defaults to the run's train.seq_len). Writes
     ruler.json (which records the overrides), ruler.md and ruler.png to `out_dir` (default

@@ -1,6 +1,6 @@
 """Figures of the paper's measurements (matplotlib, written as PNG): per-layer curves (Fig. 2 left,
 Fig. 6), the gate-score histogram (Fig. 3), SDPA-output sparsity (Fig. 5), per-head F-Attn, and
-per-head attention maps (Fig. 2 right). Each takes `gattn.analysis` results (`measurements` in
+per-head attention maps (Fig. 2 right). Each takes `gattn.eval.analysis` results (`measurements` in
 eval.py's results.json) and a path; `ruler` takes gattn.ruler results (Table 5 as a figure); the
 study figures (loss curves with spikes, gate histograms and attention maps side by side, F-Attn
 against training tokens, stability across learning rates) take gattn.study records."""

@@ -4,7 +4,7 @@ Inputs follow the kernel convention q [B, S, Hq, K], k/v [B, T, Hk, K] (GQA: que
 kv head h // (Hq // Hk)). Internally the computation runs in [B, Hk, G, S, K] with an additive
 mask; for causal self-attention the queries are split into blocks and block i only multiplies
 the keys it can see, which skips the fully masked upper triangle (on CPU this is what keeps the
-attention core near the matmul floor; see PERFORMANCE.md).
+attention core near the matmul floor; see docs/performance.md).
 
 Segment ids [B, S] (int): a query attends only to keys with the same id. Id 0 marks padding:
 the output (and attention row) of a padding query is set to exactly zero, and no real token

@@ -34,10 +34,16 @@ from gattn.model.moe_ops import (balance, batched_swiglu, capacity, combine, dis
 BATCH_AXES = ("data", "expert")
 
 
-def applies(mesh, spec) -> bool:
-    """Whether the explicit path runs: a context mesh with an expert axis > 1 and a capacity."""
-    return (not mesh.empty and "expert" in mesh.axis_names and mesh.shape["expert"] > 1
-            and spec.capacity_factor is not None and spec.num_experts % mesh.shape["expert"] == 0)
+def context_mesh(spec):
+    """The mesh set with `jax.set_mesh` (the trainer sets the run's around its step), checked
+    for this path (exec.moe_impl = "all_to_all"): an expert axis > 1 dividing the experts."""
+    mesh = jax.sharding.get_abstract_mesh()
+    n = 0 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
+    if n < 2 or spec.num_experts % n or spec.capacity_factor is None:
+        raise ValueError(f"exec.moe_impl='all_to_all' runs under a mesh (jax.set_mesh) whose expert axis "
+                         f"(here {n or 'none'}) is > 1 and divides the {spec.num_experts} experts, with a "
+                         "capacity factor; use exec.moe_impl='partitioned' otherwise")
+    return mesh
 
 
 def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh):

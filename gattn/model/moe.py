@@ -50,6 +50,7 @@ class MoE(nnx.Module):
         self.w2 = param("weight", rngs, (e, f, d), ("expert", "mlp", "embed"), std=std, dtype=pd)
         self.act = FFN_ACTIVATIONS[cfg.ffn_activation]
         self.dtype = DTYPES[ex.dtype]
+        self.impl = ex.moe_impl
 
     def _w(self, p):
         return p[...].astype(self.dtype)
@@ -78,8 +79,8 @@ class MoE(nnx.Module):
     def __call__(self, x_NxD: jax.Array):
         """(out [N, D], aux {lbl, z_loss, load [E], dropped})."""
         spec = self.spec
-        mesh = jax.sharding.get_abstract_mesh()
-        if expert_parallel.applies(mesh, spec):  # experts split over the mesh: explicit all-to-all
+        if self.impl == "all_to_all":  # exec.moe_impl: the explicit exchange over the expert axis
+            mesh = expert_parallel.context_mesh(spec)
             return expert_parallel.moe_forward(self.weights(), spec, self.act, self.dtype, x_NxD, mesh)
         logits_NxE = dense(x_NxD, self.router, self.dtype, out_dtype=jnp.float32)
         weights_NxP, experts_NxP, probs_NxE = route(logits_NxE, spec)

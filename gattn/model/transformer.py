@@ -1,9 +1,9 @@
 """The decoder-only LM: embedding, pre-RMSNorm blocks (gated attention + SwiGLU), final norm, head.
 
 The residual stream is 2-D, x_NxD with N = batch * sequence: every projection is then a plain
-[N, D] x [D, *] matmul and every weight gradient a single contraction (PERFORMANCE.md, item 2).
+[N, D] x [D, *] matmul and every weight gradient a single contraction (docs/performance.md).
 
-`Transformer.decode` runs new tokens against a kv cache (gattn/decode.py generates with it);
+`Transformer.decode` runs new tokens against a kv cache (gattn/eval/decode.py generates with it);
 `unscanned` turns a scan_layers model into the equivalent layer list.
 """
 

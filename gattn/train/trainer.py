@@ -37,7 +37,7 @@ class TrainingStopped(RuntimeError):
 
 
 def state_shardings(tx, abstract_params, mesh):
-    """Shardings of {step, params, opt_state}: parameters by their logical axes (gattn/sharding.py),
+    """Shardings of {step, params, opt_state}: parameters by their logical axes (gattn/model/sharding.py),
     the optimizer's moments like their parameters, scalars replicated."""
     params = sharding.param_shardings(abstract_params, mesh)
     opt_state = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params), params,
