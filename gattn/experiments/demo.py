@@ -23,7 +23,7 @@ from pathlib import Path
 from gattn import cli, variants
 from gattn.experiments import study as study_lib
 
-COLUMNS = ("variant", "params", "added_params", "first_loss", "last_loss", "held_out_loss", *study_lib.report.MEASURED,
+COLUMNS = ("variant", "params", "added_params", "first_loss", "last_loss", "held_out_loss", *study_lib.MEASURED,
            "seconds")
 
 

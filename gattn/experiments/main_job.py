@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gattn import cli
 from gattn.experiments import study as study_lib
-from gattn.experiments.study.report import MEASURED
+from gattn.experiments.study.runner import MEASURED
 
 # The keys of a results.json row (a diverged run's: variant, params, diverged).
 KEYS = ("variant", "params", "step", "completed", "final_loss", "skipped_steps", "loss_spikes", "tokens_per_sec",

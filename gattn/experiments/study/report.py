@@ -1,6 +1,5 @@
 """A study's report: DIR/report.json, DIR/report.md (the table, the stability table, F-Attn
-against tokens, the claims) and the figures in DIR/figures; and `cell_row`, one cell as a flat
-row, for the presets that print their own tables (the main job, the demo)."""
+against tokens, the claims) and the figures in DIR/figures."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ import math
 from pathlib import Path
 
 from gattn.experiments.study.claims import claims
-from gattn.experiments.study.runner import read_metrics
-from gattn.experiments.study.spec import Study, cell_config, cells, describe
+from gattn.experiments.study.spec import Study, describe
 from gattn.experiments.study.stats import aggregate, fmt
 
 
@@ -106,33 +104,3 @@ def markdown(report: dict) -> str:
     lines += [c["text"] + "\n" for c in report["claims"]]
     lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in report["figures"]]
     return "\n".join(lines) + "\n"
-
-
-MEASURED = ("gate_score", "f_attn", "sink_head_share", "m_act")  # the overall measurements a row has
-
-
-def cell_row(study: Study, record: dict, root: Path) -> dict:
-    """One cell's record as a flat row: variant, lr, seed, params, added_params (vs the base
-    model), and unless it diverged ("diverged": the reason): step, first_loss, final_loss,
-    skipped_steps, loss_spikes, val_loss/DOMAIN, val_ppl/DOMAIN, held_out_loss (their mean
-    loss), the overall measurements (gate_score only for a gated model), tokens_per_sec, seconds."""
-    from gattn.model.params import count_params  # noqa: PLC0415
-
-    cell = next(c for c in cells(study) if (c.variant, c.lr, c.seed) == (record["variant"], record["lr"], record["seed"]))
-    params = count_params(cell_config(study, cell).model)
-    row = {"variant": cell.variant, "lr": cell.lr, "seed": cell.seed, "params": params,
-           "added_params": params - count_params(study.base.model)}
-    if record["diverged"]:
-        return {**row, "diverged": record["diverged"], "final_loss": record["final_loss"]}
-    finite = [x for x in record["losses"]["loss"] if x is not None]
-    val_loss = {d: math.log(p) for d, p in record["perplexity"].items()}
-    metrics = read_metrics(root / cell.path)
-    overall = record["measurements"]["overall"]
-    return {**row, "step": record["losses"]["steps"][-1], "first_loss": finite[0], "final_loss": record["final_loss"],
-            "skipped_steps": record["skipped_steps"], "loss_spikes": record["loss_spikes"],
-            **{f"val_loss/{d}": v for d, v in val_loss.items()},
-            **{f"val_ppl/{d}": p for d, p in record["perplexity"].items()},
-            "held_out_loss": sum(val_loss.values()) / len(val_loss),
-            **{k: overall[k] for k in MEASURED if k in overall},
-            "tokens_per_sec": metrics[-1].get("tokens_per_sec") if metrics else None,
-            "seconds": sum(record["seconds"].values())}

@@ -1,6 +1,7 @@
 """Running a study: each cell trained by the one training loop (gattn.train.trainer), measured as
 eval.py measures (gattn.eval.evaluate) plus F-Attn at its checkpoints, and marked finished by its
-cell.json; a rerun skips finished cells and resumes the unfinished one."""
+cell.json; a rerun skips finished cells and resumes the unfinished one. `cell_row`: a cell's
+record as a flat row, for the presets that print their own tables (the main job, the demo)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import os
 import time
 from pathlib import Path
 
-from gattn.config import ConfigError, Config, flat_fields, from_dict, to_dict
+from gattn.config import Config, ConfigError, flat_fields, from_dict, to_dict
 from gattn.experiments.study.spec import Cell, Study, cell_config, cells, describe, planned_steps
 
 STOPPED = "stopped (SIGTERM); rerun the same command to resume"
+MEASURED = ("gate_score", "f_attn", "sink_head_share", "m_act")  # the overall measurements in a `cell_row`
 
 
 def _share(workdir: Path, shared: Path) -> None:
@@ -155,3 +157,30 @@ def _check_same_study(study: Study, root: Path) -> None:
         k = changed[0]
         raise ConfigError(k, new.get(k), f"{root} holds a study run with {k} = {old.get(k)!r} "
                           f"({len(changed)} field(s) differ): rerun it unchanged, or use a new --workdir")
+
+
+def cell_row(study: Study, record: dict, root: Path) -> dict:
+    """One cell's record as a flat row: variant, lr, seed, params, added_params (vs the base
+    model), and unless it diverged ("diverged": the reason): step, first_loss, final_loss,
+    skipped_steps, loss_spikes, val_loss/DOMAIN, val_ppl/DOMAIN, held_out_loss (their mean
+    loss), the overall measurements (gate_score only for a gated model), tokens_per_sec, seconds."""
+    from gattn.model.params import count_params  # noqa: PLC0415
+
+    cell = next(c for c in cells(study) if (c.variant, c.lr, c.seed) == (record["variant"], record["lr"], record["seed"]))
+    params = count_params(cell_config(study, cell).model)
+    row = {"variant": cell.variant, "lr": cell.lr, "seed": cell.seed, "params": params,
+           "added_params": params - count_params(study.base.model)}
+    if record["diverged"]:
+        return {**row, "diverged": record["diverged"], "final_loss": record["final_loss"]}
+    finite = [x for x in record["losses"]["loss"] if x is not None]
+    val_loss = {d: math.log(p) for d, p in record["perplexity"].items()}
+    metrics = read_metrics(root / cell.path)
+    overall = record["measurements"]["overall"]
+    return {**row, "step": record["losses"]["steps"][-1], "first_loss": finite[0], "final_loss": record["final_loss"],
+            "skipped_steps": record["skipped_steps"], "loss_spikes": record["loss_spikes"],
+            **{f"val_loss/{d}": v for d, v in val_loss.items()},
+            **{f"val_ppl/{d}": p for d, p in record["perplexity"].items()},
+            "held_out_loss": sum(val_loss.values()) / len(val_loss),
+            **{k: overall[k] for k in MEASURED if k in overall},
+            "tokens_per_sec": metrics[-1].get("tokens_per_sec") if metrics else None,
+            "seconds": sum(record["seconds"].values())}

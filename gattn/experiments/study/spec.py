@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 
 from gattn import cli, variants
 from gattn.config import Config, ConfigError, to_dict
-from gattn.experiments.study.claims import CLAIMS, GATED, PAPER_GATED, PAPER_REFERENCE, REFERENCE, Claim
+from gattn.experiments.study.claims import CLAIMS, PAPER_GATED, PAPER_REFERENCE, Claim
 
 CELL_FIELDS = ("variant", "lr", "seed")  # the names a `cell_dir` template may use
 # What a study directory holds besides its cells (a cell directory may not start with these).
@@ -100,11 +100,6 @@ class Study:
         t = self.base.train
         return t.steps * t.batch_size * t.seq_len
 
-    @property
-    def roles(self) -> dict[str, str]:
-        """The variants the claims' roles stand for."""
-        return {GATED: self.gated, REFERENCE: self.reference}
-
 
 @dataclass(frozen=True)
 class Cell:
@@ -184,14 +179,17 @@ def comparison(config: str | Path, names: list[str], overrides: list[str] = (), 
                **fields) -> Study:
     """A one-seed study of variants side by side (the main job, the demo): `config` (a config
     file or preset) with the overrides is the base; each variant is applied to the config file's
-    model and then the overrides, as train.py's --variant does; each cell trains in DIR/VARIANT;
-    a run counts as diverged only when training stopped on non-finite losses; F-Attn is measured
-    at `sink_points` checkpoints (fewer if there are fewer steps). `fields`: other Study fields."""
-    if any(o.removeprefix("--").removeprefix("config.").startswith("variant=") for o in overrides):
+    model and then the model overrides, as train.py's --variant does; each cell trains in
+    DIR/VARIANT; a run counts as diverged only when training stopped on non-finite losses; F-Attn
+    is measured at `sink_points` checkpoints (fewer if there are fewer steps). `fields`: other
+    Study fields."""
+    paths = [cli.canonical(o.removeprefix("--").removeprefix("config.").partition("=")[0].strip()) for o in overrides]
+    if "variant" in paths:
         raise ConfigError("--config.variant", None, "choose the variants with --variants a,b")
     base = cli.load(config, overrides)
+    model = tuple(o for o, p in zip(overrides, paths) if p.startswith("model."))
     return Study(**{"base": base, "variants": tuple(names), "seeds": (base.train.seed,), "cell_dir": "{variant}",
-                    "diverged_loss": math.inf, "overrides": tuple(overrides),
+                    "diverged_loss": math.inf, "overrides": model,
                     "sink_points": min(sink_points, base.train.steps), **fields})
 
 
