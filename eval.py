@@ -37,6 +37,7 @@ def _lengths(text):
 
 
 def main(argv=None):
+    cli.single_process("eval.py")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workdir", help="the run directory (holds config.json and checkpoints/)")
     ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")

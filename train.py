@@ -21,17 +21,19 @@ def main(argv=None):
     ap.add_argument("--init-from", metavar="RUN_DIR", help="start from this run's parameters "
                     "(sets train.init_from; its latest checkpoint, or --config.train.init_step=N)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    cli.add_distributed_flags(ap)
     args, overrides = cli.parse_args(ap, argv, steps_set_train_steps=True)
     if args.init_from:
         overrides.append(f"train.init_from={args.init_from}")
     cfg = cli.load(args.config, overrides, variant=args.variant)
+    cli.start_distributed(args)  # one process, or all of a pod slice's (docs/pod-slice.md)
 
     from gattn.train import trainer  # noqa: PLC0415 (config errors come before any JAX import)
 
     try:
         summary = trainer.train(cfg, args.workdir, progress=not args.quiet)
     except trainer.TrainingStopped as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error{cli.where()}: {e}", file=sys.stderr)
         return 1
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     return 0

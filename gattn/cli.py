@@ -202,13 +202,67 @@ def run_cli(main, argv=None) -> int:
     try:
         return main(argv) or 0
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error{where()}: {e}", file=sys.stderr)
         return 2
+
+
+# --------------------------------------------------------------------------- several processes
+
+# How long a silent process counts as alive (JAX's heartbeat), and how long a finishing one waits
+# for the others: a dead worker stops the rest within about this time instead of hanging.
+HEARTBEAT_SECONDS = int(os.environ.get("GATTN_HEARTBEAT_SECONDS", "20"))
+_process: int | None = None
+
+
+def add_distributed_flags(parser) -> None:
+    g = parser.add_argument_group("several processes (a pod slice; see docs/pod-slice.md)")
+    g.add_argument("--distributed", action="store_true", help="join the other hosts of a Cloud TPU slice "
+                   "(jax.distributed.initialize() finds them itself)")
+    g.add_argument("--coordinator", help="HOST:PORT of process 0 (CPU/GPU clusters; or JAX_COORDINATOR_ADDRESS)")
+    g.add_argument("--num-processes", type=int, help="processes in the run (or JAX_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, help="this process's index (or JAX_PROCESS_ID)")
+
+
+def start_distributed(args=None) -> None:
+    """Joins the run's processes with `jax.distributed.initialize` when the flags of
+    `add_distributed_flags` or the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID, as `python -m gattn.launch` sets them) ask for it; one process otherwise.
+    CPU devices exchange data through gloo."""
+    global _process
+    get = lambda name, env: getattr(args, name, None) if getattr(args, name, None) is not None \
+        else os.environ.get(env)  # noqa: E731
+    coordinator, num, pid = (get("coordinator", "JAX_COORDINATOR_ADDRESS"),
+                             get("num_processes", "JAX_NUM_PROCESSES"), get("process_id", "JAX_PROCESS_ID"))
+    auto = getattr(args, "distributed", False)
+    if not coordinator and not auto:
+        return
+    import jax  # noqa: PLC0415
+
+    if os.environ.get("JAX_PLATFORMS") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = dict(heartbeat_timeout_seconds=HEARTBEAT_SECONDS, shutdown_timeout_seconds=HEARTBEAT_SECONDS)
+    if not coordinator:  # a Cloud TPU slice: JAX reads the topology from the TPU metadata
+        jax.distributed.initialize(**timeouts)
+    else:
+        for flag, value in (("--num-processes", num), ("--process-id", pid)):
+            if value is None or not str(value).isdigit():
+                raise ConfigError(flag, value, "a non-negative integer (or its JAX_* environment variable) "
+                                  "when a coordinator address is given")
+        if int(pid) >= int(num):
+            raise ConfigError("--process-id", int(pid), f"below --num-processes ({num})")
+        jax.distributed.initialize(coordinator, int(num), int(pid), **timeouts)
+    _process = jax.process_index()
+
+
+def where() -> str:
+    """" (process N)" in a run of several processes, so that an error names its process."""
+    return f" (process {_process})" if _process is not None else ""
 
 
 def run_entry_point(main) -> None:
     """What every `python -m` / script entry point does: the process settings, then `main` with
-    one-line config errors; exits with its status."""
+    one-line config errors; exits with its status. Entry points that do not run as several
+    processes refuse to (see `single_process`)."""
     keep_jax_off_absent_tpu()  # first: a re-execution below inherits its setting
     ensure_malloc_tunables()
     raise SystemExit(run_cli(main))
@@ -282,3 +336,11 @@ def _read(path: Path) -> str:
         return path.read_text().strip()
     except OSError:
         return ""
+
+
+def single_process(what: str) -> None:
+    """One clear line instead of a hang when a one-process tool is launched as several."""
+    if int(os.environ.get("JAX_NUM_PROCESSES", "1")) > 1:
+        raise ConfigError("JAX_NUM_PROCESSES", os.environ["JAX_NUM_PROCESSES"],
+                          f"{what} runs as one process: run it on one host (train.py is the multi-process "
+                          "entry point; its checkpoints restore on any number of devices)")

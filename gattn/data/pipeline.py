@@ -1,5 +1,5 @@
-"""The Grain pipeline: shuffle documents (seeded) -> shard per process -> tokenize -> pack ->
-shuffle packed rows in a window -> batch.
+"""The Grain pipeline: shuffle documents (seeded) -> one stream per batch row -> tokenize -> pack
+-> shuffle packed rows in a window -> batch (a process reads only its own rows' streams).
 
 Batches are dicts of int32 numpy arrays of shape [batch, seq_len + 1] (inputs and shifted targets
 come from one row): "tokens", "segment_ids" (1, 2, ... per document in the row, 0 = padding) and
@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import grain
-import jax
 import numpy as np
 
 from gattn.data import tfds_text
@@ -46,29 +45,69 @@ def _pad_rows(batch: dict, rows: int) -> dict:
     return {k: np.pad(v, ((0, missing), (0, 0))) for k, v in batch.items()} if missing else batch
 
 
-def train_iterator(cfg, tokenizer, workdir: Path) -> grain.DatasetIterator:
-    """An endless, deterministic iterator over packed training batches of this process's shard
-    (the global batch divided over processes)."""
-    n_proc, index = jax.process_count(), jax.process_index()
-    if cfg.train.batch_size % n_proc:
-        raise ValueError(f"train.batch_size={cfg.train.batch_size} must divide over {n_proc} processes")
-    source = tfds_text.data_source(cfg.data, workdir, "train")
-    ds = grain.MapDataset.source(source).shuffle(seed=cfg.train.seed).repeat()
-    ds = ds[index::n_proc].map(_tokenize(tokenizer))
-    ds = _pack_and_batch(ds.to_iter_dataset(), cfg.train.seq_len, cfg.train.batch_size // n_proc,
-                         shuffle=(cfg.data.shuffle_window, cfg.train.seed))
-    return iter(ds)
+class Rows:
+    """Training batches made of independent row streams: row r of every global batch comes from
+    stream r alone (documents r, r + B, r + 2B, ... of the seeded shuffle, packed into rows of
+    seq_len + 1 tokens, window-shuffled). A process reads only the streams of its own rows, so the
+    global batches are the same for any number of processes, and so are the losses. The state is
+    one Grain iterator state per row: a checkpoint written by P processes resumes on any other P."""
+
+    def __init__(self, cfg, tokenizer, workdir: Path, rows: range):
+        t, b = cfg.train, cfg.train.batch_size
+        source = tfds_text.data_source(cfg.data, workdir, "train")
+        docs = grain.MapDataset.source(source).shuffle(seed=t.seed).repeat()
+        window = max(1, cfg.data.shuffle_window // b)  # rows held for shuffling: shuffle_window in all
+        self.rows = rows
+        self.streams = {}
+        for r in rows:
+            ds = grain.experimental.ConcatThenSplitIterDataset(
+                docs[r::b].map(_tokenize(tokenizer)).to_iter_dataset(), length_struct={"tokens": t.seq_len + 1})
+            ds = ds.map(lambda ex: {"tokens": ex["tokens"], "segment_ids": ex["tokens_segment_ids"],
+                                    "positions": ex["tokens_positions"]})
+            ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=window, seed=t.seed * b + r)
+            self.streams[r] = iter(ds)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        rows = [next(self.streams[r]) for r in self.rows]
+        return {k: np.stack([row[k] for row in rows]) for k in rows[0]}
+
+    def get_state(self) -> dict:
+        return {str(r): s.get_state() for r, s in self.streams.items()}
+
+    def set_state(self, state: dict) -> None:
+        """Restores the streams of this process's rows from a state of all rows (as checkpoints
+        keep it, through JSON: Grain's packing state holds tuples, which JSON made lists)."""
+        missing = [r for r in self.rows if str(r) not in state]
+        if missing:
+            raise ValueError(f"the checkpoint's data state has no stream for rows {missing[:5]} "
+                             f"(it holds {len(state)}): was it written with another train.batch_size?")
+        for r, stream in self.streams.items():
+            stream.set_state(_tuples(state[str(r)]))
 
 
-def set_state(iterator: grain.DatasetIterator, state: dict) -> None:
-    """Restores an iterator state that went through JSON (as checkpoints store it). JSON turns
-    the tuples of Grain's packing state into lists, which the packer then misreads; this pipeline's
-    states hold no lists of their own, so every list becomes a tuple again."""
-    def tuples(x):
-        if isinstance(x, dict):
-            return {k: tuples(v) for k, v in x.items()}
-        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
-    iterator.set_state(tuples(state))
+def _tuples(x):
+    if isinstance(x, dict):
+        return {k: _tuples(v) for k, v in x.items()}
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def train_iterator(cfg, tokenizer, workdir: Path, rows: range | None = None) -> Rows:
+    """An endless, deterministic iterator over packed training batches: `rows` of each global
+    batch (default: all of train.batch_size), see `Rows`."""
+    return Rows(cfg, tokenizer, workdir, range(cfg.train.batch_size) if rows is None else rows)
+
+
+def set_state(iterator: Rows, state: dict) -> None:
+    """Restores `iterator` from a state that went through JSON (as checkpoints store it)."""
+    iterator.set_state(state)
+
+
+def prepare(cfg, workdir: Path) -> None:
+    """Builds the run's dataset (both splits) under WORKDIR/tfds if it is not there yet."""
+    tfds_text.data_source(cfg.data, workdir, "train")
 
 
 def validation_batches(cfg, tokenizer, workdir: Path) -> dict[str, list[dict]]:

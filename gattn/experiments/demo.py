@@ -28,6 +28,7 @@ COLUMNS = ("variant", "params", "added_params", "first_loss", "last_loss", "held
 
 
 def main(argv=None):
+    cli.single_process("python -m gattn.demo")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--config", default="configs/demo.py")
     ap.add_argument("--variants", default="all", help="comma-separated names, or 'all' (those that apply to the model)")

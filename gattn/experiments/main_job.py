@@ -28,6 +28,7 @@ KEYS = ("variant", "params", "step", "completed", "final_loss", "skipped_steps",
 
 
 def main(argv=None):
+    cli.single_process("python -m gattn.main_job")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workdir", default="workdir/main")
     ap.add_argument("--config", default="configs/tiny.py")

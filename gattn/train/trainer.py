@@ -25,10 +25,10 @@ from flax import nnx
 
 from gattn.config import Config, ConfigError, from_dict
 from gattn.data import pipeline
-from gattn.data.tokenizer import load_tokenizer
+from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 from gattn.model import sharding
 from gattn.model.transformer import Transformer, relayout
-from gattn.train import checkpoint, init_from, optim, rundir
+from gattn.train import checkpoint, hosts, init_from, optim, rundir
 from gattn.train.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum
 
 
@@ -138,17 +138,59 @@ def make_eval_step(graphdef):
 
 def validate(eval_step, params, batches: dict[str, list], mesh=None) -> dict[str, float]:
     """Held-out loss and perplexity per domain (under `mesh`, as the train step runs, so the
-    Pallas attention and the expert-parallel MoE take the same path)."""
+    Pallas attention and the expert-parallel MoE take the same path). Every process holds all
+    the held-out batches; they enter the step replicated."""
     out = {}
     for domain, domain_batches in batches.items():
         total = count = 0.0
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             for b in domain_batches:
+                if mesh is not None:
+                    b = {k: global_array(v, sharding.replicated(mesh)) for k, v in b.items()}
                 s, c = eval_step(params, b)
                 total, count = total + float(s), count + float(c)
         out[f"val_loss/{domain}"] = total / count
         out[f"val_ppl/{domain}"] = math.exp(min(total / count, 50.0))
     return out
+
+
+def global_array(x: np.ndarray, where):
+    """A jax.Array of `x` (which every process holds whole) placed on the sharding `where`."""
+    return jax.make_array_from_callback(x.shape, where, lambda index: x[index])
+
+
+def local_rows(batch_sharding, batch_size: int) -> range:
+    """The rows of the global batch that this process's devices hold (contiguous, as the mesh puts
+    each process's devices side by side on the batch axes)."""
+    rows = set()
+    for index in batch_sharding.addressable_devices_indices_map((batch_size, 1)).values():
+        rows.update(range(batch_size)[index[0]])
+    lo, hi = min(rows), max(rows) + 1
+    if len(rows) != hi - lo:
+        raise ValueError(f"this process holds rows {sorted(rows)} of the batch, which are not contiguous")
+    return range(lo, hi)
+
+
+class Stopper:
+    """Whether to save and stop now: SIGTERM to this process (one process), or to any host, in
+    which case every host agrees on the same step (JAX's preemption sync point)."""
+
+    def __init__(self):
+        self.signal = None
+        self.many = hosts.count() > 1
+        if not self.many:
+            self.previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "signal", signum))
+
+    def __call__(self, step: int) -> bool:
+        if self.many:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.signal is not None
+
+    def close(self):
+        if not self.many:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 class SpikeCounter:
@@ -170,7 +212,10 @@ class MetricsLog:
     by the interrupted run after its last checkpoint) are dropped, so each step appears once."""
 
     def __init__(self, workdir: Path, resumed_step: int):
-        self.path = workdir / "metrics.jsonl"
+        self.path, self.tb = workdir / "metrics.jsonl", None
+        if not hosts.primary():  # one writer: process 0
+            self.path = None
+            return
         if self.path.exists():
             kept = []
             for line in self.path.read_text().splitlines():
@@ -188,6 +233,8 @@ class MetricsLog:
             self.tb = None
 
     def write(self, step: int, metrics: dict):
+        if self.path is None:
+            return
         # Non-finite values (a skipped step's loss) are written as null: NaN is not JSON.
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
                  for k, v in metrics.items()}
@@ -203,26 +250,45 @@ class MetricsLog:
             self.tb.close()
 
 
+def prepare(cfg: Config, workdir: Path, source_step: int | None):
+    """The one-time preparation of a run (its tokenizer, the TFDS build, a continued run's
+    tokenizer copy), done by process 0 while the others wait; then every host has its copy,
+    whether the workdir is a shared filesystem or each host's own disk. Returns the tokenizer."""
+    if hosts.primary():
+        workdir.mkdir(parents=True, exist_ok=True)
+        if source_step is not None:
+            init_from.copy_tokenizer(cfg, workdir)
+        load_tokenizer(cfg, workdir)
+        pipeline.prepare(cfg, workdir)
+    hosts.barrier("prepared")
+    workdir.mkdir(parents=True, exist_ok=True)
+    hosts.share_file(tokenizer_path(cfg, workdir))
+    return load_tokenizer(cfg, workdir)
+
+
 def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint; else starting from the
-    parameters of `train.init_from` when set); returns the summary."""
+    parameters of `train.init_from` when set); returns the summary. With several processes (a pod
+    slice), each reads its own rows of every batch and process 0 alone writes metrics and files."""
     workdir = Path(workdir)
     # A continued run's source is checked before anything is written (and only until it has a
     # checkpoint of its own: resuming never reads the source again).
     source_step = init_from.check(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
-    workdir.mkdir(parents=True, exist_ok=True)
-    if source_step is not None:
-        init_from.copy_tokenizer(cfg, workdir)
     t = cfg.train
-    tokenizer = load_tokenizer(cfg, workdir)
-    data = pipeline.train_iterator(cfg, tokenizer, workdir)
-    val_batches = pipeline.validation_batches(cfg, tokenizer, workdir)
-
     mesh = sharding.make_mesh(cfg.mesh)
     shards = mesh.shape["data"] * mesh.shape["expert"]
     if t.batch_size % shards:
         raise ConfigError("train.batch_size", t.batch_size,
                           f"a multiple of the {shards} data x expert shards of the mesh {dict(mesh.shape)}")
+    tokenizer = prepare(cfg, workdir, source_step)
+    batch_sharding = sharding.batch_sharding(mesh)
+    data = pipeline.train_iterator(cfg, tokenizer, workdir, local_rows(batch_sharding, t.batch_size))
+    val_batches = pipeline.validation_batches(cfg, tokenizer, workdir)
+
+    def feed(batch: dict) -> dict:  # this process's rows -> the global batch
+        return {k: jax.make_array_from_process_local_data(batch_sharding, v, (t.batch_size, v.shape[1]))
+                for k, v in batch.items()}
+
     graphdef, state = init_state(cfg, mesh)
     mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every)
     try:  # a checkpoint of another model or data is refused before any array is read
@@ -245,7 +311,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
         pipeline.set_state(data, data_state)
     elif source_step is not None:
         state = {**state, "params": init_from.params(cfg, state["params"], source_step)}
-    rundir.write_config(workdir, cfg)
+    if hosts.primary():
+        rundir.write_config(workdir, cfg)
     start = int(state["step"])
     log = MetricsLog(workdir, start)
     shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -254,9 +321,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     spikes.count = meta["loss_spikes"]
     spikes.recent.extend(meta["recent_losses"])  # the spike window continues across a resume
 
-    stop = {"signal": None}
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
-    bar = _progress(progress, start, t.steps)
+    stop = Stopper()
+    bar = _progress(progress and hosts.primary(), start, t.steps)
     bad_in_a_row, skipped, val, loss = 0, meta["skipped_steps"], {}, meta["final_loss"]
     tokens_per_step, clock, timed_steps, eval_seconds = t.batch_size * t.seq_len, time.perf_counter(), 0, 0.0
 
@@ -265,8 +331,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
 
     try:
         for step in range(start + 1, t.steps + 1):
-            with jax.set_mesh(mesh):  # the step's in_shardings split the host batch over the mesh
-                state, m = train_step(state, next(data))
+            with jax.set_mesh(mesh):
+                state, m = train_step(state, feed(next(data)))
             loss, finite = float(m["loss"]), bool(m["finite"])
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
             skipped += not finite
@@ -293,26 +359,29 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
                     record.update(val)
                 log.write(step, record)
             bar.update(step, loss, tokens_per_sec())
-            stopping = stop["signal"] is not None
+            stopping = stop(step)
             if step == t.steps or stopping or mngr.should_save(step):  # build the args only then
                 meta = rundir.meta(cfg, skipped_steps=skipped, loss_spikes=spikes.count,
                                    recent_losses=list(spikes.recent), final_loss=loss if finite else None)
-                checkpoint.save(mngr, step, state, data.get_state(), meta, force=True)
+                data_state = {k: v for part in hosts.gather_json(data.get_state()) for k, v in part.items()}
+                checkpoint.save(mngr, step, state, data_state, meta, force=True)
             if stopping:
                 mngr.wait_until_finished()
-                print(f"\nSIGTERM: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
+                if hosts.primary():
+                    print(f"\nSIGTERM: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
                 break
     finally:
         mngr.wait_until_finished()
         mngr.close()
         log.close()
         bar.close()
-        signal.signal(signal.SIGTERM, previous)
+        stop.close()
     if not val:  # nothing left to train (a finished run rerun): validate what is there
         val = validate(eval_step, state["params"], val_batches, mesh)
     summary = {"step": int(state["step"]), "completed": int(state["step"]) >= t.steps,
                "final_loss": loss, "skipped_steps": skipped, "loss_spikes": spikes.count, **val}
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if hosts.primary():
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 

@@ -24,6 +24,7 @@ from gattn.experiments.study.spec import load
 
 
 def main(argv=None):
+    cli.single_process("python -m gattn.study")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("study", help=f"a study file (configs/study/NAME.py) or a preset ({', '.join(cli.presets('study'))})")
     ap.add_argument("--workdir", required=True, help="study directory (created; resumed if it exists)")

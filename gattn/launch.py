@@ -1,0 +1,109 @@
+"""A local multi-process cluster for development and tests: the processes of a pod slice, on one
+machine, with CPU devices and gloo collectives.
+
+    python -m gattn.launch --processes 2 --local-devices 4 train.py --config tiny --workdir DIR
+    python -m gattn.launch --processes 2 --local-devices 4 -m gattn.main_job ...
+
+Each worker is `python SCRIPT ARGS...` with JAX_COORDINATOR_ADDRESS (a free port on 127.0.0.1),
+JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_PLATFORMS=cpu and
+XLA_FLAGS=--xla_force_host_platform_device_count=M; gattn's entry points read them and call
+`jax.distributed.initialize` (gattn.cli.start_distributed). Each output line is prefixed by its
+worker's index. When a worker fails, the others stop by themselves (JAX's heartbeat notices the
+missing process, gattn.cli.HEARTBEAT_SECONDS); any still running after --grace seconds are
+killed, and the launcher exits with the first failure's status. SIGTERM or SIGINT to
+the launcher is passed on to every worker (they save a checkpoint and exit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(index: int, processes: int, local_devices: int, port: int) -> dict:
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    return {**os.environ, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(processes),
+            "JAX_PROCESS_ID": str(index), "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+            "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={local_devices}"])}
+
+
+def _pump(index: int, stream, out) -> None:
+    for line in iter(stream.readline, b""):
+        out.buffer.write(f"[{index}] ".encode() + line)
+        out.flush()
+
+
+def launch(command: list[str], processes: int, local_devices: int, *, grace: float = 90.0) -> int:
+    """Runs `python COMMAND` as `processes` workers; their first non-zero status, else 0."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, *command], env=worker_env(i, processes, local_devices, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+             for i in range(processes)]
+    pumps = [threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout), daemon=True) for i, p in enumerate(procs)]
+    for t in pumps:
+        t.start()
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    status = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.poll() not in (None, 0)]
+            if failed and not status:
+                status = failed[0].returncode
+                print(f"[launch] worker {procs.index(failed[0])} exited with {status}; stopping the others",
+                      file=sys.stderr, flush=True)
+                _stop(procs, grace)
+            time.sleep(0.2)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    for t in pumps:
+        t.join(timeout=5)
+    return status or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def _stop(procs, grace: float) -> None:
+    """Waits `grace` seconds for the others to notice the failure and exit, then kills them. (Not
+    SIGTERM: that asks for a checkpoint, which the remaining processes cannot write together.)"""
+    deadline = time.time() + grace
+    while time.time() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--processes", type=int, required=True, help="number of worker processes (hosts)")
+    ap.add_argument("--local-devices", type=int, default=1, help="CPU devices per worker")
+    ap.add_argument("--grace", type=float, default=90.0, help="seconds the others get to exit by themselves "
+                    "after a worker failed, before they are killed")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] or -m MODULE [ARGS...]")
+    args = ap.parse_args(argv)
+    if args.processes < 1 or args.local_devices < 1:
+        ap.error("--processes and --local-devices must be positive")
+    if not args.command:
+        ap.error("give the script to run, e.g. train.py --config tiny --workdir DIR")
+    return launch(args.command, args.processes, args.local_devices, grace=args.grace)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

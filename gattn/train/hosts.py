@@ -1,0 +1,60 @@
+"""Several processes, one run: who writes, who waits, and what they share.
+
+A pod slice runs one JAX process per host (`gattn.cli.start_distributed` joins them). Process 0
+is the primary: it alone writes metrics, summaries and the run's config, and it does one-time
+preparation first while the others wait at a barrier. Everything here is a no-op with one process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+
+def count() -> int:
+    return jax.process_count()
+
+
+def primary() -> bool:
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived."""
+    if count() > 1:
+        multihost_utils.sync_global_devices(f"gattn:{name}")
+
+
+def _broadcast_bytes(data: bytes | None) -> bytes:
+    """Process 0's `data` on every process."""
+    size = multihost_utils.broadcast_one_to_all(np.asarray(len(data or b""), np.int64))
+    buf = np.frombuffer((data or b"").ljust(int(size), b"\0"), np.uint8)
+    return np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8).tobytes()
+
+
+def share_file(path: Path) -> None:
+    """Process 0's file `path` on every host: a no-op on a shared filesystem, a copy where each
+    host has its own disk (written atomically, only where it is missing)."""
+    if count() == 1:
+        return
+    data = _broadcast_bytes(path.read_bytes() if primary() else None)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{jax.process_index()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+
+
+def gather_json(value) -> list:
+    """Every process's `value` (JSON-serialisable), in process order, on every process."""
+    if count() == 1:
+        return [value]
+    data = json.dumps(value).encode()
+    sizes = multihost_utils.process_allgather(np.asarray(len(data), np.int64))
+    longest = int(np.max(sizes))
+    rows = multihost_utils.process_allgather(np.frombuffer(data.ljust(longest, b" "), np.uint8))
+    return [json.loads(np.asarray(r, np.uint8).tobytes()[:int(n)]) for r, n in zip(rows, sizes)]
