@@ -6,15 +6,18 @@ use (`memory_analysis`: parameters + optimizer state + batch, outputs, temporari
 (`cost_analysis`) as JSON, with whether it fits the chip's HBM.
 
     python bench/aot_train_step.py --preset moe_15a2b --topology v5p:4x4x2 --mesh 4,8,1 --batch-per-device 1
+        [--config.model.moe.capacity_factor=1.25 --config.exec.moe_impl=all_to_all]
     python bench/aot_train_step.py --preset dense_1p7b --topology v5e:4x4 --mesh 4,1,4 [--variant sdpa_elementwise]
 
---mesh is (data, expert, model) and must multiply to the topology's chip count; the global batch
-is batch-per-device x data x expert sequences of the preset's seq_len.
+--mesh is (data, expert, model) and must multiply to the topology's chip count; it replaces the
+preset's mesh (so exec.moe_impl=all_to_all is checked against it). The global batch is
+batch-per-device x data x expert sequences of the preset's seq_len.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -30,6 +33,7 @@ from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh
 
 from gattn import cli
+from gattn.config import MeshConfig
 from gattn.model import params, sharding
 from gattn.model.transformer import Transformer
 from gattn.train import optim, trainer
@@ -38,6 +42,9 @@ HBM_GIB = {"TPU v5 lite": 16, "TPU v5": 95, "TPU v5p": 95, "TPU v6 lite": 32, "T
 
 
 def compile_step(cfg, topology: str, mesh_shape: tuple[int, int, int], batch_per_device: int):
+    """(compiled step, device kind, global batch rows, compile seconds) of `cfg` on `mesh_shape`
+    (data, expert, model) chips of `topology`; the mesh replaces cfg.mesh (and is checked with it)."""
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(*mesh_shape))
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
     if np.prod(mesh_shape) != len(devices):
         raise SystemExit(f"--mesh {mesh_shape} must multiply to the {len(devices)} chips of {topology}")
@@ -76,7 +83,8 @@ def report(compiled, kind: str) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="moe_15a2b", help=f"one of {', '.join(cli.presets())}, or a config file")
+    ap.add_argument("--preset", default="moe_15a2b",
+                    help=f"a preset ({', '.join(cli.presets())}) or a config file")
     ap.add_argument("--variant", default=None)
     ap.add_argument("--topology", default="v5p:4x4x2")
     ap.add_argument("--mesh", default="4,8,1", help="data,expert,model")

@@ -80,7 +80,8 @@ def main(argv=None):
     model = Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     out = {"jax": jax.__version__, "config": args.config, "variant": args.variant, "batch": args.batch,
-           "chunk": args.chunk, "new_tokens": args.new_tokens, "attention_block_q": cfg.exec.attention_block_q,
+           "chunk": args.chunk, "new_tokens": args.new_tokens,
+           "attention_block_q": cfg.exec.attention_block_q,
            "per_length": []}
     for length in sorted(int(x) for x in args.lengths.split(",")):
         s = length - args.new_tokens

@@ -1,4 +1,5 @@
-"""One attention layer (`gattn.attention.Attention`) against an independent float64 NumPy reference.
+"""One attention layer (`gattn.model.attention.Attention`) against an independent float64 NumPy
+reference.
 
 The reference below is written from the paper's formulas (Qiu et al. 2025, Sec. 2, Fig. 1)
 and the codebase's documented conventions; it calls no gattn function:

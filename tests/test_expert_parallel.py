@@ -1,7 +1,8 @@
-"""Expert parallelism with an explicit all-to-all (gattn/model/expert_parallel.py): on meshes with
-an expert axis the MoE runs in shard_map, and (with a capacity that drops nothing) its loss, aux
-values and gradients equal the single-device model's. 8 simulated CPU devices, in a subprocess
-(tests/multidevice/expert_parallel_step.py)."""
+"""Expert parallelism with an explicit all-to-all (gattn/model/expert_parallel.py): with
+exec.moe_impl="all_to_all", on meshes with an expert axis the MoE runs in shard_map, and (with a
+capacity that drops nothing) its loss, aux values and gradients equal the single-device model's;
+the default "partitioned" MoE stays one program under the same mesh. 8 simulated CPU devices, in
+a subprocess (tests/multidevice/expert_parallel_step.py)."""
 
 import multidevice
 

@@ -93,6 +93,15 @@ def test_capacity_factor_drops_the_latest_tokens_and_counts_them():
     np.testing.assert_allclose(out, ref, atol=1e-5)
 
 
+def test_the_explicit_all_to_all_needs_a_mesh_with_an_expert_axis():
+    """exec.moe_impl='all_to_all' is chosen by the config, not by the mesh: without a context mesh
+    that splits the experts it refuses to run (tests/multidevice/expert_parallel_step.py runs it)."""
+    cfg = dataclasses.replace(CFG, moe=dataclasses.replace(SPEC, capacity_factor=2.0))
+    moe = MoE(cfg, ExecConfig(moe_impl="all_to_all"), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="moe_impl='all_to_all'.*expert axis"):
+        moe(jax.random.normal(jax.random.key(3), (8, 32)))
+
+
 def test_model_reports_aux_per_layer_and_keeps_it_out_of_the_lm_loss():
     model = Transformer(dataclasses.replace(CFG, moe=dataclasses.replace(SPEC, z_loss_coef=1e-3)),
                         rngs=nnx.Rngs(0))

@@ -4,7 +4,7 @@ and read back with random access through `tfds.data_source` (no TensorFlow neede
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
 import tensorflow_datasets as tfds
 from absl import logging as absl_logging

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
 import sentencepiece as spm
 
@@ -25,7 +25,7 @@ class HFTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer  # noqa: PLC0415
 
-        self.path, self.tok = Path(path), Tokenizer.from_file(str(path))
+        self.path, self.tok = Path(path), Tokenizer.from_str(Path(path).read_text())
         tc_path = self.path.with_name("tokenizer_config.json")
         tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
         eos = tc.get("eos_token")
@@ -96,7 +96,7 @@ def load_tokenizer(cfg, workdir: Path) -> spm.SentencePieceProcessor | HFTokeniz
     path = tokenizer_path(cfg, workdir)
     if not path.is_file():
         train_tokenizer(cfg.data.source, cfg.data.code_max_bytes, cfg.model.vocab_size, path)
-    sp = HFTokenizer(path) if path.suffix == ".json" else spm.SentencePieceProcessor(model_file=str(path))
+    sp = HFTokenizer(path) if path.suffix == ".json" else spm.SentencePieceProcessor(model_proto=path.read_bytes())
     if sp.get_piece_size() > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,
                           f"expected >= the tokenizer's {sp.get_piece_size()} pieces ({path})")

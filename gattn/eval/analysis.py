@@ -277,7 +277,7 @@ def window_perplexity(model, stream, length: int) -> dict | None:
     the whole windows and over their second halves, where a model trained at length/2 meets
     positions it never saw. Give every length the same stream to compare lengths on the same
     text. None if the stream is shorter than one window. Windows run one at a time; set
-    model.attention_query_chunk to bound a long window's memory."""
+    exec.attention_query_chunk to bound a long window's memory."""
     n = (len(stream) - 1) // length
     if n < 1:
         return None

@@ -156,9 +156,9 @@ class Attention(nnx.Module):
         return self._output(y, x_NxD, sdpa_gate=not fused, capture=capture)
 
     def decode(self, x_NxD, positions_N, k_BxHxTxK, v_BxHxTxK, mask_BxSxT, index):
-        """Cached attention for S new tokens per row (N = B * S): writes their hd and v into the
+        """Cached attention for S new tokens per row (N = B * S): writes their k and v into the
         cache slots index..index+S-1, attends every new query over the cache slots `mask_BxSxT`
-        shows it. Returns (out [N, D], hd cache, v cache)."""
+        shows it. Returns (out [N, D], k cache, v cache)."""
         cfg, n = self.cfg, x_NxD.shape[0]
         b = k_BxHxTxK.shape[0]
         s = n // b

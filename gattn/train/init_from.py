@@ -11,8 +11,7 @@ data and the whole train config may change.
 from __future__ import annotations
 
 import dataclasses
-import shutil
-from pathlib import Path
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
 import jax
 from flax import nnx
@@ -48,7 +47,10 @@ def copy_tokenizer(cfg: Config, workdir: Path) -> None:
     if not src.is_file():
         raise ConfigError("train.init_from", cfg.train.init_from, f"its tokenizer {src} is missing")
     if src.suffix == ".json":  # a Hugging Face tokenizer (a converted model): its folder, as is
-        shutil.copytree(src.parent, Path(workdir) / "tokenizer" / HF_TOKENIZER_DIR, dirs_exist_ok=True)
+        dst = Path(workdir) / "tokenizer" / HF_TOKENIZER_DIR
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in src.parent.iterdir():
+            (dst / f.name).write_bytes(f.read_bytes())
         return
     copy = Path(workdir) / "tokenizer" / INIT_FROM_TOKENIZER
     copy.parent.mkdir(parents=True, exist_ok=True)

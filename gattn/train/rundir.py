@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
-from pathlib import Path
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 from typing import NamedTuple
 
 from gattn import cli
@@ -38,7 +37,7 @@ def write_config(workdir: str | Path, cfg: Config) -> None:
     path = Path(workdir) / CONFIG
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(to_dict(cfg), indent=2))
-    os.replace(tmp, path)
+    tmp.replace(path)
 
 
 def meta(cfg: Config, **extra) -> dict:

@@ -15,7 +15,7 @@ import json
 import math
 import signal
 import time
-from pathlib import Path
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
 import jax
 import jax.numpy as jnp

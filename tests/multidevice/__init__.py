@@ -33,7 +33,8 @@ def run(program: str, *args, timeout: float = 900) -> str:
     env.setdefault("JAX_PLATFORMS", "cpu")
     out = subprocess.run([sys.executable, "-m", f"multidevice.{program}", *map(str, args)],
                          capture_output=True, text=True, timeout=timeout, env=env)
-    assert out.returncode == 0, f"multidevice.{program} {' '.join(map(str, args))} failed:\n{out.stderr[-3000:]}"
+    command = " ".join([f"multidevice.{program}", *map(str, args)])
+    assert out.returncode == 0, f"{command} failed:\n{out.stderr[-3000:]}"
     return out.stdout
 
 
