@@ -3,11 +3,17 @@ pin the runtime to CPU before jax is imported so it does not probe for one. Topo
 descriptions for ahead-of-time compilation still work under this setting."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu takes a machine-wide lock file by default; a second process compiling for TPU at the same
 # time (another test run, a benchmark) would fail on it. Compiling needs no exclusive device.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# One persistent compilation cache for the session, inherited by every subprocess: the suite
+# starts train.py, eval.py and the multi-device programs many times on the same tiny models, and
+# each would compile the same executables again (the results do not depend on it).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="gattn-test-jax-cache-"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 from gattn.config import ModelConfig  # noqa: E402 (JAX-free: importing it here costs nothing)
 
