@@ -8,10 +8,13 @@ use (`memory_analysis`: parameters + optimizer state + batch, outputs, temporari
     python bench/aot_train_step.py --preset moe_15a2b --topology v5p:4x4x2 --mesh 4,8,1 --batch-per-device 1
         [--config.model.moe.capacity_factor=1.25 --config.exec.moe_impl=all_to_all]
     python bench/aot_train_step.py --preset dense_1p7b --topology v5e:4x4 --mesh 4,1,4 [--variant sdpa_elementwise]
+    python bench/aot_train_step.py --preset moe_15a2b --topology v5p:4x4x4 --mesh 2,8,4   # 16 hosts x 4 chips
 
 --mesh is (data, expert, model) and must multiply to the topology's chip count; it replaces the
 preset's mesh (so exec.moe_impl=all_to_all is checked against it). The global batch is
-batch-per-device x data x expert sequences of the preset's seq_len.
+batch-per-device x data x expert sequences of the preset's seq_len. On a multi-host topology the
+JSON also gives the hosts and the process-local batch each host feeds (its contiguous rows, the
+shape `train.py` assembles with jax.make_array_from_process_local_data on a real slice).
 """
 
 from __future__ import annotations
@@ -65,7 +68,21 @@ def compile_step(cfg, topology: str, mesh_shape: tuple[int, int, int], batch_per
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(state, batch).compile()
-    return compiled, devices[0].device_kind, rows, time.perf_counter() - t0
+    return compiled, devices[0].device_kind, rows, time.perf_counter() - t0, host_rows(mesh, rows, row.shape[1])
+
+
+def host_rows(mesh, rows: int, seq: int) -> dict[int, list[int]]:
+    """{host: [first row, end row)} of the global batch each host of the topology feeds (the rows
+    its chips hold, as `trainer.local_rows` finds them on a real slice); each must be contiguous."""
+    held = {}
+    for device, index in sharding.batch_sharding(mesh).devices_indices_map((rows, seq)).items():
+        held.setdefault(device.process_index, set()).update(range(rows)[index[0]])
+    out = {}
+    for host, r in sorted(held.items()):
+        if len(r) != max(r) + 1 - min(r):
+            raise SystemExit(f"host {host} holds rows {sorted(r)}: not contiguous")
+        out[host] = [min(r), max(r) + 1]
+    return out
 
 
 def report(compiled, kind: str) -> dict:
@@ -92,9 +109,12 @@ def main(argv=None):
     args, overrides = cli.parse_args(ap, argv)
     cfg = cli.load(args.preset, overrides, variant=args.variant)
     mesh_shape = tuple(int(x) for x in args.mesh.split(","))
-    compiled, kind, rows, seconds = compile_step(cfg, args.topology, mesh_shape, args.batch_per_device)
+    compiled, kind, rows, seconds, hosts = compile_step(cfg, args.topology, mesh_shape, args.batch_per_device)
+    local = {b - a for a, b in hosts.values()}
     out = {"preset": args.preset, "variant": cfg.variant, "topology": args.topology, "device": kind,
-           "mesh": dict(zip(sharding.AXES, mesh_shape)), "global_batch": rows,
+           "mesh": dict(zip(sharding.AXES, mesh_shape)), "global_batch": rows, "hosts": len(hosts),
+           "process_local_batch": [sorted(local), cfg.train.seq_len + 1] if len(local) > 1 else
+           [local.pop(), cfg.train.seq_len + 1],
            "seq_len": cfg.train.seq_len, "params": params.count_params(cfg.model),
            "activated_params": params.activated_params(cfg.model), "compile_s": round(seconds, 1),
            **report(compiled, kind)}

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,7 @@ def test_variants_cli_lists_every_variant_with_its_table_row():
     assert all(name in text for name in by_name)
 
 
+@pytest.mark.slow  # the demo is a preset of the study runner, which the main job's test runs too
 def test_demo_trains_variants_and_reports_gate_statistics(tmp_path):
     args = ("-m", "gattn.demo", "--variants", "baseline,sdpa_headwise", "--steps", "3", "--json",
             "--workdir", str(tmp_path), "--config.model.num_layers=1", "--config.train.seq_len=32")

@@ -100,6 +100,7 @@ def test_two_processes_train_the_same_run_as_one(runs):
     assert json.loads((runs["two"] / "summary.json").read_text())["step"] == 16
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_process_layouts(runs, tmp_path):
     """2 x 4 resumes on 1 x 8 and 1 x 8 on 2 x 4: both continue to the same losses."""
     import shutil
