@@ -165,3 +165,14 @@ def test_one_process_tools_refuse_several(runs):
     out = subprocess.run([sys.executable, "eval.py", "--workdir", str(runs["two"])], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, env={**os.environ, "JAX_NUM_PROCESSES": "2"})
     assert out.returncode == 2 and "eval.py runs as one process" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_continued_training_runs_as_several_processes(runs, tmp_path):
+    """--init-from on 2 x 4: the source's parameters (a 1 x 8 run) restored across processes."""
+    ext = tmp_path / "ext"
+    run_launched(runs["config"], ext, 2, 4, "--init-from", runs["one"], "--steps", 4, "--config.model.rope_base=1e6")
+    steps, rows = metrics(ext)
+    assert steps == [1, 2, 3, 4]
+    assert rows[1]["loss"] < metrics(runs["one"])[1][1]["loss"]  # not a fresh start
+    assert json.loads((ext / "config.json").read_text())["train"]["init_from"] == str(runs["one"])
