@@ -4,8 +4,8 @@ and read back with random access through `tfds.data_source` (no TensorFlow neede
 from __future__ import annotations
 
 import sys
-from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import tensorflow_datasets as tfds
 from absl import logging as absl_logging
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import io
 import json
-from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import sentencepiece as spm
 
 from gattn.config import ConfigError

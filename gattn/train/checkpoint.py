@@ -9,8 +9,8 @@ for the devices present now, so a run saved on one mesh resumes on another.
 from __future__ import annotations
 
 import json
-from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import jax
 import orbax.checkpoint as ocp
 

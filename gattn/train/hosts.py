@@ -8,8 +8,8 @@ preparation first while the others wait at a barrier. Everything here is a no-op
 from __future__ import annotations
 
 import json
-from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import jax
 import numpy as np
 from jax.experimental import multihost_utils

@@ -11,8 +11,8 @@ data and the whole train config may change.
 from __future__ import annotations
 
 import dataclasses
-from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import jax
 from flax import nnx
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 from typing import NamedTuple
+
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
 from gattn import cli
 from gattn.config import POSITION_FIELDS, Config, ConfigError, differences, from_dict, to_dict

@@ -8,15 +8,14 @@ same numbers as an uninterrupted run. SIGTERM saves a checkpoint and exits clean
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
 import math
 import signal
 import time
-from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
+from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +27,7 @@ from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 from gattn.model import sharding
 from gattn.model.transformer import Transformer, relayout
-from gattn.train import checkpoint, hosts, init_from, optim, rundir
+from gattn.train import checkpoint, hosts, init_from, metrics, optim, rundir
 from gattn.train.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum
 
 
@@ -115,9 +114,9 @@ def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params, opt_state, ok = jax.lax.cond(ok, update, keep)
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": ok,
-                   "lr": lr(state["step"]), **aux_metrics(aux)}
-        return new_state, metrics
+        report = {"loss": loss, "grad_norm": grad_norm, "finite": ok,
+                  "lr": lr(state["step"]), **aux_metrics(aux)}
+        return new_state, report
 
     if shardings is None:
         return jax.jit(step, donate_argnums=0)
@@ -193,63 +192,6 @@ class Stopper:
             signal.signal(signal.SIGTERM, self.previous)
 
 
-class SpikeCounter:
-    """A loss spike: a loss above the median of the previous `window` losses by `margin` (nats)."""
-
-    def __init__(self, window: int, margin: float):
-        self.recent, self.margin, self.count = collections.deque(maxlen=window), margin, 0
-
-    def __call__(self, loss: float) -> bool:
-        spike = bool(len(self.recent) == self.recent.maxlen
-                     and loss > float(np.median(self.recent)) + self.margin)
-        self.count += int(spike)
-        self.recent.append(loss)
-        return spike
-
-
-class MetricsLog:
-    """WORKDIR/metrics.jsonl (and TensorBoard). On resume, entries past the restored step (written
-    by the interrupted run after its last checkpoint) are dropped, so each step appears once."""
-
-    def __init__(self, workdir: Path, resumed_step: int):
-        self.path, self.tb = workdir / "metrics.jsonl", None
-        if not hosts.primary():  # one writer: process 0
-            self.path = None
-            return
-        if self.path.exists():
-            kept = []
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= resumed_step:
-                        kept.append(line)
-                except (json.JSONDecodeError, KeyError):
-                    pass  # a line cut short when the previous run was killed
-            self.path.write_text("".join(k + "\n" for k in kept))
-        try:
-            from tensorboardX import SummaryWriter  # noqa: PLC0415
-
-            self.tb = SummaryWriter(str(workdir / "tensorboard"))
-        except ImportError:  # TensorBoard is optional; metrics.jsonl is always written
-            self.tb = None
-
-    def write(self, step: int, metrics: dict):
-        if self.path is None:
-            return
-        # Non-finite values (a skipped step's loss) are written as null: NaN is not JSON.
-        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None)
-                 for k, v in metrics.items()}
-        with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **clean}) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and v == v:
-                    self.tb.add_scalar(k, v, step)
-
-    def close(self):
-        if self.tb is not None:
-            self.tb.close()
-
-
 def prepare(cfg: Config, workdir: Path, source_step: int | None):
     """The one-time preparation of a run (its tokenizer, the TFDS build, a continued run's
     tokenizer copy), done by process 0 while the others wait; then every host has its copy,
@@ -314,15 +256,15 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     if hosts.primary():
         rundir.write_config(workdir, cfg)
     start = int(state["step"])
-    log = MetricsLog(workdir, start)
+    log = metrics.MetricsLog(workdir, start)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     train_step, eval_step = make_train_step(cfg, graphdef, shardings, mesh), make_eval_step(graphdef)
-    spikes = SpikeCounter(t.spike_window, t.spike_margin)
+    spikes = metrics.SpikeCounter(t.spike_window, t.spike_margin)
     spikes.count = meta["loss_spikes"]
     spikes.recent.extend(meta["recent_losses"])  # the spike window continues across a resume
 
     stop = Stopper()
-    bar = _progress(progress and hosts.primary(), start, t.steps)
+    bar = metrics.Progress(progress and hosts.primary(), start, t.steps)
     bad_in_a_row, skipped, val, loss = 0, meta["skipped_steps"], {}, meta["final_loss"]
     tokens_per_step, clock, timed_steps, eval_seconds = t.batch_size * t.seq_len, time.perf_counter(), 0, 0.0
 
@@ -383,25 +325,3 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     if hosts.primary():
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
-
-
-class _progress:
-    """A tqdm bar with step, loss, tokens/s and ETA (or nothing, for tests)."""
-
-    def __init__(self, enabled: bool, start: int, total: int):
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm  # noqa: PLC0415
-
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=2.0)
-        self.last = start
-
-    def update(self, step: int, loss: float, tokens_per_sec: float):
-        if self.bar is not None:
-            self.bar.update(step - self.last)
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
-        self.last = step
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
