@@ -27,12 +27,14 @@ _spec.loader.exec_module(aot)
 ])
 def test_preset_train_step_compiles_for_tpu_and_fits(preset, overrides, topology, mesh):
     cfg = cli.load(preset, overrides, variant="sdpa_elementwise")
-    compiled, kind, rows, _ = aot.compile_step(cfg, topology, mesh, batch_per_device=1)
+    compiled, kind, rows, _, hosts = aot.compile_step(cfg, topology, mesh, batch_per_device=1)
     out = aot.report(compiled, kind)
     assert out["fits"] is True, out
     assert out["per_device_bytes"]["arguments"] > 0 and out["flops_per_device"] > 0
     assert out["mosaic_kernels"] >= 4, "the fused attention kernels must be in the executable"
     assert rows == mesh[0] * mesh[1]
+    # the rows each host feeds: contiguous, together the whole batch (one host on these topologies)
+    assert sorted(r for span in hosts.values() for r in range(*span)) == list(range(rows))
 
 
 def test_presets_have_the_papers_sizes():
