@@ -2,7 +2,9 @@
 pin the runtime to CPU before jax is imported so it does not probe for one. Topology
 descriptions for ahead-of-time compilation still work under this setting."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -12,7 +14,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # One persistent compilation cache for the session, inherited by every subprocess: the suite
 # starts train.py, eval.py and the multi-device programs many times on the same tiny models, and
 # each would compile the same executables again (the results do not depend on it).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="gattn-test-jax-cache-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="gattn-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 from gattn.config import ModelConfig  # noqa: E402 (JAX-free: importing it here costs nothing)
