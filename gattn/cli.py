@@ -109,8 +109,6 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
     return _build(cfg, tree, "")
 
 
-
-
 def canonical(path: str) -> str:
     """`model.remat` and the other execution fields that moved to `exec` (see MOVED_TO_EXEC)."""
     head, _, leaf = path.partition(".")

@@ -593,4 +593,4 @@ def differences(now: Any, then: Any, under: tuple[str, ...], *, may_differ: tupl
     now = flat_fields(from_dict(Config, now) if isinstance(now, dict) else now)
     then = flat_fields(from_dict(Config, then) if isinstance(then, dict) else then)
     return [(k, now.get(k), then.get(k)) for k in sorted(set(now) | set(then))
-            if k.startswith(under) and not k.startswith(may_differ or ("\0",)) and now.get(k) != then.get(k)]
+            if k.startswith(under) and not k.startswith(may_differ) and now.get(k) != then.get(k)]

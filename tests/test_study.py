@@ -88,7 +88,7 @@ def test_non_finite_losses_are_read_as_missing(tmp_path):
     rows = [{"step": 1, "loss": 6.0, "loss_spikes": 0}, {"step": 2, "loss": None, "loss_spikes": 0},
             {"step": 3, "loss": 9.0, "loss_spikes": 1}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert study._losses(tmp_path) == {"steps": [1, 2, 3], "loss": [6.0, None, 9.0], "spike_steps": [3]}
+    assert study.runner._losses(tmp_path) == {"steps": [1, 2, 3], "loss": [6.0, None, 9.0], "spike_steps": [3]}
 
 
 def group(variant, ppl, std=0.1, n=3, lr=1e-3, diverged=0, f_attn=None, m_act=None, final=3.0):

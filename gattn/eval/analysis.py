@@ -246,6 +246,7 @@ def measure(model, batches, options: Options | None = None) -> dict:
     of `options.batch_rows` rows."""
     acc = Measurements(model.cfg, options)
     rows = acc.opts.batch_rows
+    model = for_analysis(model)  # once, not per batch (collect's own call is then a no-op)
     for batch in batches:
         tokens, seg, pos = (np.asarray(batch[k])[:, :-1] for k in ("tokens", "segment_ids", "positions"))
         step = rows or len(tokens)

@@ -14,7 +14,6 @@ from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import jax
 import orbax.checkpoint as ocp
 
-from gattn.config import Config, from_dict
 
 
 def manager(workdir: Path, keep: int, every: int) -> ocp.CheckpointManager:
@@ -64,17 +63,6 @@ def restore_meta(mngr: ocp.CheckpointManager, step: int | None = None) -> dict |
     if step is None:
         return None
     return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-
-
-def saved_config(workdir: str | Path, step: int) -> Config | None:
-    """The config checkpoint `step` of `workdir` was trained with (from its metadata), or None
-    for a checkpoint that does not record it."""
-    mngr = manager(Path(workdir), 1, 1)
-    try:
-        saved = (restore_meta(mngr, step) or {}).get("config")
-    finally:
-        mngr.close()
-    return from_dict(Config, saved) if saved else None
 
 
 def place(tree, abstract_tree):

@@ -137,7 +137,6 @@ def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()
     if step is not None and step not in steps:
         raise ConfigError("--step", step, f"one of the saved steps {steps}")
     step = steps[-1] if step is None else step
-    saved = checkpoint.saved_config(workdir, step) or read_config(workdir)
     mesh = sharding.make_mesh(cfg.mesh)
 
     def abstract(ex):
@@ -145,9 +144,11 @@ def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()
         return graphdef, checkpoint.abstract(params, sharding.param_shardings(params, mesh))
 
     graphdef, target = abstract(cfg.exec)
-    stored = target if saved.exec.scan_layers == cfg.exec.scan_layers else abstract(saved.exec)[1]
     mngr = checkpoint.manager(workdir, 1, 1)
-    try:
+    try:  # the checkpoint's block layout is the one it was trained with (older ones: config.json's)
+        saved = (checkpoint.restore_meta(mngr, step) or {}).get("config")
+        saved = from_dict(Config, saved) if saved else read_config(workdir)
+        stored = target if saved.exec.scan_layers == cfg.exec.scan_layers else abstract(saved.exec)[1]
         params = checkpoint.restore_params(mngr, stored, step)
     finally:
         mngr.close()

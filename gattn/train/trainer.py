@@ -196,16 +196,17 @@ def prepare(cfg: Config, workdir: Path, source_step: int | None):
     """The one-time preparation of a run (its tokenizer, the TFDS build, a continued run's
     tokenizer copy), done by process 0 while the others wait; then every host has its copy,
     whether the workdir is a shared filesystem or each host's own disk. Returns the tokenizer."""
+    tokenizer = None
     if hosts.primary():
         workdir.mkdir(parents=True, exist_ok=True)
         if source_step is not None:
             init_from.copy_tokenizer(cfg, workdir)
-        load_tokenizer(cfg, workdir)
+        tokenizer = load_tokenizer(cfg, workdir)  # (trained here on first use)
         pipeline.prepare(cfg, workdir)
     hosts.barrier("prepared")
     workdir.mkdir(parents=True, exist_ok=True)
     hosts.share_file(tokenizer_path(cfg, workdir))
-    return load_tokenizer(cfg, workdir)
+    return tokenizer if tokenizer is not None else load_tokenizer(cfg, workdir)
 
 
 def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:

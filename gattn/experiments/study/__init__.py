@@ -16,7 +16,7 @@ the command and what it writes: command.py).
 
 from gattn.experiments.study.claims import CLAIMS, GATED, REFERENCE, REMOVED, WORDS, Claim, claims
 from gattn.experiments.study.report import markdown, stability_table, table, write_report
-from gattn.experiments.study.runner import MEASURED, _losses, cell_row, read_metrics, run, run_cell, run_cells
+from gattn.experiments.study.runner import MEASURED, cell_row, read_metrics, run, run_cell, run_cells
 from gattn.experiments.study.spec import Cell, Study, cell_config, cells, comparison, describe, load, planned_steps
 from gattn.experiments.study.stats import aggregate, compare
 from gattn.experiments.study.command import main
