@@ -20,6 +20,7 @@ checkpoints (run folders, or ruler.json files of earlier evaluations such as a Y
 
 import argparse
 import json
+from pathlib import Path
 
 from gattn import cli
 from gattn.config import ConfigError
@@ -82,6 +83,9 @@ def main(argv=None):
             raise ConfigError(f"--{name.replace('_', '-')}", value, "expected a positive integer")
     if args.shots < 0:
         raise ConfigError("--shots", args.shots, "expected >= 0")
+    for task in args.tasks.split(",") if args.tasks else ():
+        if not Path(task).is_file():
+            raise ConfigError("--tasks", task, "an existing JSONL task file (docs/evaluation.md); no such file")
 
     from gattn.eval import analysis, evaluate  # noqa: PLC0415 (argument errors come before any JAX import)
 

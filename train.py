@@ -4,10 +4,11 @@
 Rerunning the same command in the same DIR resumes from the latest complete checkpoint. Writes
 DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/ and DIR/summary.json. --init-from starts a
 new run from another run's parameters (continued training, e.g. configs/extend_tiny.py).
+--resume-step N resumes from an earlier saved step (a divergence stop names the one to use).
+Errors are one line (exit 2: a usage error; exit 1: a runtime failure); --debug shows the traceback.
 """
 
 import argparse
-import sys
 
 from gattn import cli
 
@@ -20,6 +21,9 @@ def main(argv=None):
     ap.add_argument("--variant", help="a registered variant (python -m gattn.variants)")
     ap.add_argument("--init-from", metavar="RUN_DIR", help="start from this run's parameters "
                     "(sets train.init_from; its latest checkpoint, or --config.train.init_step=N)")
+    ap.add_argument("--resume-step", type=int, metavar="N", help="resume from saved step N instead of "
+                    "the latest (e.g. the checkpoint kept before a divergence); later checkpoints are "
+                    "moved to DIR/checkpoints_set_aside/, not deleted")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     cli.add_distributed_flags(ap)
     args, overrides = cli.parse_args(ap, argv, steps_set_train_steps=True)
@@ -30,11 +34,8 @@ def main(argv=None):
 
     from gattn.train import trainer  # noqa: PLC0415 (config errors come before any JAX import)
 
-    try:
-        summary = trainer.train(cfg, args.workdir, progress=not args.quiet)
-    except trainer.TrainingStopped as e:
-        print(f"error{cli.where()}: {e}", file=sys.stderr)
-        return 1
+    # A diverged run, unreadable checkpoints or a failed save raise cli.Failure: one line, exit 1.
+    summary = trainer.train(cfg, args.workdir, progress=not args.quiet, resume_step=args.resume_step)
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     return 0
 

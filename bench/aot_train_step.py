@@ -7,11 +7,13 @@ use (`memory_analysis`: parameters + optimizer state + batch, outputs, temporari
 
     python bench/aot_train_step.py --preset moe_15a2b --topology v5p:4x4x2 --mesh 4,8,1 --batch-per-device 1
         [--config.model.moe.capacity_factor=1.25 --config.exec.moe_impl=all_to_all]
+        [--config.exec.moe_impl=ragged [--config.exec.moe_buffer=1.25]]   # dropless expert parallel
     python bench/aot_train_step.py --preset dense_1p7b --topology v5e:4x4 --mesh 4,1,4 [--variant sdpa_elementwise]
     python bench/aot_train_step.py --preset moe_15a2b --topology v5p:4x4x4 --mesh 2,8,4   # 16 hosts x 4 chips
 
 --mesh is (data, expert, model) and must multiply to the topology's chip count; it replaces the
-preset's mesh (so exec.moe_impl=all_to_all is checked against it). The global batch is
+preset's mesh (so exec.moe_impl=all_to_all or ragged is checked against it); "ragged_all_to_all"
+counts that collective in the executable. The global batch is
 batch-per-device x data x expert sequences of the preset's seq_len. On a multi-host topology the
 JSON also gives the hosts and the process-local batch each host feeds (its contiguous rows, the
 shape `train.py` assembles with jax.make_array_from_process_local_data on a real slice).
@@ -95,7 +97,8 @@ def report(compiled, kind: str) -> dict:
             "per_device_gib": round(used / 2**30, 2), "hbm_gib": hbm,
             "fits": None if hbm is None else used < hbm * 2**30,
             "flops_per_device": cost.get("flops"),
-            "mosaic_kernels": compiled.as_text().count("tpu_custom_call")}
+            "mosaic_kernels": compiled.as_text().count("tpu_custom_call"),
+            "ragged_all_to_all": compiled.as_text().count("ragged-all-to-all(")}
 
 
 def main(argv=None):

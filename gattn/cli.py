@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import traceback
 import types
 import typing
 from pathlib import Path
@@ -119,13 +120,23 @@ def canonical(path: str) -> str:
 
 
 def call_file(path: Path, function: str, field: str, returns: str) -> Any:
-    """`function()` of the Python file `path` (a config or study file); errors name `field`."""
+    """`function()` of the Python file `path` (a config or study file); errors name `field`, and
+    an error raised by the file itself names its file:line (--debug shows the traceback)."""
     spec = importlib.util.spec_from_file_location(f"gattn_{function}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, function):
-        raise ConfigError(field, str(path), f"the file must define {function}() -> {returns}")
-    return getattr(module, function)()
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, function):
+            raise ConfigError(field, str(path), f"the file must define {function}() -> {returns}")
+        return getattr(module, function)()
+    except ConfigError:
+        raise
+    except SyntaxError as e:  # (--debug shows the original under the traceback of this one)
+        raise ConfigError(field, f"{e.filename}:{e.lineno}", f"a Python syntax error: {e.msg}") from e
+    except Exception as e:  # noqa: BLE001 (whatever the user's file raises becomes one line)
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == path]
+        line = f"{path}:{frames[-1].lineno}" if frames else str(path)
+        raise ConfigError(field, line, f"the file raised {type(e).__name__}: {e}") from e
 
 
 def presets(kind: str = "") -> list[str]:
@@ -155,9 +166,15 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
     if path.suffix == ".json":
         import json  # noqa: PLC0415
 
-        cfg = from_dict(Config, json.loads(path.read_text()))
+        try:
+            cfg = from_dict(Config, json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise ConfigError("--config", f"{path}:{e.lineno}", f"valid JSON (a run's config.json): {e.msg}") from None
     else:
         cfg = call_file(path, "get_config", "--config", "Config")
+        if not isinstance(cfg, Config):
+            raise ConfigError("--config", str(path), f"get_config() must return a gattn.config.Config; "
+                              f"it returned {type(cfg).__name__}")
     # `--config.variant=NAME` is the same as `--variant NAME`: the variant is applied, not relabelled.
     named = [o for o in overrides if o.removeprefix("--").removeprefix("config.").startswith("variant=")]
     overrides = [o for o in overrides if o not in named]
@@ -180,6 +197,9 @@ def check_variant(cfg: Config) -> None:
 def parse_args(parser, argv=None, *, steps_set_train_steps: bool = False):
     """(args, overrides): the parser's own arguments and the `--config.FIELD=VALUE` overrides;
     anything else is an error. With `steps_set_train_steps`, `--steps N` becomes train.steps=N."""
+    if "--debug" not in parser._option_string_actions:  # (run_cli takes it out of argv; listed for --help)
+        parser.add_argument("--debug", action="store_true", help="show the traceback of an error "
+                            "(or GATTN_DEBUG=1); errors are one line otherwise")
     args, rest = parser.parse_known_args(argv)
     rest, overrides = split_argv(rest)
     if rest:
@@ -195,13 +215,39 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return [a for a in argv if not a.startswith("--config.")], overrides
 
 
+class Failure(RuntimeError):
+    """A runtime failure a user meets (a diverged run, no readable checkpoint, a failed save): the
+    entry points print its message as one line and exit 1. Usage errors are ConfigErrors (exit 2)."""
+
+
+def debugging() -> bool:
+    """Whether errors show their traceback: `--debug` on any entry point, or GATTN_DEBUG=1."""
+    return os.environ.get("GATTN_DEBUG", "") not in ("", "0")
+
+
 def run_cli(main, argv=None) -> int:
-    """Runs an entry point's `main`, turning a ConfigError into one line on stderr and exit 2."""
+    """Runs an entry point's `main`: a ConfigError (usage) is one line on stderr and exit 2; a
+    Failure or any other error one line and exit 1. `--debug` (taken out of argv here; it sets
+    GATTN_DEBUG=1 for child processes too) or GATTN_DEBUG=1 prints the traceback as well."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv:
+        argv = [a for a in argv if a != "--debug"]
+        os.environ["GATTN_DEBUG"] = "1"
     try:
         return main(argv) or 0
-    except ConfigError as e:
-        print(f"error{where()}: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # noqa: BLE001 (the one place where errors become one line)
+        if debugging():
+            traceback.print_exc()
+        message = str(e) if isinstance(e, (ConfigError, Failure)) else one_line(e)
+        print(f"error{where()}: {message}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+
+
+def one_line(e: BaseException) -> str:
+    """An unexpected error as one line: its type, its message's first line, where to see more."""
+    text = next((line for line in str(e).splitlines() if line.strip()), "")
+    hint = "" if debugging() else " (rerun with --debug or GATTN_DEBUG=1 for the traceback)"
+    return f"{type(e).__name__}: {text[:300]}{hint}"
 
 
 # --------------------------------------------------------------------------- several processes

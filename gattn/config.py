@@ -27,9 +27,12 @@ SWITCH_TARGETS = ("v", "kv")
 FFN_ACTIVATIONS = ("silu", "gelu", "relu")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
-ATTENTION_IMPLS = ("xla", "pallas")  # plain jnp reference / fused Pallas flash kernel
-MOE_IMPLS = ("partitioned", "all_to_all")
+# plain jnp reference / fused Pallas flash kernel (TPU) / its GPU (Triton) twin / cuDNN + gate /
+# per backend (gattn/kernels/__init__.py, docs/gpu.md)
+ATTENTION_IMPLS = ("xla", "pallas", "pallas_gpu", "cudnn", "auto")
+MOE_IMPLS = ("partitioned", "all_to_all", "ragged")
 LBL_SCOPES = ("global", "micro")
+DECODE_ERRORS = ("strict", "replace")  # data.decode_errors (gattn/data/corpus.py)
 
 
 class ConfigError(ValueError):
@@ -358,7 +361,10 @@ class ExecConfig:
     remat:            rematerialisation of each block in the backward pass: none, full, dots,
                       dots_no_batch (which intermediates are saved).
     attention_impl:   xla (the plain jnp reference) or pallas (the fused flash kernel with the gate;
-                      compiled by Mosaic on TPU, interpret mode elsewhere, ~100x slower).
+                      compiled by Mosaic on TPU, interpret mode elsewhere, ~100x slower);
+                      pallas_gpu (the fused kernel for GPUs, Triton; interpret mode elsewhere);
+                      cudnn (cuDNN attention, gate applied after it); auto (TPU -> pallas,
+                      GPU -> kernels.GPU_DEFAULT, else xla). docs/gpu.md.
     attention_block_q: causal query block of the xla path (0 = no blocking).
     attention_query_chunk: > 0: the xla path runs queries this many at a time in a loop
                       (memory O(chunk * S) per layer; long contexts on CPU).
@@ -368,8 +374,16 @@ class ExecConfig:
                       the mesh (dropless or with a capacity counted over the whole batch);
                       all_to_all: tokens exchanged explicitly over the mesh's expert axis inside
                       shard_map (needs model.moe.capacity_factor and mesh.expert > 1 dividing the
-                      experts; capacity is counted per data x expert shard). Chosen here, never
-                      by whatever mesh happens to be set.
+                      experts; capacity is counted per data x expert shard); ragged: dropless
+                      expert parallelism, only the routed rows exchanged with ragged_all_to_all
+                      and grouped matmuls (needs a dropless MoE, capacity_factor None, and
+                      mesh.expert > 1 dividing the experts; gattn/model/dropless_ep.py). Chosen
+                      here, never by whatever mesh happens to be set.
+    moe_buffer:       ragged only: rows each device's experts can receive, as a multiple of the
+                      rows one shard routes (N_local * k). None = the worst case, every row of
+                      every shard of the expert group (mesh.expert x), so nothing can overflow; a
+                      smaller value (>= 1) saves memory and compute, and rows past it are dropped
+                      and counted (moe/dropped), never silently.
     """
 
     dtype: str = "float32"
@@ -381,6 +395,7 @@ class ExecConfig:
     flash_block_q: int = 512
     flash_block_k: int = 512
     moe_impl: str = "partitioned"
+    moe_buffer: float | None = None
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -388,6 +403,10 @@ class ExecConfig:
         _choice("remat", self.remat, REMAT_POLICIES)
         _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
         _choice("moe_impl", self.moe_impl, MOE_IMPLS)
+        if self.moe_buffer is not None and not (isinstance(self.moe_buffer, (int, float))
+                                                and not isinstance(self.moe_buffer, bool)
+                                                and self.moe_buffer >= 1):
+            raise ConfigError("moe_buffer", self.moe_buffer, "expected None (the worst case) or a number >= 1")
         _integer("attention_block_q", self.attention_block_q, zero_ok=True)
         _integer("attention_query_chunk", self.attention_query_chunk, zero_ok=True)
         for name in ("flash_block_q", "flash_block_k"):
@@ -412,6 +431,64 @@ LR_PRESETS = {
 }
 
 
+BACKCOPY = "bigram_backcopy"  # data.source of the synthetic Bigram-Backcopy task (gattn/data/backcopy.py)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+@dataclass(frozen=True)
+class BackcopySpec:
+    """Bigram-Backcopy (Guo et al. 2024), the task that makes attention sinks form in small models
+    (docs/sinks.md): each row is one sequence `<s> x1 x2 ...` over the `chars` most frequent
+    characters of the embedded docs. After a trigger character of set j the next token copies the
+    token offsets[j] places before the trigger; after any other character it is drawn from the
+    docs' character bigrams.
+
+    chars:    vocabulary size besides <s>.
+    triggers: trigger sets as character frequency ranks (0 = the most frequent, a space), a set's
+              ranks separated by ',' and sets by '|': "0,1,2" is Guo's one set of the top 3;
+              "0|1|2|3" four one-character sets.
+    offsets:  per trigger set, how far before the trigger the copied token is (1 = the token
+              just before it, Guo's task), separated by ','.
+    """
+
+    chars: int = 63
+    triggers: str = "0,1,2"
+    offsets: str = "1"
+
+    def __post_init__(self):
+        _integer("chars", self.chars)
+        if self.chars < 2:
+            raise ConfigError("chars", self.chars, "expected at least 2 characters")
+        try:
+            sets = self.trigger_sets
+        except (AttributeError, ValueError):
+            raise ConfigError("triggers", self.triggers, "expected ranks like '0,1,2' or sets like '0|1|2'") from None
+        ranks = [r for s in sets for r in s]
+        if any(not 0 <= r < self.chars for r in ranks) or len(set(ranks)) != len(ranks):
+            raise ConfigError("triggers", self.triggers,
+                              f"expected distinct character ranks in 0..{self.chars - 1}, each in one set")
+        if len(ranks) >= self.chars:
+            raise ConfigError("triggers", self.triggers, f"expected fewer triggers than chars ({self.chars})")
+        try:
+            offsets = self.offset_list
+        except (AttributeError, ValueError):
+            offsets = []
+        if len(offsets) != len(sets) or any(o < 1 for o in offsets):
+            raise ConfigError("offsets", self.offsets,
+                              f"expected one integer >= 1 per trigger set ({len(sets)}), separated by ','")
+
+    @property
+    def trigger_sets(self) -> list[list[int]]:
+        return [_int_list(s) for s in self.triggers.split("|")]
+
+    @property
+    def offset_list(self) -> list[int]:
+        return _int_list(self.offsets)
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where text comes from and how it becomes tokens (gattn/data)."""
@@ -422,14 +499,34 @@ class DataConfig:
     shuffle_window: int = 256       # packed rows shuffled together (decorrelates batches)
     eval_batches: int = 4           # held-out batches per domain for validation
     eval_batch_size: int = 8
+    # A folder's text that is not valid UTF-8: "strict" refuses it, naming the file and the byte
+    # offset; "replace" decodes it with U+FFFD and reports how many bytes were replaced.
+    decode_errors: str = "strict"
+    # Natural text: a fixed BOS token opens each document (a fixed first token, the literature's
+    # strongest attention-sink recipe; docs/sinks.md). document_resets: positions restart and
+    # attention stops at each document start (True), or each row is a plain window of
+    # concatenated text read as one sequence (False; Gu et al.'s setup).
+    bos: bool = False
+    document_resets: bool = True
+    backcopy: BackcopySpec = field(default_factory=BackcopySpec)  # used when source is 'bigram_backcopy'
 
     def __post_init__(self):
         if not isinstance(self.source, str) or not self.source:
             raise ConfigError("source", self.source, "expected 'embedded' or a folder path")
+        _choice("decode_errors", self.decode_errors, DECODE_ERRORS)
         if not isinstance(self.tokenizer, str):
             raise ConfigError("tokenizer", self.tokenizer, "expected a path or ''")
         for name in ("code_max_bytes", "shuffle_window", "eval_batches", "eval_batch_size"):
             _integer(name, getattr(self, name))
+        _bool("bos", self.bos)
+        _bool("document_resets", self.document_resets)
+        if not isinstance(self.backcopy, BackcopySpec):
+            raise ConfigError("backcopy", self.backcopy, "expected a BackcopySpec")
+        if self.source == BACKCOPY:
+            for name, natural in (("bos", False), ("document_resets", True), ("tokenizer", "")):
+                if getattr(self, name) != natural:
+                    raise ConfigError(name, getattr(self, name), f"source {BACKCOPY!r} has its own <s> start "
+                                      f"token, one sequence per row and its own vocabulary: leave it {natural!r}")
 
 
 @dataclass(frozen=True)
@@ -461,6 +558,8 @@ class TrainConfig:
 
     def __post_init__(self):
         _integer("seed", self.seed, zero_ok=True)
+        if self.seed > 2**32 - 1:  # the data pipeline's and NumPy's seeds are unsigned 32-bit
+            raise ConfigError("seed", self.seed, f"expected an integer in 0..{2**32 - 1}")
         for name in ("batch_size", "seq_len", "steps", "log_every", "eval_every", "checkpoint_every",
                      "keep_checkpoints", "max_bad_steps", "spike_window"):
             _integer(name, getattr(self, name))
@@ -537,6 +636,14 @@ class Config:
                                   "model.moe.capacity_factor set (fixed-size buffers); use 'partitioned'")
             if self.mesh.expert < 2 or moe.num_experts % self.mesh.expert:
                 raise ConfigError("exec.moe_impl", "all_to_all", f"it splits the {moe.num_experts} experts over "
+                                  f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them")
+        if self.exec.moe_impl == "ragged":
+            moe = self.model.moe
+            if moe is None or moe.capacity_factor is not None:
+                raise ConfigError("exec.moe_impl", "ragged", "dropless expert parallelism needs a MoE model "
+                                  "with model.moe.capacity_factor None; use 'all_to_all' with a capacity")
+            if self.mesh.expert < 2 or moe.num_experts % self.mesh.expert:
+                raise ConfigError("exec.moe_impl", "ragged", f"it splits the {moe.num_experts} experts over "
                                   f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them")
 
 

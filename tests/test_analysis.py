@@ -50,7 +50,8 @@ def constructed_layer(probs, sdpa_out, gate_scores=None, gated=None):
     b, h, s, _ = probs.shape
     seg = jnp.ones((b, s), jnp.int32)
     layer = {"first_probs": np.asarray(analysis.first_token_probs(jnp.asarray(probs), seg)),
-             "attn_map": probs, "sdpa_out": sdpa_out, "block_out": np.zeros((b * s, 4), np.float32)}
+             "attn_map": probs, "sdpa_out": sdpa_out, "block_out": np.zeros((b * s, 4), np.float32),
+             "ffn_out": np.zeros((b * s, 4), np.float32)}
     if gate_scores is not None:
         layer.update(gate_scores=gate_scores, gate_input=sdpa_out, gated=gated)
     return layer
@@ -152,6 +153,39 @@ def test_m_act_and_gate_score_equal_direct_computations(gate):
     np.testing.assert_array_equal(np.asarray(model(tokens)), before)  # collecting changes nothing
 
 
+@pytest.mark.parametrize("gate", [None, GateSpec()])
+def test_ffn_act_per_token_m_act_and_mean_abs_y_equal_hand_computations(gate):
+    """Fig. 6's FFN-output maxima from the blocks called one by one; M-Act per token (the mean of
+    each token's max |hidden|) beside the running max; Fig. 4's mean |Y| and, for a G1 gate, mean
+    |Y'| = mean |Y * score| from the captured SDPA output and gate scores."""
+    model = build(dataclasses.replace(TINY, gate=gate))
+    tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, TINY.vocab_size)
+    r = analysis.summarize(model, tokens)
+    layers = analysis.collect(model, tokens)
+    pos = jnp.broadcast_to(jnp.arange(12), (2, 12)).reshape(-1)
+    x = jnp.take(model.embed[...], tokens.reshape(-1), axis=0)
+    for i, (block, row) in enumerate(zip(model.blocks, r["per_layer"])):
+        after_attn = x + block.attn(block.attn_norm(x), pos, None, (2, 12))
+        ffn_NxD = np.asarray(block.ffn(block.ffn_norm(after_attn)))
+        x, _ = block(x, pos, None, (2, 12))
+        h_NxD = np.abs(np.asarray(x))
+        assert row["ffn_act"] == pytest.approx(float(np.abs(ffn_NxD).max()), rel=1e-5)
+        assert row["m_act_per_token"] == pytest.approx(float(h_NxD.max(axis=1).mean()), rel=1e-5)
+        assert row["m_act_per_token"] < row["m_act"] == pytest.approx(float(h_NxD.max()), rel=1e-5)
+        y = layers[i]["sdpa_out"]
+        assert row["mean_abs_y"] == pytest.approx(float(np.abs(y).mean()), rel=1e-5)
+        if gate is None:
+            assert "mean_abs_y_gated" not in row
+        else:
+            gated = y * layers[i]["gate_scores"]  # a sigmoid score per value (or per head)
+            np.testing.assert_allclose(layers[i]["gated"], gated, rtol=1e-5, atol=1e-7)
+            assert row["mean_abs_y_gated"] == pytest.approx(float(np.abs(gated).mean()), rel=1e-5)
+            assert row["mean_abs_y_gated"] < row["mean_abs_y"]
+    per_layer = r["per_layer"]
+    assert r["overall"]["ffn_act_max"] == max(p["ffn_act"] for p in per_layer)
+    assert r["overall"]["m_act_per_token"] == pytest.approx(np.mean([p["m_act_per_token"] for p in per_layer]))
+
+
 def test_gated_sparsity_is_what_the_gate_returns():
     """An input-independent sigmoid gate pushed to ~0 (theta = -40): every gated SDPA value is
     below 1e-3 while the SDPA output itself is not; pushed to 1 (theta = +40) gating changes nothing."""
@@ -180,6 +214,8 @@ def test_measure_streams_batches_and_leaves_padding_out():
         assert a["m_act"] == pytest.approx(b["m_act"])
         assert a["f_attn"] == pytest.approx(b["f_attn"])
         assert a["gate_score"] == pytest.approx(b["gate_score"])
+        for key in ("m_act_per_token", "ffn_act", "mean_abs_y", "mean_abs_y_gated"):  # token-weighted means, a max
+            assert a[key] == pytest.approx(b[key], rel=1e-6)
     # Append padding columns with garbage tokens: statistics are unchanged.
     padded = {"tokens": np.concatenate([tok, np.full((4, 3), 7)], 1),
               "segment_ids": np.concatenate([seg, np.zeros((4, 3), int)], 1),
@@ -191,6 +227,8 @@ def test_measure_streams_batches_and_leaves_padding_out():
         assert a["m_act"] == pytest.approx(b["m_act"], rel=1e-5)
         assert a["f_attn"] == pytest.approx(b["f_attn"], rel=1e-5)
         assert a["gate_score"] == pytest.approx(b["gate_score"], rel=1e-5)
+        for key in ("m_act_per_token", "ffn_act", "mean_abs_y", "mean_abs_y_gated"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5)
         for kind in ("sdpa_out", "gated", "mean_gate_scaled"):
             assert a["sparsity"][kind] == pytest.approx(b["sparsity"][kind], abs=1e-9)
     assert sorted(three["attn_maps"]) == ["0", "1", "2"]  # first, middle and last layer

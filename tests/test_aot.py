@@ -2,6 +2,7 @@
 for TPU topologies by libtpu on this CPU machine, at reduced depth so the suite stays fast
 (`bench/aot_train_step.py` compiles the full presets)."""
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -22,6 +23,9 @@ _spec.loader.exec_module(aot)
     pytest.param("moe_15a2b", ["model.num_layers=1", "model.vocab_size=32768",
                                "model.moe.num_experts=16", "train.seq_len=1024"], "v5p:2x2x1", (1, 2, 2),
                  marks=pytest.mark.slow),  # ~60 s of compiling: `pytest -m slow`
+    pytest.param("moe_15a2b", ["model.num_layers=1", "model.vocab_size=32768", "model.moe.num_experts=16",
+                               "train.seq_len=1024", "exec.moe_impl=ragged"], "v5p:2x2x1", (1, 2, 2),
+                 marks=pytest.mark.slow, id="moe_15a2b-ragged"),  # dropless EP (ragged_all_to_all): ~80 s
     pytest.param("extend_1p7b_32k", ["model.num_layers=1", "model.vocab_size=32768"], "v5e:2x2", (1, 1, 4),
                  marks=pytest.mark.slow),  # a 32k row through the Pallas kernel: ~40 s
 ])
@@ -33,6 +37,7 @@ def test_preset_train_step_compiles_for_tpu_and_fits(preset, overrides, topology
     assert out["per_device_bytes"]["arguments"] > 0 and out["flops_per_device"] > 0
     assert out["mosaic_kernels"] >= 4, "the fused attention kernels must be in the executable"
     assert rows == mesh[0] * mesh[1]
+    assert ("exec.moe_impl=ragged" in overrides) == (out["ragged_all_to_all"] > 0)
     # the rows each host feeds: contiguous, together the whole batch (one host on these topologies)
     assert sorted(r for span in hosts.values() for r in range(*span)) == list(range(rows))
 
@@ -46,5 +51,7 @@ def test_presets_have_the_papers_sizes():
         assert 1.65e9 < params.count_params(dense) == params.activated_params(dense) < 1.8e9
     assert cli.load("dense_1p7b_48l").model.num_layers == 48
     dense, ext = (cli.load(n) for n in ("dense_1p7b", "extend_1p7b_32k"))
-    assert ext.model == dense.model and ext.train.seq_len == 32_768  # init_from accepts it
+    assert (dense.model.rope_base, ext.model.rope_base) == (10_000.0, 1_000_000.0)  # Sec. 4.4
+    assert dataclasses.replace(ext.model, rope_base=dense.model.rope_base) == dense.model  # init_from accepts it
+    assert ext.train.seq_len == 32_768
     assert 75e9 < ext.train.batch_size * ext.train.seq_len * ext.train.steps < 85e9  # ~80B tokens

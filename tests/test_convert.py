@@ -367,3 +367,47 @@ def test_config_fields_are_read_as_transformers_5_reads_them():
                                 ("mlp_bias", True, "mlp_bias")]:
         with pytest.raises(ConfigError, match=match):
             convert.model_config({**base, field: value}, "qwen3")
+
+
+def _tied_config_untied_head(path, tokenizer_file):
+    cfg = transformers.Qwen3Config(**DIMS, tie_word_embeddings=False, attn_implementation="eager")
+    model = randomize(transformers.Qwen3ForCausalLM(cfg))
+    return model, save(model, path, tokenizer_file, {"tie_word_embeddings": True})
+
+
+def test_a_tied_config_with_a_different_stored_head_keeps_the_head(tmp_path, tokenizer_file, capsys):
+    """config.json says tie_word_embeddings, but lm_head.weight differs from the embedding:
+    transformers keeps the stored head, so gattn does too, naming the tensor."""
+    model, src = _tied_config_untied_head(tmp_path / "hf", tokenizer_file)
+    _, _, cfg, tensors = convert.read_hf(src)
+    assert "tensor lm_head.weight differs from model.embed_tokens.weight" in capsys.readouterr().err
+    assert cfg.tie_embeddings is False
+    np.testing.assert_array_equal(tensors["lm_head.weight"], model.lm_head.weight.detach().numpy())
+    assert ("lm_head",) in convert.to_gattn(tensors, cfg, "qwen3")
+
+
+@pytest.mark.slow
+def test_a_kept_untied_head_gives_transformers_logits(tmp_path, tokenizer_file, capsys):
+    _, src = _tied_config_untied_head(tmp_path / "hf", tokenizer_file)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager")
+    convert.from_hf(src, tmp_path / "run")
+    assert "tensor lm_head.weight differs from model.embed_tokens.weight" in capsys.readouterr().err
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["tie_embeddings"] is False
+    np.testing.assert_allclose(gattn_logits(tmp_path / "run"), hf_logits(theirs), **TOL)
+
+
+def test_bad_json_and_a_hugging_face_folder_given_to_to_hf_are_one_line(tmp_path, tokenizer_file, capsys):
+    cfg = transformers.Qwen3Config(**DIMS, attn_implementation="eager")
+    src = save(transformers.Qwen3ForCausalLM(cfg), tmp_path / "hf", tokenizer_file)
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    assert convert.main(["to-hf", str(src), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a gattn run but a Hugging Face model folder" in err
+    (src / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"],\n "vocab_size": 320,,}')
+    assert convert.main(["from-hf", str(src), "--workdir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "config.json: not valid JSON (Expecting property name" in err
+    assert "at line 2 column 20" in err and not (tmp_path / "run").exists()
+    (src / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConversionError, match=r"config.json: expected a JSON object, not a list"):
+        convert.read_hf(src)

@@ -47,7 +47,8 @@ def test_user_folder_of_txt_and_jsonl(tmp_path):
     (tmp_path / "c.jsonl").write_text(json.dumps({"body": "no text"}) + "\n")
     with pytest.raises(ValueError, match=r"c.jsonl:1: .*'text'"):
         list(corpus.documents(str(tmp_path), 0))
-    with pytest.raises(FileNotFoundError, match="data.source"):
+    (tmp_path / "law" / "empty").mkdir()
+    with pytest.raises(corpus.DataError, match="data.source.*holds no .txt"):
         list(corpus.documents(str(tmp_path / "law" / "empty"), 0))
 
 

@@ -58,13 +58,20 @@ def test_eval_writes_every_field_and_figure(runs):
     m = res["measurements"]
     assert len(m["per_layer"]) == 3
     for row in m["per_layer"]:
-        assert set(row) >= {"m_act", "f_attn", "f_attn_per_head", "sink_head_share", "gate_score", "sparsity"}
+        assert set(row) >= {"m_act", "f_attn", "f_attn_per_head", "sink_head_share", "gate_score", "sparsity",
+                            "m_act_per_token", "ffn_act", "mean_abs_y", "mean_abs_y_gated"}
+        assert 0 < row["m_act_per_token"] <= row["m_act"] and row["ffn_act"] > 0
+        assert 0 < row["mean_abs_y_gated"] < row["mean_abs_y"]  # a sigmoid gate shrinks Y (Fig. 4)
         assert len(row["f_attn_per_head"]) == 4 and 0 < row["gate_score"] < 1 and row["m_act"] > 0
         assert set(row["sparsity"]) == {"sdpa_out", "gated", "mean_gate_scaled"}
     assert sum(m["gate_histogram"]["all_layers"]) == m["counts"]["tokens"] * 3 * 4 * 8
     assert sorted(m["attn_maps"]) == ["0", "2"]
     assert m["overall"]["m_act"] == pytest.approx(sum(r["m_act"] for r in m["per_layer"]) / 3)
-    for png in ("per_layer", "sparsity", "f_attn_heads", "attention_maps", "gate_scores"):
+    sinks = res["sinks"]  # Gu et al.'s Sink_1^0.3 (gattn/eval/sinks.py)
+    assert len(sinks["per_layer"]) == 3 and len(sinks["per_layer"][0]["alpha_1_per_head"]) == 4
+    assert 0 <= sinks["overall"]["sink_share"] <= 1 and sinks["overall"]["window"] == 32  # (rows of 32 < T = 64)
+    assert (runs["sdpa_elementwise"] / "eval" / "sink_heads.png").is_file()
+    for png in ("per_layer", "sparsity", "f_attn_heads", "attention_maps", "gate_scores", "mean_abs_y"):
         assert (runs["sdpa_elementwise"] / "eval" / f"{png}.png").stat().st_size > 10_000
     assert "gate score (mean)" in (runs["sdpa_elementwise"] / "eval" / "results.md").read_text()
     mc, gen = res["fewshot"]["python_mc"], res["fewshot"]["arith"]

@@ -38,7 +38,8 @@ def _compare(q, k, v, g, *, causal, seg, atol, blocks=BLOCKS):
     kernel = lambda q, k, v, g: gated_flash_attention(q, k, v, g, causal=causal, segment_ids=seg,
                                                       block_sizes=blocks, interpret=True)
     ref = lambda q, k, v, g: attention_xla(q.astype(jnp.float32), k.astype(jnp.float32),
-                                           v.astype(jnp.float32), g, causal=causal, segment_ids=seg)
+                                           v.astype(jnp.float32), None if g is None else g.astype(jnp.float32),
+                                           causal=causal, segment_ids=seg)
     y, y_ref = kernel(q, k, v, g), ref(q, k, v, g)
     assert y.shape == q.shape and y.dtype == q.dtype
     scale = float(jnp.abs(y_ref).max())
@@ -155,3 +156,53 @@ def test_shard_attention_over_batch_and_heads_matches_reference():
     """8 simulated devices, mesh (data 2, model 4): each device runs the kernel on its rows and
     heads; values and gradients equal the unsharded reference (tests/multidevice/sharded_flash.py)."""
     assert "ok 8" in multidevice.run("sharded_flash", "--mesh", "2,4")
+
+
+def test_mixed_dtypes_float_or_cross_attention_segment_ids_are_refused():
+    """Static checks, shared by every implementation (reference.check_inputs): named arrays, dtypes
+    and the real cause."""
+    q, k, v, g = _inputs(10, 1, 16, 4, 2, 16, "elementwise")
+    bf = lambda x: x.astype(jnp.bfloat16)  # noqa: E731
+    seg = jnp.ones((1, 16), jnp.int32)
+    for args, match in [((q, bf(k), v, g), "k has dtype bfloat16 but q has float32"),
+                        ((q, k, v, bf(g)), "gate has dtype bfloat16 but q has float32"),
+                        ((bf(q), bf(k), bf(v), g), "gate has dtype float32 but q has bfloat16")]:
+        for fn in (gated_flash_attention, attention_xla):
+            with pytest.raises(ValueError, match=match):
+                fn(*args)
+    with pytest.raises(ValueError, match="segment_ids has dtype float32: expected an integer dtype"):
+        gated_flash_attention(q, k, v, g, segment_ids=seg.astype(jnp.float32), interpret=True)
+    with pytest.raises(ValueError, match=r"segment_ids need self-attention .*: k/v length 8 != q length 16"):
+        gated_flash_attention(q, k[:, :8], v[:, :8], g, causal=False, segment_ids=seg, interpret=True)
+    with pytest.raises(ValueError, match=r"segment_ids \(1, 15\) must be \[B, S\] = \(1, 16\)"):
+        attention_xla(q, k, v, g, segment_ids=seg[:, :15])
+
+
+def test_segment_ids_beyond_float32_exactness():
+    """Ids >= 2**24 would merge in the kernel's float32 pass: concrete ones are refused;
+    dense_segment_ids renumbers them (in-graph) with the same segmentation."""
+    from gattn.kernels.flash import MAX_SEGMENT_ID, dense_segment_ids
+
+    q, k, v, _ = _inputs(11, 1, 16, 2, 1, 16, None)
+    big = np.full((1, 16), MAX_SEGMENT_ID, np.int64)
+    big[0, 8:] = MAX_SEGMENT_ID + 1  # two documents whose ids are the same float32
+    big[0, -2:] = 0
+    big = jnp.asarray(big, jnp.int32)
+    with pytest.raises(ValueError, match="segment_ids hold 16777217: .*exact only for \\|id\\| < 2\\*\\*24"):
+        gated_flash_attention(q, k, v, segment_ids=big, interpret=True)
+    dense = jax.jit(dense_segment_ids)(big)
+    assert dense.tolist() == [[2] * 8 + [3] * 6 + [0] * 2]
+    ids = jnp.asarray([[5, 5, -3, 0, 7, -3], [0, 0, 1, 1, 9, 9]], jnp.int32)
+    same = lambda x: np.asarray(x[:, :, None] == x[:, None, :])  # noqa: E731
+    d = dense_segment_ids(ids)
+    assert (same(d) == same(ids)).all() and ((d == 0) == (ids == 0)).all() and int(d.max()) <= 6
+
+
+@pytest.mark.slow  # the kernel in interpret mode: ~5 s
+def test_dense_segment_ids_give_the_kernel_the_reference_answer():
+    from gattn.kernels.flash import MAX_SEGMENT_ID, dense_segment_ids
+
+    q, k, v, _ = _inputs(11, 1, 16, 2, 1, 16, None)
+    big = jnp.asarray([[MAX_SEGMENT_ID] * 8 + [MAX_SEGMENT_ID + 1] * 6 + [0] * 2], jnp.int32)
+    y = gated_flash_attention(q, k, v, segment_ids=dense_segment_ids(big), block_sizes=BLOCKS, interpret=True)
+    np.testing.assert_allclose(y, attention_xla(q, k, v, segment_ids=big), atol=1e-5)

@@ -70,7 +70,7 @@ def test_study_runs_resumes_after_a_kill_and_reports_everything(tmp_path):
         assert g["ppl_avg"]["mean"] == pytest.approx(sum(ppls) / 2)
     assert len(report["claims"]) == 7 and {c["verdict"] for c in report["claims"]} <= set(study.WORDS)
     assert report["claims"][0]["verdict"] != "untested" and report["claims"][-1]["verdict"] == "untested"
-    for fig in ("loss_curves", "per_layer", "gate_scores", "attention_maps", "f_attn_vs_tokens"):
+    for fig in ("loss_curves", "per_layer", "gate_scores", "attention_maps", "f_attn_vs_tokens", "mean_abs_y"):
         assert (root / "figures" / f"{fig}.png").stat().st_size > 5000, fig
     assert report["seconds"]["train"] > 0 and report["seconds"]["measure"] > 0
     md = (root / "report.md").read_text()

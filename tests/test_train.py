@@ -100,6 +100,10 @@ def test_divergence_stops_with_a_clear_message_and_finite_checkpoints(config_fil
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert "3 consecutive steps had a non-finite loss or gradient" in out.stderr
+    # (1e39 is inf in float32: step 1 is skipped already, so no checkpoint predates the trouble;
+    # tests/test_faults.py has a run whose kept checkpoint is named.)
+    assert losses(workdir)[1][1]["skipped_steps"] == 1
+    assert "No checkpoint was saved before the trouble began" in out.stderr
     assert max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) >= 2
     code = textwrap.dedent(f"""
         import jax, numpy as np

@@ -1,30 +1,61 @@
-"""The paper's context extension at scale (Sec. 4.4, Table 5): the dense 1.7B continued at a
-32k sequence length with RoPE base 1M for ~80B tokens (64 x 32,768 tokens a step, 38k steps),
-from a 4k checkpoint of `configs/dense_1p7b.py`:
+"""The paper's context extension at scale (Sec. 4.4, Table 5): the dense 1.7B, pretrained at 4k
+with RoPE base 10k (`configs/dense_1p7b.py`), continued at a 32k sequence length with the base
+raised to 1M for ~80B tokens (64 x 32,768 tokens a step, 38k steps):
 
     python train.py --config configs/extend_1p7b_32k.py --workdir gs://.../extend_32k \
         --init-from gs://.../dense_1p7b [--variant sdpa_elementwise]
 
-then YaRN to 128k at eval time: eval.py --ruler --lengths 4096,...,131072
---config.model.yarn.factor=4. The paper gives no learning rate for this stage; the schedule here
-(1e-4 after 500 warmup steps, cosine to 1e-5) is ours. The paper pretrains with base 10k and raises
-it to 1M here; `dense_1p7b.py` pretrains with 1M (as Qwen3 does): for the paper's protocol,
-pretrain with --config.model.rope_base=10000. The fused Pallas attention keeps the 32k step's
-memory linear in the sequence length: `bench/aot_train_step.py --preset extend_1p7b_32k
---topology v5p:4x4x2 --mesh 8,1,4 --variant sdpa_elementwise` compiles the step at 18.3 GiB per
-chip with one 32k row per data shard and 55.1 GiB with four (of 95): the batch of 64 is four rows
-per shard on 64 v5p chips (data 16, model 4).
+then YaRN x4 to 128k at eval time (Sec. 4.4): eval.py --ruler --lengths 4096,...,131072
+--config.model.yarn.factor=4 (`original_len` defaults to the run's 32,768; `YARN_EVAL` below).
+Ours: the paper gives no learning rate, batch or step count for this stage; the schedule here
+(1e-4 after 500 warmup steps, cosine to 1e-5) and the 64 x 32k batch are ours (every field and its
+source: `python -m gattn.params --provenance extend_1p7b_32k`, docs/presets.md). The paper
+extends its 3.5T-token models (Table 2 rows 3-4: batch 2048, `dense_3.5t`); `dense_1p7b.py` is the
+400B-token recipe. The fused Pallas attention keeps the 32k step's memory linear in the sequence
+length: `bench/aot_train_step.py --preset extend_1p7b_32k --topology v5p:4x4x2 --mesh 8,1,4
+--variant sdpa_elementwise` compiles the step at 18.3 GiB per chip with one 32k row per data
+shard and 55.1 GiB with four (of 95): the batch of 64 is four rows per shard on 64 v5p chips
+(data 16, model 4).
 """
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 from gattn.cli import load
 
+# The preset this one continues (train.init_from must be a run of it): the test of the protocol
+# checks that the extension changes its RoPE base (tests/test_presets.py).
+CONTINUES = "dense_1p7b"
+# eval.py's overrides for the 128k stage (Sec. 4.4: "we use YaRN to extend the context length to 128k").
+YARN_EVAL = ("model.yarn.factor=4",)
+
 
 def get_config():
-    cfg = load(Path(__file__).with_name("dense_1p7b.py"))
+    cfg = load(Path(__file__).with_name(f"{CONTINUES}.py"))
     train = dataclasses.replace(cfg.train, seq_len=32_768, batch_size=64, steps=38_000, lr_preset="",
                                 learning_rate=1e-4, min_learning_rate=1e-5, warmup_steps=500,
                                 eval_every=1000, checkpoint_every=500)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_base=1_000_000.0), train=train)
+
+
+_spec = importlib.util.spec_from_file_location(CONTINUES, Path(__file__).with_name(f"{CONTINUES}.py"))
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+_STAGE = "ours: the paper gives only the token count (~80B, Sec. 4.4)"
+
+PROVENANCE = {
+    **_base.PROVENANCE,
+    "model.rope_base": "Sec. 4.4 ('We increase the RoPE base from 10k to 1M and continue training')",
+    "model.yarn": "Sec. 4.4: none while training at 32k; at eval, YaRN x4 to 128k "
+                  "(--config.model.yarn.factor=4, original_len 32,768)",
+    "train.seq_len": "Sec. 4.4 (continue training on data with a sequence length of 32k)",
+    "train.batch_size": _STAGE + ": 64 x 32,768 x 38,000 = 79.7B tokens",
+    "train.steps": _STAGE + ": 64 x 32,768 x 38,000 = 79.7B tokens",
+    "train.lr_preset": "none: the stage has its own schedule (learning_rate, min_learning_rate, warmup_steps)",
+    "train.learning_rate": "ours: 1e-4 (the paper gives no LR for the extension)",
+    "train.min_learning_rate": "ours: cosine to 1e-5",
+    "train.warmup_steps": "ours: 500 steps",
+    "train.init_from": "Sec. 4.4: a run of configs/dense_1p7b.py (given with --init-from); the "
+                       "paper continues its 3.5T-token models (Table 2 rows 3-4)",
+}

@@ -19,9 +19,13 @@ from pathlib import Path
 
 from gattn.cli import load
 
+# The preset this one continues (train.init_from must be a run of it): the test of the protocol
+# checks that the extension changes its RoPE base (tests/test_presets.py).
+CONTINUES = "tiny"
+
 
 def get_config():
-    cfg = load(Path(__file__).with_name("tiny.py"))
+    cfg = load(Path(__file__).with_name(f"{CONTINUES}.py"))
     model = dataclasses.replace(cfg.model, rope_base=1_000_000.0)
     train = dataclasses.replace(cfg.train, seq_len=1024, batch_size=4, steps=100, learning_rate=1e-3,
                                 min_learning_rate=1e-5, warmup_steps=10, eval_every=50,

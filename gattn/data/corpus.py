@@ -4,19 +4,35 @@ The embedded default corpus needs no download and exists wherever Python does: C
 documentation (`pydoc_data/topics.py`, domain "docs") and the standard library's top-level `.py`
 sources (domain "code"). A user's folder of `.txt` / `.jsonl` files works the same way: a `.txt`
 file is one document whose domain is its sub-folder (or "text"); a `.jsonl` line is a document
-with a "text" field and an optional "domain" field.
+with a "text" field and an optional "domain" field. Text that gattn cannot use stops the run with
+one line naming the file and the byte offset or line (`DataError`): never a silent U+FFFD, unless
+data.decode_errors="replace" asks for it (and the count is reported).
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from gattn.config import ConfigError
+
 EMBEDDED = "embedded"
+
+
+class DataError(ConfigError):
+    """Text under data.source that gattn cannot use: one line naming the file (with its line or
+    byte offset), what is wrong and what is expected. A ConfigError, so that the entry points
+    print it as one line and exit 2."""
+
+    def __init__(self, where: str, problem: str, expected: str, field: str = "data.source"):
+        ValueError.__init__(self, f"{where}: {problem}; {expected}")
+        self.field, self.value, self.allowed = field, where, expected
 
 
 @dataclass(frozen=True)
@@ -24,6 +40,7 @@ class Document:
     id: str
     domain: str
     text: str
+    replaced_bytes: int = 0  # invalid UTF-8 bytes decoded as U+FFFD (data.decode_errors="replace")
 
     @property
     def split(self) -> str:
@@ -42,44 +59,148 @@ def embedded_documents(code_max_bytes: int) -> Iterator[Document]:
         yield Document(f"docs/{name}", "docs", pydoc_data.topics.topics[name])
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(stdlib.glob("*.py"), key=lambda p: hashlib.sha256(p.name.encode()).hexdigest())
-    total = 0
+    total, smallest = 0, None
     for path in files:
         text = path.read_text(encoding="utf-8", errors="replace")
+        smallest = len(text) if smallest is None else min(smallest, len(text))
         if total + len(text) > code_max_bytes:
             continue
         total += len(text)
         yield Document(f"code/{path.name}", "code", text)
+    if total == 0 and code_max_bytes > 0:  # 0: the docs domain only, on purpose (gattn/eval/ruler.py)
+        raise ConfigError("data.code_max_bytes", code_max_bytes,
+                          f"keeps no file of the 'code' domain, which would be dropped: expected >= "
+                          f"{smallest} (the smallest standard-library file)")
 
 
-def folder_documents(folder: Path) -> Iterator[Document]:
+def _count_and_replace(e: UnicodeDecodeError):
+    _replaced[0] += e.end - e.start
+    return "\ufffd", e.end
+
+
+_replaced = [0]
+codecs.register_error("gattn_count_replace", _count_and_replace)
+
+
+def decode(raw: bytes, where: str, decode_errors: str, offset: int = 0) -> tuple[str, int]:
+    """`raw` as text, and how many bytes were replaced: invalid UTF-8 is an error naming `where`
+    and the byte offset (`offset`: where `raw` starts in its file) unless `decode_errors` is
+    "replace"; a NUL byte means a binary file, which is refused either way."""
+    newline = b"\n"
+
+    def at(i: int) -> str:  # the byte offset, and the line in a text of several
+        line = f" (line {raw.count(newline, 0, i) + 1})" if newline in raw else ""
+        return f"byte offset {offset + i}{line}"
+
+    if (nul := raw.find(b"\0")) >= 0:
+        raise DataError(where, f"a NUL byte at byte offset {offset + nul}: a binary file, not text",
+                        "expected UTF-8 text (.txt) or JSON lines (.jsonl)")
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError as e:
+        if decode_errors != "replace":
+            raise DataError(where, f"not valid UTF-8: byte 0x{raw[e.start]:02x} at {at(e.start)}",
+                            "convert the file to UTF-8, or set --config.data.decode_errors=replace "
+                            "to decode bad bytes as U+FFFD") from None
+    _replaced[0] = 0
+    text = raw.decode("utf-8", errors="gattn_count_replace")
+    return text, _replaced[0]
+
+
+def _jsonl_documents(path: Path, rel: Path, decode_errors: str) -> Iterator[Document]:
+    offset = 0
+    for i, raw in enumerate(path.read_bytes().split(b"\n")):
+        where = f"{path}:{i + 1}"
+        line, replaced = decode(raw, where, decode_errors, offset)
+        offset += len(raw) + 1
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(where, f"not valid JSON ({e.msg} at column {e.colno})",
+                            'expected one JSON object per line, e.g. {"text": "...", "domain": "..."}') from None
+        if not isinstance(record, dict) or "text" not in record:
+            raise DataError(where, f"a .jsonl line needs a 'text' field (got {line.strip()[:40]!r})",
+                            'expected one JSON object per line, e.g. {"text": "...", "domain": "..."}')
+        for key in ("text", "domain"):
+            if key in record and not isinstance(record[key], str):
+                raise DataError(where, f"{key!r} is {type(record[key]).__name__} {record[key]!r:.40}",
+                                f"expected {key!r} to be a string")
+        yield Document(f"{rel}:{i}", record.get("domain", "text"), record["text"], replaced)
+
+
+def folder_documents(folder: Path, decode_errors: str = "strict") -> Iterator[Document]:
+    expected = "expected 'embedded' or a folder of .txt / .jsonl files"
+    if not folder.exists():
+        raise DataError(f"data.source={str(folder)!r}", "no such folder", expected)
+    if not folder.is_dir():
+        raise DataError(f"data.source={str(folder)!r}", "a file, not a folder", expected)
     files = sorted(p for p in folder.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
     if not files:
-        raise FileNotFoundError(f"data.source={str(folder)!r} holds no .txt or .jsonl files")
+        raise DataError(f"data.source={str(folder)!r}", "the folder holds no .txt or .jsonl files", expected)
     for path in files:
         rel = path.relative_to(folder)
         if path.suffix == ".txt":
             domain = rel.parts[0] if len(rel.parts) > 1 else "text"
-            yield Document(str(rel), domain, path.read_text(encoding="utf-8", errors="replace"))
-            continue
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-            if line.strip():
-                record = json.loads(line)
-                if "text" not in record:
-                    raise ValueError(f"{path}:{i + 1}: a .jsonl line needs a 'text' field")
-                yield Document(f"{rel}:{i}", str(record.get("domain", "text")), record["text"])
+            text, replaced = decode(path.read_bytes(), str(path), decode_errors)
+            yield Document(str(rel), domain, text, replaced)
+        else:
+            yield from _jsonl_documents(path, rel, decode_errors)
 
 
-def documents(source: str, code_max_bytes: int) -> Iterator[Document]:
+def documents(source: str, code_max_bytes: int, decode_errors: str = "strict") -> Iterator[Document]:
     """Every document of `source` ('embedded' or a folder path), in a fixed order."""
     if source == EMBEDDED:
         return embedded_documents(code_max_bytes)
-    return folder_documents(Path(source).expanduser())
+    return folder_documents(Path(source).expanduser(), decode_errors)
 
 
-def fingerprint(source: str, code_max_bytes: int) -> str:
-    """A short hash of the corpus content: caches (tokenizer, TFDS files) are keyed by it."""
+def fingerprint(source: str, code_max_bytes: int, decode_errors: str = "strict") -> str:
+    """A short hash of the corpus content: caches (tokenizer, TFDS files) are keyed by it. Also
+    where the corpus is checked as a whole (`check`)."""
     h = hashlib.sha256()
-    for doc in documents(source, code_max_bytes):
+    stats: dict[str, list[int]] = {}  # domain -> [train docs, held-out docs, characters]
+    replaced = [0, 0]  # bytes, documents
+    for doc in documents(source, code_max_bytes, decode_errors):
         h.update(doc.id.encode())
         h.update(hashlib.sha256(doc.text.encode()).digest())
-    return h.hexdigest()[:12]
+        counts = stats.setdefault(doc.domain, [0, 0, 0])
+        counts[doc.split == "validation"] += 1
+        counts[2] += len(doc.text)
+        replaced[0] += doc.replaced_bytes
+        replaced[1] += doc.replaced_bytes > 0
+    name = h.hexdigest()[:12]
+    check(source, name, stats, replaced)
+    return name
+
+
+_reported: set[str] = set()  # corpora already reported on by this process
+
+
+def check(source: str, name: str, stats: dict[str, list[int]], replaced: list[int]) -> None:
+    """An empty domain is an error; a domain without held-out (or without training) documents,
+    and replaced bytes, are reported once per process on stderr."""
+    for domain, (_, _, chars) in sorted(stats.items()):
+        if chars == 0:
+            raise DataError(f"data.source={source!r}", f"domain {domain!r} holds no text",
+                            "give each domain some text, or remove its empty documents")
+    for i, split in enumerate(("training", "held-out")):  # a split the dataset cannot be written without
+        if stats and not any(counts[i] for counts in stats.values()):
+            n = sum(c[0] + c[1] for c in stats.values())
+            raise DataError(f"data.source={source!r}", f"none of its {n} documents is in the {split} split "
+                            f"(~{HELD_OUT_PERCENT}% are held out, chosen by a hash of each document's id)",
+                            "give it more documents, e.g. split the text into more files or .jsonl lines")
+    if name in _reported:
+        return
+    _reported.add(name)
+    if replaced[0]:
+        print(f"warning: data.source={source!r}: replaced {replaced[0]} invalid UTF-8 bytes with "
+              f"U+FFFD in {replaced[1]} documents (data.decode_errors='replace')", file=sys.stderr)
+    for domain, (train, held_out, _) in sorted(stats.items()):
+        if not train or not held_out:
+            missing = "held-out" if not held_out else "training"
+            fix = "; raise data.code_max_bytes" if source == EMBEDDED and domain == "code" else ""
+            print(f"warning: data.source={source!r}: domain {domain!r} has no {missing} documents "
+                  f"({train + held_out} in all): it is {'not evaluated' if not held_out else 'never trained on'}"
+                  f"{fix}", file=sys.stderr)

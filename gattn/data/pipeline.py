@@ -15,24 +15,38 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from gattn.data import tfds_text
-from gattn.data.tokenizer import EOS
+from gattn.config import BACKCOPY, ConfigError
+from gattn.data import backcopy, tfds_text
+from gattn.data.tokenizer import BOS, EOS
 
 
-def _tokenize(tokenizer):
+def _tokenize(tokenizer, bos: bool = False):
+    """Text -> ids + [eos]; with `bos` (data.bos) a fixed BOS id opens each document."""
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else EOS  # a user's model may differ
+    start = [tokenizer.bos_id() if getattr(tokenizer, "bos_id", lambda: -1)() >= 0 else BOS] if bos else []
     def fn(example) -> dict:
         ids = tokenizer.encode(example["text"].decode("utf-8") if isinstance(example["text"], bytes)
                                else example["text"])
-        return {"tokens": np.asarray(ids + [eos], np.int32)}
+        return {"tokens": np.asarray(start + ids + [eos], np.int32)}
+    return fn
+
+
+def _layout(document_resets: bool):
+    """Grain's packed example -> the batch fields. Without document resets (data.document_resets
+    False) a row is one plain window of concatenated text: one segment, positions 0..S."""
+    def fn(ex) -> dict:
+        seg, pos = ex["tokens_segment_ids"], ex["tokens_positions"]
+        if not document_resets:
+            seg, pos = (seg != 0).astype(seg.dtype), np.arange(len(pos), dtype=pos.dtype)
+        return {"tokens": ex["tokens"], "segment_ids": seg, "positions": pos}
     return fn
 
 
 def _pack_and_batch(ds: grain.IterDataset, seq_len: int, batch_size: int,
-                    shuffle: tuple[int, int] | None = None, keep_last: bool = False) -> grain.IterDataset:
+                    shuffle: tuple[int, int] | None = None, keep_last: bool = False,
+                    document_resets: bool = True) -> grain.IterDataset:
     ds = grain.experimental.ConcatThenSplitIterDataset(ds, length_struct={"tokens": seq_len + 1})
-    ds = ds.map(lambda ex: {"tokens": ex["tokens"], "segment_ids": ex["tokens_segment_ids"],
-                            "positions": ex["tokens_positions"]})
+    ds = ds.map(_layout(document_resets))
     if shuffle is not None:  # a long document fills many consecutive rows: spread them out
         window, seed = shuffle
         ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=window, seed=seed)
@@ -61,10 +75,11 @@ class Rows:
         self.streams = {}
         for r in rows:
             ds = grain.experimental.ConcatThenSplitIterDataset(
-                docs[r::b].map(_tokenize(tokenizer)).to_iter_dataset(), length_struct={"tokens": t.seq_len + 1})
-            ds = ds.map(lambda ex: {"tokens": ex["tokens"], "segment_ids": ex["tokens_segment_ids"],
-                                    "positions": ex["tokens_positions"]})
-            ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=window, seed=t.seed * b + r)
+                docs[r::b].map(_tokenize(tokenizer, cfg.data.bos)).to_iter_dataset(),
+                length_struct={"tokens": t.seq_len + 1})
+            ds = ds.map(_layout(cfg.data.document_resets))
+            seed = (t.seed * b + r) % 2**31  # Grain refuses seeds past ~2^32 (train.seed may be 2^32-1)
+            ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=window, seed=seed)
             self.streams[r] = iter(ds)
 
     def __iter__(self):
@@ -96,7 +111,9 @@ def _tuples(x):
 
 def train_iterator(cfg, tokenizer, workdir: Path, rows: range | None = None) -> Rows:
     """An endless, deterministic iterator over packed training batches: `rows` of each global
-    batch (default: all of train.batch_size), see `Rows`."""
+    batch (default: all of train.batch_size), see `Rows` (`backcopy.Rows` for Bigram-Backcopy)."""
+    if cfg.data.source == BACKCOPY:
+        return backcopy.Rows(cfg, range(cfg.train.batch_size) if rows is None else rows)
     return Rows(cfg, tokenizer, workdir, range(cfg.train.batch_size) if rows is None else rows)
 
 
@@ -107,19 +124,24 @@ def set_state(iterator: Rows, state: dict) -> None:
 
 def prepare(cfg, workdir: Path) -> None:
     """Builds the run's dataset (both splits) under WORKDIR/tfds if it is not there yet."""
+    if cfg.data.source == BACKCOPY:
+        return  # generated on the fly
     tfds_text.data_source(cfg.data, workdir, "train")
 
 
 def validation_batches(cfg, tokenizer, workdir: Path) -> dict[str, list[dict]]:
     """Per held-out domain, up to `data.eval_batches` packed batches in a fixed order; a short
-    last batch is padded, so a small domain keeps all of its text."""
+    last batch is padded, so a small domain keeps all of its text. Bigram-Backcopy: one domain
+    of held-out sequences (`backcopy.validation_batches`)."""
+    if cfg.data.source == BACKCOPY:
+        return backcopy.validation_batches(cfg)
     source = tfds_text.data_source(cfg.data, workdir, "validation")
     domains = sorted({(source[i]["domain"]).decode() for i in range(len(source))})
     out = {}
     for domain in domains:
         ds = grain.MapDataset.source(source).filter(lambda ex, d=domain: ex["domain"].decode() == d)
-        ds = _pack_and_batch(ds.map(_tokenize(tokenizer)).to_iter_dataset(), cfg.train.seq_len,
-                             cfg.data.eval_batch_size, keep_last=True)
+        ds = _pack_and_batch(ds.map(_tokenize(tokenizer, cfg.data.bos)).to_iter_dataset(), cfg.train.seq_len,
+                             cfg.data.eval_batch_size, keep_last=True, document_resets=cfg.data.document_resets)
         batches = []
         for batch in ds:
             batches.append(_pad_rows(batch, cfg.data.eval_batch_size))
@@ -135,8 +157,11 @@ def validation_batches(cfg, tokenizer, workdir: Path) -> dict[str, list[dict]]:
 def held_out_text(cfg, tokenizer, workdir: Path) -> dict[str, np.ndarray]:
     """Per held-out domain, all of its documents tokenised (each followed by eos, as in training)
     and concatenated in a fixed order: long-context evaluation cuts windows of any length from it."""
+    if cfg.data.source == BACKCOPY:
+        raise ConfigError("data.source", BACKCOPY, "long-context evaluation needs held-out text; "
+                          "Bigram-Backcopy rows are single sequences of train.seq_len + 1 tokens")
     source = tfds_text.data_source(cfg.data, workdir, "validation")
-    tokenize = _tokenize(tokenizer)
+    tokenize = _tokenize(tokenizer, cfg.data.bos)
     out: dict[str, list] = {}
     for i in range(len(source)):
         ex = source[i]

@@ -20,9 +20,9 @@ class GattnText(tfds.core.GeneratorBasedBuilder):
     # install; nothing is downloaded, so there is nothing to checksum.
     code_path = None
 
-    def __init__(self, *, source: str, code_max_bytes: int, **kwargs):
-        self._source, self._code_max_bytes = source, code_max_bytes
-        name = corpus.fingerprint(source, code_max_bytes)
+    def __init__(self, *, source: str, code_max_bytes: int, decode_errors: str = "strict", **kwargs):
+        self._source, self._code_max_bytes, self._decode_errors = source, code_max_bytes, decode_errors
+        name = corpus.fingerprint(source, code_max_bytes, decode_errors)
         super().__init__(config=tfds.core.BuilderConfig(name=name), **kwargs)
 
     def _info(self):
@@ -46,7 +46,7 @@ class GattnText(tfds.core.GeneratorBasedBuilder):
         """TFDS prints "Dataset ... downloaded and prepared"; the line above already said it."""
 
     def _generate_examples(self, split):
-        for doc in corpus.documents(self._source, self._code_max_bytes):
+        for doc in corpus.documents(self._source, self._code_max_bytes, self._decode_errors):
             if doc.split == split:
                 yield doc.id, {"text": doc.text, "domain": doc.domain}
 
@@ -57,6 +57,7 @@ def data_source(data_cfg, workdir: Path, split: str):
     tfds.display_progress_bar(False)
     absl_logging.set_verbosity(absl_logging.ERROR)  # "Using custom data configuration ..." etc.
     builder = GattnText(source=data_cfg.source, code_max_bytes=data_cfg.code_max_bytes,
+                        decode_errors=data_cfg.decode_errors,
                         data_dir=str(workdir / "tfds"), file_format="array_record")
     builder.download_and_prepare()
     return tfds.data_source(f"{builder.name}/{builder.builder_config.name}",

@@ -9,8 +9,8 @@ import json
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import sentencepiece as spm
 
-from gattn.config import ConfigError
-from gattn.data import corpus
+from gattn.config import BACKCOPY, ConfigError
+from gattn.data import backcopy, corpus
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 INIT_FROM_TOKENIZER = "init_from.model"  # a continued run's copy of its source's (gattn/init_from.py)
@@ -45,9 +45,10 @@ class HFTokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
 
-def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Path) -> Path:
+def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Path,
+                    decode_errors: str = "strict") -> Path:
     """BPE with byte fallback (so code, whitespace and any Unicode round-trip) on the train split."""
-    lines = (line for doc in corpus.documents(source, code_max_bytes) if doc.split == "train"
+    lines = (line for doc in corpus.documents(source, code_max_bytes, decode_errors) if doc.split == "train"
              for line in doc.text.splitlines() if line.strip())
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -76,6 +77,8 @@ def tokenizer_path(cfg, workdir: Path) -> Path:
             raise ConfigError("data.tokenizer", data.tokenizer,
                               "expected an existing SentencePiece .model or Hugging Face tokenizer.json file")
         return path
+    if data.source == BACKCOPY:  # the task's character vocabulary (gattn/data/backcopy.py)
+        return Path(workdir) / "tokenizer" / f"backcopy-{data.backcopy.chars}.json"
     if (Path(workdir) / "tokenizer" / HF_TOKENIZER_DIR / "tokenizer.json").is_file():
         return Path(workdir) / "tokenizer" / HF_TOKENIZER_DIR / "tokenizer.json"
     if cfg.train.init_from:
@@ -87,16 +90,23 @@ def tokenizer_path(cfg, workdir: Path) -> Path:
     if vocab < 260:
         raise ConfigError("model.vocab_size", vocab,
                           "expected >= 260 to train a tokenizer (256 byte pieces + 4 specials)")
-    return Path(workdir) / "tokenizer" / f"spm-{corpus.fingerprint(data.source, data.code_max_bytes)}-{vocab}.model"
+    return Path(workdir) / "tokenizer" / f"spm-{corpus.fingerprint(data.source, data.code_max_bytes, data.decode_errors)}-{vocab}.model"
 
 
 def load_tokenizer(cfg, workdir: Path) -> spm.SentencePieceProcessor | HFTokenizer:
     """The tokenizer of `tokenizer_path`: a SentencePiece processor, trained on first use when it
     is the cached one, or a Hugging Face tokenizer.json (`HFTokenizer`)."""
     path = tokenizer_path(cfg, workdir)
-    if not path.is_file():
-        train_tokenizer(cfg.data.source, cfg.data.code_max_bytes, cfg.model.vocab_size, path)
-    sp = HFTokenizer(path) if path.suffix == ".json" else spm.SentencePieceProcessor(model_proto=path.read_bytes())
+    if cfg.data.source == BACKCOPY:
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(backcopy.Tokenizer(backcopy.task(cfg.data.backcopy).chars).to_json())
+        sp = backcopy.Tokenizer.from_json(path.read_text())
+    elif not path.is_file():
+        train_tokenizer(cfg.data.source, cfg.data.code_max_bytes, cfg.model.vocab_size, path,
+                        cfg.data.decode_errors)
+    if cfg.data.source != BACKCOPY:
+        sp = HFTokenizer(path) if path.suffix == ".json" else spm.SentencePieceProcessor(model_proto=path.read_bytes())
     if sp.get_piece_size() > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,
                           f"expected >= the tokenizer's {sp.get_piece_size()} pieces ({path})")

@@ -7,8 +7,18 @@ the SDPA output, the block's output hidden state and, for gated variants, the ga
 the gate's input and output. `Measurements` accumulates them over any number of batches into
 Table 4's and Figures 2, 3, 5 and 6's quantities, per layer and overall:
 
-    m_act        max |hidden state| output by the layer; overall, the mean of the layers' maxima
-                 (Table 4 "M-Act", Sec. 4.3) and their max (Fig. 6)
+    m_act        max |hidden state| output by the layer, a running maximum over every evaluated
+                 token (so it grows with the size of the eval set); overall, the mean of the
+                 layers' maxima (Table 4 "M-Act", Sec. 4.3) and their max (Fig. 6)
+    m_act_per_token  the mean over tokens of each token's max |hidden state| output by the
+                 layer: the typical token's largest activation, which does not grow with the eval
+                 set; overall, the mean over layers
+    ffn_act      max |FFN output| of the layer (what the FFN adds to the residual stream), a
+                 running maximum like m_act (Fig. 6, Appendix A.3: the baseline's massive
+                 activations start in one layer's FFN); overall, the mean and the max over layers
+    mean_abs_y   mean |Y| of the SDPA output per layer, before any G1 gate (the ungated model's Y),
+                 and for gates on the SDPA output `mean_abs_y_gated`, mean |Y'| of what the gate
+                 returns (Fig. 4, Appendix A.2); overall, the means over layers
     f_attn       attention on the first token of the query's document, mean over heads and
                  queries (Table 4 "F-Attn", Fig. 2 left); per head too, and the share of heads
                  above `sink_threshold` (the sink metric of Gu et al. 2024)
@@ -77,7 +87,7 @@ def _collect(model, tokens_BxS, positions_BxS, segment_ids_BxS, map_layers, map_
     for i in range(len(model.blocks)):
         blk, attn = inter["blocks"][i], inter["blocks"][i]["attn"]
         probs = attn["attn_probs"][0]
-        layer = {"block_out": blk["block_out"][0], "sdpa_out": attn["sdpa_out"][0],
+        layer = {"block_out": blk["block_out"][0], "ffn_out": blk["ffn_out"][0], "sdpa_out": attn["sdpa_out"][0],
                  "first_probs": first_token_probs(probs, segment_ids_BxS)}
         if i in map_layers:
             layer["attn_map"] = probs[:, :, :map_len, :map_len]
@@ -97,7 +107,8 @@ def for_analysis(model: Transformer) -> Transformer:
 
 def collect(model, tokens_BxS, segment_ids_BxS=None, positions_BxS=None, *,
             map_layers: tuple[int, ...] = (), map_len: int = 64) -> list[dict[str, np.ndarray]]:
-    """One dict per layer (N = B * S): 'block_out' [N, D], 'sdpa_out' [N, Hq, K], 'first_probs'
+    """One dict per layer (N = B * S): 'block_out' [N, D], 'ffn_out' [N, D] (the FFN's addition to
+    the residual stream), 'sdpa_out' [N, Hq, K], 'first_probs'
     [B, Hq, S] (see `first_token_probs`), 'attn_map' [B, Hq, L, L] for `map_layers` (L = min(map_len,
     S)) and, for gated variants, 'gate_scores' [N, heads, width] and, at the gate's position,
     'gate_input' / 'gated' (what the gate multiplies and what it returns). Runs `for_analysis(model)`."""
@@ -143,6 +154,8 @@ class Measurements:
                            else tuple(sorted({0, n // 2, n - 1})))
         t, l_ = len(self.opts.sparsity_thresholds), self.opts.map_len
         self.m_act = np.zeros(n)
+        self.m_act_token_sum, self.ffn_act = np.zeros(n), np.zeros(n)  # sum of per-token maxima; max |FFN out|
+        self.abs_sum = {k: np.zeros(n) for k in ("sdpa_out", "gated")}  # sum of |Y| and |Y'| (Fig. 4)
         self.f_attn_sum, self.f_attn_count = np.zeros((n, model_cfg.q_heads)), 0
         self.gate_sum, self.gate_count = np.zeros(n), 0
         self.gate_hist = np.zeros((n, self.opts.gate_bins), np.int64)
@@ -162,7 +175,11 @@ class Measurements:
         l_ = min(self.opts.map_len, s)
         in_first_BxL = (np.asarray(document_starts(jnp.asarray(seg[:, :l_]))) == 0) & (seg[:, :l_] != 0)
         for i, layer in enumerate(layers):
-            self.m_act[i] = max(self.m_act[i], float(np.abs(layer["block_out"][valid_N]).max(initial=0.0)))
+            token_max_T = np.abs(layer["block_out"][valid_N]).max(axis=-1, initial=0.0)
+            self.m_act[i] = max(self.m_act[i], float(token_max_T.max(initial=0.0)))
+            self.m_act_token_sum[i] += float(token_max_T.astype(np.float64).sum())
+            self.ffn_act[i] = max(self.ffn_act[i], float(np.abs(layer["ffn_out"][valid_N]).max(initial=0.0)))
+            self.abs_sum["sdpa_out"][i] += float(np.abs(layer["sdpa_out"][valid_N]).astype(np.float64).sum())
             self.f_attn_sum[i] += (layer["first_probs"] * keep_BxS[:, None, :]).sum(axis=(0, 2))
             self._count_below("sdpa_out", i, layer["sdpa_out"][valid_N], thresholds)
             if self.gated:
@@ -172,6 +189,7 @@ class Measurements:
                 self.gate_hist[i] += np.histogram(np.clip(scores, lo, hi), self.opts.gate_bins, (lo, hi))[0]
                 if self.gate_on_sdpa:
                     self._count_below("gated", i, layer["gated"][valid_N], thresholds)
+                    self.abs_sum["gated"][i] += float(np.abs(layer["gated"][valid_N]).astype(np.float64).sum())
                     idx = np.searchsorted(ABS_EDGES, np.abs(layer["gate_input"][valid_N]).ravel(), side="right")
                     self.abs_hist[i] += np.bincount(idx, minlength=len(ABS_EDGES) + 1)
             if i in self.map_sum:
@@ -197,7 +215,11 @@ class Measurements:
         f_head = self.f_attn_sum / max(self.f_attn_count, 1)
         per_layer = []
         for i in range(n):
-            row = {"layer": i, "m_act": float(self.m_act[i]), "f_attn": float(f_head[i].mean()),
+            row = {"layer": i, "m_act": float(self.m_act[i]),
+                   "m_act_per_token": float(self.m_act_token_sum[i] / max(self.gate_count, 1)),
+                   "ffn_act": float(self.ffn_act[i]),
+                   "mean_abs_y": float(self.abs_sum["sdpa_out"][i] / max(self.values, 1)),
+                   "f_attn": float(f_head[i].mean()),
                    "f_attn_per_head": [float(x) for x in f_head[i]],
                    "sink_head_share": float(np.mean(f_head[i] > self.opts.sink_threshold)),
                    "sparsity": {"sdpa_out": self._shares(self.below["sdpa_out"][i], names)}}
@@ -205,10 +227,15 @@ class Measurements:
                 row["gate_score"] = float(self.gate_sum[i] / max(self.gate_count, 1))
                 if self.gate_on_sdpa:
                     row["sparsity"]["gated"] = self._shares(self.below["gated"][i], names)
+                    row["mean_abs_y_gated"] = float(self.abs_sum["gated"][i] / max(self.values, 1))
                     if self.cfg.gate.form == "multiplicative":
                         row["sparsity"]["mean_gate_scaled"] = self._mean_scaled(i, row["gate_score"], names)
             per_layer.append(row)
         overall = {"m_act": float(self.m_act.mean()), "m_act_max": float(self.m_act.max()),
+                   "m_act_per_token": float(np.mean([r["m_act_per_token"] for r in per_layer])),
+                   "ffn_act": float(self.ffn_act.mean()), "ffn_act_max": float(self.ffn_act.max()),
+                   **{k: float(np.mean([r[k] for r in per_layer])) for k in ("mean_abs_y", "mean_abs_y_gated")
+                      if k in per_layer[0]},
                    "f_attn": float(f_head.mean()),
                    "sink_head_share": float(np.mean(f_head > self.opts.sink_threshold)),
                    "sparsity": {k: {t: float(np.mean([r["sparsity"][k][t] for r in per_layer])) for t in names}

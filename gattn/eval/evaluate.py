@@ -19,7 +19,7 @@ from flax import nnx
 
 from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer
-from gattn.eval import analysis, plots
+from gattn.eval import analysis, plots, sinks
 from gattn.model import sharding
 from gattn.train import checkpoint, rundir, trainer
 
@@ -48,9 +48,10 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     perplexity = {d: {"loss": val[f"val_loss/{d}"], "ppl": val[f"val_ppl/{d}"]} for d in domains}
     chosen = [b for d in domains for b in batches[d][:max_batches]]
     measurements = analysis.measure(model, chosen, options)
+    sink = sinks.measure(model, cfg, chosen)  # Gu et al.'s Sink_1^eps, T = 64 (docs/sinks.md)
     results = {"workdir": str(workdir), "step": step, "variant": cfg.variant, "overrides": list(overrides),
                "gate": dataclasses.asdict(cfg.model.gate) if cfg.model.gate else None,
-               "perplexity": perplexity, "measurements": measurements,
+               "perplexity": perplexity, "measurements": measurements, "sinks": sink,
                "measured_on": {"batches": len(chosen), "rows": sum(len(b["tokens"]) for b in chosen),
                                "seq_len": cfg.train.seq_len}}
     if tasks:
@@ -75,7 +76,9 @@ def write_figures(results: dict, out_dir: Path) -> list[Path | None]:
     m, name = results["measurements"], f"{results['variant']} (step {results['step']})"
     paths = [plots.per_layer({name: m}, out_dir / "per_layer.png", name),
              plots.sparsity(m, out_dir / "sparsity.png", name),
+             plots.mean_abs_y({name: m}, out_dir / "mean_abs_y.png", name) if "mean_abs_y" in m["overall"] else None,
              plots.f_attn_heads(m, out_dir / "f_attn_heads.png", name),
+             plots.sink_heads(results["sinks"], out_dir / "sink_heads.png", name) if "sinks" in results else None,
              plots.attention_maps(m, out_dir / "attention_maps.png", name)]
     if "gate_histogram" in m:
         paths.append(plots.gate_histogram(m, out_dir / "gate_scores.png", name))
@@ -90,18 +93,32 @@ def report(results: dict) -> str:
     lines += [f"| {d} | {p['loss']:.4f} | {p['ppl']:.2f} |" for d, p in results["perplexity"].items()]
     gate = f"{o['gate_score']:.3f}" if "gate_score" in o else "- (ungated)"
     lines += ["", f"- gate score (mean): {gate}",
-              f"- M-Act (mean over layers of the max |hidden|): {o['m_act']:.2f} (max over layers {o['m_act_max']:.2f})",
+              f"- M-Act (mean over layers of the max |hidden|): {o['m_act']:.2f} "
+              f"(max over layers {o['m_act_max']:.2f}; "
+              f"a running max over every token measured, so it grows with the eval set)",
+              *([f"- M-Act per token (mean over tokens of each token's max |hidden|, mean over layers): "
+                 f"{o['m_act_per_token']:.2f}",
+                 f"- FFN-Act (max |FFN output|, mean over layers): {o['ffn_act']:.3g} (max {o['ffn_act_max']:.3g})",
+                 f"- mean |SDPA output| (mean over layers): {o['mean_abs_y']:.4f} before the gate"
+                 + (f", {o['mean_abs_y_gated']:.4f} after" if "mean_abs_y_gated" in o else "")]
+                if "ffn_act" in o else []),
               f"- F-Attn (first token): {o['f_attn']:.3f}",
               f"- sink heads (F-Attn > {m['sink_threshold']}): {o['sink_head_share']:.0%}", "",
-              "| layer | M-Act | F-Attn | sink heads | gate score | SDPA values < 1e-3 (before / after gate) |",
-              "|---|---|---|---|---|---|"]
+              "| layer | M-Act | M-Act per token | FFN-Act | F-Attn | sink heads | gate score "
+              "| SDPA values < 1e-3 (before / after gate) | mean abs SDPA output (before / after gate) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in m["per_layer"]:
         sp = r["sparsity"]
         after = f"{sp['gated']['0.001']:.1%}" if "gated" in sp and "0.001" in sp["gated"] else "-"
         before = f"{sp['sdpa_out']['0.001']:.1%}" if "0.001" in sp["sdpa_out"] else "-"
         g = f"{r['gate_score']:.3f}" if "gate_score" in r else "-"
-        lines.append(f"| {r['layer']} | {r['m_act']:.2f} | {r['f_attn']:.3f} | {r['sink_head_share']:.0%} "
-                     f"| {g} | {before} / {after} |")
+        y = (f"{r['mean_abs_y']:.4f} / " + (f"{r['mean_abs_y_gated']:.4f}" if "mean_abs_y_gated" in r else "-")
+             if "mean_abs_y" in r else "-")
+        lines.append(f"| {r['layer']} | {r['m_act']:.2f} | {r.get('m_act_per_token', float('nan')):.2f} "
+                     f"| {r.get('ffn_act', float('nan')):.3g} | {r['f_attn']:.3f} | {r['sink_head_share']:.0%} "
+                     f"| {g} | {before} / {after} | {y} |")
+    if "sinks" in results:
+        lines += ["", "## Attention sinks (docs/sinks.md)", ""] + sinks.report_lines(results["sinks"])
     for task, res in results.get("fewshot", {}).items():
         lines.append("")
         lines.append(f"- few-shot {task}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"

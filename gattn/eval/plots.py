@@ -1,6 +1,6 @@
 """Figures of the paper's measurements (matplotlib, written as PNG): per-layer curves (Fig. 2 left,
-Fig. 6), the gate-score histogram (Fig. 3), SDPA-output sparsity (Fig. 5), per-head F-Attn, and
-per-head attention maps (Fig. 2 right). Each takes `gattn.eval.analysis` results (`measurements` in
+Fig. 6), mean |SDPA output| before and after the gate (Fig. 4), the gate-score histogram (Fig. 3),
+SDPA-output sparsity (Fig. 5), per-head F-Attn, and per-head attention maps (Fig. 2 right). Each takes `gattn.eval.analysis` results (`measurements` in
 eval.py's results.json) and a path; `ruler` takes gattn.ruler results (Table 5 as a figure); the
 study figures (loss curves with spikes, gate histograms and attention maps side by side, F-Attn
 against training tokens, stability across learning rates) take gattn.study records."""
@@ -14,6 +14,8 @@ from matplotlib.figure import Figure  # no pyplot: no global backend is touched 
 from matplotlib.ticker import MaxNLocator
 
 PER_LAYER = (("m_act", "M-Act: max |hidden state| (log scale)", True),
+             ("m_act_per_token", "M-Act per token: mean of each token's max |hidden|", True),
+             ("ffn_act", "FFN-Act: max |FFN output| (Fig. 6, log scale)", True),
              ("f_attn", "F-Attn: attention on the first token", False),
              ("sink_head_share", "share of sink heads (F-Attn > threshold)", False),
              ("gate_score", "mean gate score", False))
@@ -42,6 +44,27 @@ def per_layer(runs: dict[str, dict], path: Path, title: str = "") -> Path:
             ax.text(0.5, 0.5, "no gated run", ha="center", va="center", transform=ax.transAxes)
     axes[0].legend(fontsize=8)
     fig.suptitle(title or "per-layer measurements on held-out data")
+    return _save(fig, path)
+
+
+def mean_abs_y(runs: dict[str, dict], path: Path, title: str = "") -> Path:
+    """Fig. 4: mean |Y| of the SDPA output per layer, before the G1 gate (solid; the ungated
+    model's Y) and after it (dashed, gated runs only), one colour per run."""
+    fig, ax = _subplots(1, 1, figsize=(5.5, 3.8))
+    for j, (name, m) in enumerate(runs.items()):
+        rows = m["per_layer"]
+        if "mean_abs_y" not in rows[0]:
+            continue
+        layers = [r["layer"] for r in rows]
+        ax.plot(layers, [r["mean_abs_y"] for r in rows], marker="o", color=f"C{j % 10}", label=f"{name}: Y")
+        if "mean_abs_y_gated" in rows[0]:
+            ax.plot(layers, [r["mean_abs_y_gated"] for r in rows], marker="s", ls="--", color=f"C{j % 10}",
+                    label=f"{name}: Y' (after the gate)")
+    ax.set(xlabel="layer", ylabel="mean |value|", yscale="log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(title or "mean |SDPA output| before and after the gate")
     return _save(fig, path)
 
 
@@ -91,6 +114,28 @@ def f_attn_heads(m: dict, path: Path, name: str = "") -> Path:
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set(xlabel="head", ylabel="layer", title=f"{name}: F-Attn per head")
     fig.colorbar(im, ax=ax, label="attention on the first token")
+    return _save(fig, path)
+
+
+def sink_heads(sinks: dict, path: Path, name: str = "") -> Path:
+    """Gu et al.'s alpha_1 per head (layers x heads; gattn/eval/sinks.py), with each head's value
+    printed and the sink threshold and uniform level in the title; a second panel for the
+    non-trigger queries of Bigram-Backcopy data."""
+    o = sinks["overall"]
+    keys = ["alpha_1_per_head"] + [k for k in sinks["per_layer"][0] if k.startswith("alpha_1_") and
+                                   k.endswith("_per_head") and k != "alpha_1_per_head"]
+    grids = [np.asarray([r[k] for r in sinks["per_layer"]]) for k in keys]
+    h, w = grids[0].shape
+    fig, axes = _subplots(1, len(keys), figsize=(len(keys) * (2.6 + 0.6 * w), 1.9 + 0.45 * h), squeeze=False)
+    for ax, grid, key in zip(axes[0], grids, keys):
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        for (i, j), a in np.ndenumerate(grid):
+            ax.text(j, i, f"{a:.2f}", ha="center", va="center", fontsize=7, color="w" if a < 0.6 else "k")
+        queries = key.removeprefix("alpha_1").removesuffix("_per_head").strip("_").replace("_", "-") or "all"
+        ax.set(xlabel="head", ylabel="layer", title=f"alpha_1, {queries} queries", xticks=range(w), yticks=range(h))
+        fig.colorbar(im, ax=ax)
+    fig.suptitle(f"{name}: Sink_1 (T = {o['window']}): sink head if alpha_1 > {o['eps']:g}; "
+                 f"uniform attention {o['uniform_alpha_1']:.3f}", fontsize=9)
     return _save(fig, path)
 
 
@@ -214,14 +259,21 @@ def sink_curves(curves: dict[str, list[dict]], path: Path) -> Path | None:
     when an attention sink and massive activations form."""
     if not curves:
         return None
-    fig, (a, b) = _subplots(1, 2, figsize=(10, 3.6))
+    share = all("sink_share" in r for rows in curves.values() for r in rows)  # (gattn/eval/sinks.py)
+    fig, axes = _subplots(1, 3 if share else 2, figsize=(15 if share else 10, 3.6))
+    a, b = axes[0], axes[1]
     for j, (name, rows) in enumerate(curves.items()):
         tokens = [r["tokens"] for r in rows]
         a.plot(tokens, [r["f_attn"] for r in rows], marker="o", color=f"C{j % 10}", label=name)
         b.plot(tokens, [r["m_act"] for r in rows], marker="o", color=f"C{j % 10}", label=name)
+        if share:
+            axes[2].plot(tokens, [r["sink_share"] for r in rows], marker="o", color=f"C{j % 10}", label=name)
     a.set(xlabel="training tokens", ylabel="F-Attn", title="attention on the first token")
     b.set(xlabel="training tokens", ylabel="M-Act", title="max |hidden state| (mean over layers)")
-    for ax in (a, b):
+    if share:
+        axes[2].set(xlabel="training tokens", ylabel="share of heads", ylim=(-0.02, 1.02),
+                    title="sink heads (Sink_1^0.3, T = 64)")
+    for ax in axes:
         ax.grid(alpha=0.3)
     a.legend(fontsize=7)
     return _save(fig, path)

@@ -55,6 +55,20 @@ class ConversionError(ValueError):
     """A Hugging Face folder or a gattn run that cannot be converted; names the file, tensor or field."""
 
 
+def read_json(path: Path, text: str | bytes | None = None) -> dict:
+    """The JSON object in file `path` (or in `text`, read from it): anything else is one line
+    naming the file and where the JSON breaks."""
+    try:
+        data = json.loads(path.read_bytes() if text is None else text)
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise ConversionError(f"{path}: not valid JSON (not UTF-8 at byte offset {e.start})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: expected a JSON object, not a {type(data).__name__}")
+    return data
+
+
 # --------------------------------------------------------------------------- tensors on disk
 
 
@@ -67,7 +81,9 @@ class TensorFiles:
         index = next((src / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
                       if (src / n).is_file()), None)
         if index is not None:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
         else:
             single = next((n for n in ("model.safetensors", "pytorch_model.bin") if (src / n).is_file()), None)
             if single is None:
@@ -457,14 +473,16 @@ def read_hf(src: str | Path) -> tuple[dict, str, ModelConfig, dict[str, np.ndarr
     src = Path(src)
     if not (src / "config.json").is_file():
         raise ConversionError(f"{src}: no config.json (expected a Hugging Face model folder)")
-    hf = json.loads((src / "config.json").read_text())
+    hf = read_json(src / "config.json")
     layout = detect_layout(hf)
     cfg = model_config(hf, layout)
     files = TensorFiles(src)
-    expected = hf_shapes(cfg)
     present = [n for n in files.names() if not n.endswith(IGNORED_SUFFIXES)]
-    if cfg.tie_embeddings and "lm_head.weight" in present:
+    if cfg.tie_embeddings and "lm_head.weight" in present and _head_differs(files, src):
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
+    elif cfg.tie_embeddings and "lm_head.weight" in present:
         present.remove("lm_head.weight")  # some exports write the tied head as well
+    expected = hf_shapes(cfg)
     unexpected = sorted(n for n in present if n not in expected)
     if unexpected:
         raise ConversionError(f"tensor {unexpected[0]} is not part of the {layout} layout of this config "
@@ -481,6 +499,22 @@ def read_hf(src: str | Path) -> tuple[dict, str, ModelConfig, dict[str, np.ndarr
     return hf, layout, cfg, tensors
 
 
+def _head_differs(files: TensorFiles, src: Path) -> bool:
+    """Whether a checkpoint that config.json calls tied stores an lm_head.weight unlike its
+    embedding. transformers then keeps the stored head untied (with a warning), so gattn does
+    too, and says so: dropping it would change every logit."""
+    if "model.embed_tokens.weight" not in files.where:
+        return False  # (reported as a missing tensor)
+    head, embed = files.get("lm_head.weight"), files.get("model.embed_tokens.weight")
+    if head.shape == embed.shape and np.array_equal(head, embed):
+        return False
+    diff = float(np.abs(head - embed).max()) if head.shape == embed.shape else float("nan")
+    print(f"warning: {src / 'config.json'} says tie_word_embeddings: true, but tensor lm_head.weight "
+          f"differs from model.embed_tokens.weight (max |difference| {diff:.3g}): keeping lm_head.weight "
+          "as an untied head, as transformers does (the run's model.tie_embeddings is False)", file=sys.stderr)
+    return True
+
+
 def load_tokenizer_files(src: Path, hf: dict) -> dict[str, bytes]:
     """The tokenizer files to copy (tokenizer.json is required), with the eos token recorded in
     tokenizer_config.json when only config.json names it."""
@@ -488,7 +522,7 @@ def load_tokenizer_files(src: Path, hf: dict) -> dict[str, bytes]:
         raise ConversionError(f"{src}: no tokenizer.json (eval.py reads text with the model's own "
                               "tokenizer; save it with tokenizer.save_pretrained)")
     files = {n: (src / n).read_bytes() for n in HF_TOKENIZER_FILES if (src / n).is_file()}
-    tc = json.loads(files.get("tokenizer_config.json", b"{}"))
+    tc = read_json(src / "tokenizer_config.json", files.get("tokenizer_config.json", b"{}"))
     if "eos_token" not in tc and hf.get("eos_token_id") is not None:
         eos = hf["eos_token_id"]
         tc["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
@@ -585,6 +619,7 @@ def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layo
     from gattn.train import rundir  # noqa: PLC0415
 
     workdir, out = Path(workdir), Path(out)
+    _check_gattn_run(workdir)
     cfg = rundir.read_config(workdir)
     layout = export_layout(cfg.model, layout)
     _check_new_folder(out, "--out")
@@ -622,6 +657,19 @@ def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layo
             shutil.copyfile(tok, tmp / "tokenizer.model")
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def _check_gattn_run(workdir: Path) -> None:
+    """Refuses a folder that is not a gattn run, saying what it is instead."""
+    what = "expected a gattn run directory (written by train.py or from-hf)"
+    if not workdir.is_dir():
+        raise ConversionError(f"{workdir}: no such folder; {what}")
+    if not (workdir / "config.json").is_file():
+        raise ConversionError(f"{workdir}: not a gattn run (no config.json); {what}")
+    cfg = read_json(workdir / "config.json")
+    if "model" not in cfg and ("architectures" in cfg or "model_type" in cfg):
+        raise ConversionError(f"{workdir}: not a gattn run but a Hugging Face model folder (its config.json "
+                              f"has 'architectures'/'model_type'); from-hf converts it into one")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,10 @@ multiple of 128 they are viewed as [B, S, H*K] and a block is (rows, K) at lane 
 layout the model's projections produce, so XLA folds the reshapes away; otherwise the wrapper transposes them to [B, H*S, K] (one HBM round trip each
 way). Row vectors (log-sum-exp, the row term D, headwise gates) are lane-dense [B, H, 1, S] and
 segment ids [B, 1, S]; a kernel turns a row piece into a column with a 2-D transpose where it
-needs one (segment ids pass through float32 there, exact below 2**24).
+needs one (segment ids pass through float32 there, exact below 2**24: `MAX_SEGMENT_ID`).
+Concrete segment ids are checked against that bound; traced ones (under jit) cannot be without a
+device-to-host copy per call, so the bound is the caller's: ids from gattn's pipeline are at most
+seq_len + 1 (one per document in a row), and `dense_segment_ids` renumbers any others in-graph.
 
 Masking. Causal (query r sees keys <= r + T - S), padding of the sequence to the block size,
 and segment ids: a query attends to keys with its own id; id 0 is padding and a padding query
@@ -35,12 +38,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gattn.kernels.reference import check_inputs
 
 _NEG = -1e30
+MAX_SEGMENT_ID = 2**24  # segment ids cross the kernel as float32: exact for |id| < 2**24
 # Scoped VMEM a kernel may use: a step holds a whole GQA group's query blocks (and their float32
 # accumulators); 48 MiB fits the VMEM of v5e, v5p and v6e chips.
 _VMEM_LIMIT = 48 * 1024 * 1024
@@ -530,8 +535,34 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # ---------------------------------------------------------------- public entry point
 
+def dense_segment_ids(segment_ids_BxS):
+    """The same segmentation with ids 1, 2, ... (at most S) per row, 0 (padding) kept: ids of any
+    size become safe for the kernel (`MAX_SEGMENT_ID`). Jittable; one sort per row."""
+    order_BxS = jnp.argsort(segment_ids_BxS, axis=1)
+    sorted_BxS = jnp.take_along_axis(segment_ids_BxS, order_BxS, axis=1)
+    new_BxS = jnp.concatenate([jnp.ones_like(sorted_BxS[:, :1], bool),
+                               sorted_BxS[:, 1:] != sorted_BxS[:, :-1]], axis=1)
+    rank_BxS = jnp.cumsum(new_BxS, axis=1, dtype=jnp.int32)  # 1.. per distinct id, in sorted order
+    rows = jnp.arange(segment_ids_BxS.shape[0])[:, None]
+    dense_BxS = jnp.zeros(segment_ids_BxS.shape, jnp.int32).at[rows, order_BxS].set(rank_BxS)
+    return jnp.where(segment_ids_BxS == 0, 0, dense_BxS)
+
+
+def _check_segment_values(segment_ids) -> None:
+    if isinstance(segment_ids, jax.core.Tracer):
+        return  # under jit the values are unknown here: see the module docstring
+    ids = np.asarray(segment_ids)
+    if ids.size and (ids.max() >= MAX_SEGMENT_ID or ids.min() <= -MAX_SEGMENT_ID):
+        bad = ids.max() if ids.max() >= MAX_SEGMENT_ID else ids.min()
+        raise ValueError(f"segment_ids hold {bad}: the pallas kernel is exact only for |id| < 2**24 = "
+                         f"{MAX_SEGMENT_ID} (ids cross it as float32); renumber them per row "
+                         "(gattn.kernels.flash.dense_segment_ids)")
+
+
 def _check(q, k, v, segment_ids, gate, causal) -> str | None:
     kind = check_inputs(q, k, v, segment_ids, gate)
+    if segment_ids is not None:
+        _check_segment_values(segment_ids)
     if causal and q.shape[1] > k.shape[1]:
         raise ValueError(f"causal attention needs at least as many keys as queries; got "
                          f"q length {q.shape[1]} > k length {k.shape[1]}")

@@ -25,16 +25,33 @@ _NEG = -1e30  # finite, so a fully masked row never produces inf - inf = NaN
 
 
 def check_inputs(q, k, v, segment_ids=None, gate=None) -> str | None:
-    """Checks the shapes every implementation takes; returns the gate's kind (None, "elementwise"
-    or "headwise")."""
+    """Checks the shapes and dtypes every implementation takes (static: nothing is read from the
+    arrays, so it holds under jit); returns the gate's kind (None, "elementwise" or "headwise").
+    q, k, v and the gate share one floating dtype: a silent promotion would run the attention in
+    another precision than the caller chose. Segment ids are integers, compared for equality."""
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ValueError(f"expected q [B,S,Hq,K], k/v [B,T,Hk,K]; got q {q.shape}, k {k.shape}, v {v.shape}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"incompatible q {q.shape} and k {k.shape}: batch and head_dim must match "
                          "and q_heads must be a multiple of kv_heads")
-    if segment_ids is not None and (segment_ids.shape != q.shape[:2] or q.shape[1] != k.shape[1]):
-        raise ValueError(f"segment_ids {segment_ids.shape} must be [B, S] = {q.shape[:2]} "
-                         "for self-attention")
+    named = {"q": q, "k": k, "v": v} | ({} if gate is None else {"gate": gate})
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q has dtype {q.dtype}: expected a floating dtype (float32, bfloat16, ...)")
+    for name, x in named.items():
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} has dtype {x.dtype} but q has {q.dtype}: q, k, v and the gate must "
+                             f"share one dtype (got {', '.join(f'{n} {y.dtype}' for n, y in named.items())}); "
+                             "cast them first")
+    if segment_ids is not None:
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids has dtype {segment_ids.dtype}: expected an integer dtype "
+                             "(int32; ids are compared for equality, 0 = padding)")
+        if q.shape[1] != k.shape[1]:
+            raise ValueError(f"segment_ids need self-attention (as many keys as queries): k/v length "
+                             f"{k.shape[1]} != q length {q.shape[1]}; pass segment_ids=None for "
+                             "cross or cached attention (attention_masked takes an explicit mask)")
+        if segment_ids.shape != q.shape[:2]:
+            raise ValueError(f"segment_ids {segment_ids.shape} must be [B, S] = {q.shape[:2]}")
     if gate is None:
         return None
     if gate.shape == q.shape:

@@ -130,7 +130,8 @@ class Attention(nnx.Module):
         b, s = batch
         hq, hk, hd = cfg.q_heads, cfg.kv_heads, cfg.head_dim
         q, k, v = self._qkv(x_NxD, positions_N, capture)
-        if capture.attn_probs and ex.attention_impl != "xla":
+        impl = kernels.resolve(ex.attention_impl)  # `auto`: this platform's choice
+        if capture.attn_probs and impl != "xla":
             raise ValueError(f"capturing the attention matrix needs exec.attention_impl='xla' (this model "
                              f"runs {ex.attention_impl!r}, which never forms it); build the model with "
                              "the xla attention for analysis")
@@ -141,11 +142,12 @@ class Attention(nnx.Module):
         fused = (self.gate is not None and self.gate.spec.fusable and cfg.sdpa_nonlinearity == "none"
                  and not (capture.sdpa_out or capture.gate))
         gate_logits = self.gate.logits(x_NxD).reshape(b, s, hq, -1) if fused else None
-        options = (dict(block_q=ex.attention_block_q, query_chunk=ex.attention_query_chunk)
-                   if ex.attention_impl == "xla" else dict(block_q=ex.flash_block_q, block_k=ex.flash_block_k))
+        # The flash blocks are the TPU kernel's; the GPU kernel and cuDNN keep their own defaults.
+        options = {"xla": dict(block_q=ex.attention_block_q, query_chunk=ex.attention_query_chunk),
+                   "pallas": dict(block_q=ex.flash_block_q, block_k=ex.flash_block_k)}.get(impl, {})
         out = kernels.attention(
             q.reshape(b, s, hq, hd), k.reshape(b, s, hk, hd), v.reshape(b, s, hk, hd), gate_logits,
-            impl=ex.attention_impl, causal=True, segment_ids=segment_ids_BxS,
+            impl=impl, causal=True, segment_ids=segment_ids_BxS,
             return_probs=capture.attn_probs, **options)
         if capture.attn_probs:
             out, probs_BxHxSxS = out

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Capture:
     block_out: bool = False   # each block's output (the residual stream; M-Act)
+    ffn_out: bool = False     # what each block's FFN adds to the residual stream (Fig. 6)
     attn_probs: bool = False  # the attention matrix [B, Hq, S, S] (F-Attn, attention maps)
     sdpa_out: bool = False    # the SDPA output before any G1 gate or non-linearity
     gate: bool = False        # gate scores, and what the gate takes and returns at its position
 
     @property
     def any(self) -> bool:
-        return self.block_out or self.attn_probs or self.sdpa_out or self.gate
+        return self.block_out or self.ffn_out or self.attn_probs or self.sdpa_out or self.gate
 
 
 NOTHING = Capture()
-EVERYTHING = Capture(block_out=True, attn_probs=True, sdpa_out=True, gate=True)
+EVERYTHING = Capture(block_out=True, ffn_out=True, attn_probs=True, sdpa_out=True, gate=True)

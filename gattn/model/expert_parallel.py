@@ -14,8 +14,8 @@ The buffers have a fixed size, so this path needs a capacity factor; rows past a
 capacity are dropped and counted. Capacity is per source shard here (c N_local k / E rows of each
 expert from each shard), where the single-device path counts it over the whole batch, so with
 drops the two choose different tokens; without drops they agree exactly (tested). The
-global-batch LBL is explicit here: expert counts and router probabilities are `psum`med over the
-batch axes before they are combined.
+global-batch LBL is explicit here (`shard_aux`, shared with gattn/model/dropless_ep.py): expert
+counts and router probabilities are `psum`med over the batch axes before they are combined.
 """
 
 from __future__ import annotations
@@ -46,6 +46,34 @@ def context_mesh(spec):
     return mesh
 
 
+def micro_groups_per_shard(spec, n_shards: int) -> int:
+    """LBL groups (micro-batches) per data x expert shard: 1 for the global scope."""
+    if spec.lbl_scope != "micro":
+        return 1
+    if spec.micro_batches % n_shards:
+        raise ConfigError("moe.micro_batches", spec.micro_batches,
+                          f"with experts split over the mesh, a multiple of the {n_shards} "
+                          "data x expert shards (each shard holds whole micro-batches)")
+    return spec.micro_batches // n_shards
+
+
+def shard_aux(spec, logits_NxE, probs_NxE, experts_NxP, counts_E, dropped, batch, groups_per_shard: int):
+    """The aux values of one shard's tokens inside `shard_map` over the `batch` axes, as one device
+    computes them for the whole batch (every expert-parallel path uses this): the global-batch LBL
+    from expert counts and router probabilities psummed over the batch axes, or the per-micro-batch
+    one averaged; z-loss; load [E]; dropped rows."""
+    n_local, k = experts_NxP.shape
+    if spec.lbl_scope == "global":
+        n_shards = jax.lax.psum(1, batch)
+        lbl = balance(jax.lax.psum(counts_E, batch), jax.lax.psum(jnp.sum(probs_NxE, axis=0), batch),
+                      n_local * n_shards, k)
+    else:
+        lbl = jax.lax.pmean(load_balancing_loss(probs_NxE, experts_NxP, groups_per_shard), batch)
+    return {"lbl": lbl, "z_loss": jax.lax.pmean(router_z_loss(logits_NxE), batch),
+            "load": jax.lax.psum(counts_E, batch).astype(jnp.int32),
+            "dropped": jax.lax.psum(dropped, batch).astype(jnp.int32)}
+
+
 def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh):
     """(out [N, D], aux) of the MoE layer with `weights` (gattn.model.moe.MoE.weights()) and
     experts split over the mesh's `expert` axis; same contract as `MoE.__call__`."""
@@ -53,19 +81,13 @@ def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh):
     model = "model" if mesh.shape.get("model", 1) > 1 else None
     batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)  # includes "expert"
     n_shards = math.prod(mesh.shape[a] for a in batch)
-    groups_per_shard = 1
-    if spec.lbl_scope == "micro":
-        if spec.micro_batches % n_shards:
-            raise ConfigError("moe.micro_batches", spec.micro_batches,
-                              f"with experts split over the mesh, a multiple of the {n_shards} "
-                              "data x expert shards (each shard holds whole micro-batches)")
-        groups_per_shard = spec.micro_batches // n_shards
+    groups_per_shard = micro_groups_per_shard(spec, n_shards)
     mlp_ok = model is not None and spec.expert_width % mesh.shape["model"] == 0
     w13_spec = P("expert", None, "model" if mlp_ok else None)
     w2_spec = P("expert", "model" if mlp_ok else None, None)
 
     def body(x, router, w1, w3, w2):
-        n_local, e, k = x.shape[0], spec.num_experts, spec.top_k
+        n_local, e = x.shape[0], spec.num_experts
         logits = dense(x, router, dtype, out_dtype=jnp.float32)
         weights, experts, probs = route(logits, spec)
         rows, order, counts = permute(x, experts, e)
@@ -80,16 +102,7 @@ def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh):
         y = y.reshape(e // n_exp, n_exp, cap, -1).transpose(1, 0, 2, 3)
         back = jax.lax.all_to_all(y, "expert", 0, 0).reshape(e * cap, -1)
         out = unpermute(combine(back, slot, keep), order, weights)
-
-        if spec.lbl_scope == "global":  # frequencies and probabilities over the global batch
-            lbl = balance(jax.lax.psum(counts, batch), jax.lax.psum(jnp.sum(probs, axis=0), batch),
-                          n_local * n_shards, k)
-        else:  # per micro-batch: `micro_batches` groups over the global batch, averaged
-            lbl = jax.lax.pmean(load_balancing_loss(probs, experts, groups_per_shard), batch)
-        aux = {"lbl": lbl, "z_loss": jax.lax.pmean(router_z_loss(logits), batch),
-               "load": jax.lax.psum(counts, batch).astype(jnp.int32),
-               "dropped": jax.lax.psum(jnp.sum(~keep), batch).astype(jnp.int32)}
-        return out, aux
+        return out, shard_aux(spec, logits, probs, experts, counts, jnp.sum(~keep), batch, groups_per_shard)
 
     aux_specs = {"lbl": P(), "z_loss": P(), "load": P(), "dropped": P()}
     fn = jax.shard_map(body, mesh=mesh,

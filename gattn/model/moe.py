@@ -10,7 +10,9 @@ others are dropped: their expert output is zero and they are counted. That path 
 fixed [E, C, D] buffer with batched matmuls, so its cost is capacity_factor x the activated
 compute for any E. The dropless path uses `jax.lax.ragged_dot`, a grouped matmul on TPU; XLA's
 CPU lowering of it computes every expert for every row (cost grows with E: see
-bench/moe_step_time.py), so on CPU use a capacity factor for speed.
+bench/moe_step_time.py), so on CPU use a capacity factor for speed. On a mesh with an expert
+axis, exec.moe_impl picks the explicit exchange: "all_to_all" (capacity, gattn/model/expert_parallel.py)
+or "ragged" (dropless, only the routed rows moved: gattn/model/dropless_ep.py).
 
 The auxiliary losses are returned as named values, never folded into the LM loss here:
     lbl      E * sum_e f_e * p_e, f_e = share of the N*k assignments routed to e, p_e = mean router
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gattn.config import ExecConfig, ModelConfig
-from gattn.model import expert_parallel
+from gattn.model import dropless_ep, expert_parallel
 from gattn.model.layers import DTYPES, FFN_ACTIVATIONS, dense, param
 from gattn.model.moe_ops import (batched_swiglu, capacity, combine, dispatch, load_balancing_loss, permute,
                                  route, router_z_loss, unpermute)
@@ -51,6 +53,7 @@ class MoE(nnx.Module):
         self.act = FFN_ACTIVATIONS[cfg.ffn_activation]
         self.dtype = DTYPES[ex.dtype]
         self.impl = ex.moe_impl
+        self.moe_buffer = ex.moe_buffer
 
     def _w(self, p):
         return p[...].astype(self.dtype)
@@ -82,6 +85,10 @@ class MoE(nnx.Module):
         if self.impl == "all_to_all":  # exec.moe_impl: the explicit exchange over the expert axis
             mesh = expert_parallel.context_mesh(spec)
             return expert_parallel.moe_forward(self.weights(), spec, self.act, self.dtype, x_NxD, mesh)
+        if self.impl == "ragged":  # dropless expert parallelism: ragged exchange, grouped matmuls
+            mesh = dropless_ep.context_mesh(spec)
+            return dropless_ep.moe_forward(self.weights(), spec, self.act, self.dtype, x_NxD, mesh,
+                                           self.moe_buffer)
         logits_NxE = dense(x_NxD, self.router, self.dtype, out_dtype=jnp.float32)
         weights_NxP, experts_NxP, probs_NxE = route(logits_NxE, spec)
         rows, order, sizes = permute(x_NxD, experts_NxP, spec.num_experts)

@@ -49,16 +49,19 @@ class Block(nnx.Module):
             h = jnp.clip(h, -self.clip, self.clip)
         return h
 
-    def _ffn_residual(self, x_NxD):
+    def _ffn_residual(self, x_NxD, capture: Capture = NOTHING):
         h, aux = (self.ffn(self.ffn_norm(x_NxD)) if isinstance(self.ffn, MoE)
                   else (self.ffn(self.ffn_norm(x_NxD)), {}))
-        return x_NxD + self._branch_out(h, getattr(self, "ffn_post_norm", None)), aux
+        h = self._branch_out(h, getattr(self, "ffn_post_norm", None))
+        if capture.ffn_out:  # what the FFN adds to the residual stream (Fig. 6, Appendix A.3)
+            self.sow(nnx.Intermediate, "ffn_out", h)
+        return x_NxD + h, aux
 
     def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch, capture: Capture = NOTHING):
         """(x, aux): aux holds the MoE's auxiliary values ({} for a dense FFN)."""
         h = self.attn(self.attn_norm(x_NxD), positions_N, segment_ids_BxS, batch, capture)
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
-        x_NxD, aux = self._ffn_residual(x_NxD)
+        x_NxD, aux = self._ffn_residual(x_NxD, capture)
         if capture.block_out:
             self.sow(nnx.Intermediate, "block_out", x_NxD)
         return x_NxD, aux

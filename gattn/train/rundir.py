@@ -48,9 +48,17 @@ def meta(cfg: Config, **extra) -> dict:
             **extra, "config": to_dict(cfg)}
 
 
+def check_workdir(workdir: str | Path) -> None:
+    """A run directory is a folder (created if absent), never a regular file."""
+    if Path(workdir).exists() and not Path(workdir).is_dir():
+        raise ConfigError("--workdir", str(workdir), "a run directory (a folder, created if absent); "
+                          "this is a file")
+
+
 def read_config(workdir: str | Path) -> Config:
     """The Config of run `workdir` as it was written (no overrides)."""
     path = Path(workdir) / CONFIG
+    check_workdir(workdir)
     if not path.is_file():
         raise ConfigError("--workdir", str(workdir), f"expected a run directory holding {CONFIG} "
                           "(written by train.py or python -m gattn.convert)")
@@ -96,8 +104,9 @@ class Loaded(NamedTuple):
 
 def portable(cfg: Config) -> Config:
     """`cfg` runnable on the devices present: the run's mesh if they can hold it (else every
-    device on the data axis), and the pallas kernel only on TPU (elsewhere it runs in interpret
-    mode, ~100x slower, and the xla attention computes the same)."""
+    device on the data axis), and the pallas kernel only on TPU, pallas_gpu and cudnn only on a
+    GPU (elsewhere they run in interpret mode, ~100x slower, or not at all, and the xla attention
+    computes the same)."""
     import jax  # noqa: PLC0415
 
     from gattn.config import MeshConfig  # noqa: PLC0415
@@ -109,7 +118,8 @@ def portable(cfg: Config) -> Config:
         print(f"note: {e}; using all {jax.device_count()} device(s) on the data axis instead "
               "(set --config.mesh.* to choose)", file=sys.stderr)
         cfg = dataclasses.replace(cfg, mesh=MeshConfig())
-    if cfg.exec.attention_impl == "pallas" and jax.default_backend() != "tpu":
+    home = {"pallas": ("tpu",), "pallas_gpu": ("gpu", "cuda", "rocm"), "cudnn": ("gpu", "cuda")}
+    if cfg.exec.attention_impl in home and jax.default_backend() not in home[cfg.exec.attention_impl]:
         cfg = dataclasses.replace(cfg, exec=dataclasses.replace(cfg.exec, attention_impl="xla"))
     return cfg
 
@@ -120,7 +130,9 @@ def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()
     built with the run's config plus `overrides` (or `cfg`, from `load_config`), sharded over the
     devices present now (see `portable`; an explicit `exec.attention_impl` override is kept).
     Only parameters are read, so any optimizer and any execution settings will do: a checkpoint
-    saved with scanned layers loads unscanned, and the reverse."""
+    saved with scanned layers loads unscanned, and the reverse. An unreadable latest checkpoint
+    gives way to the previous one with a one-line warning; if none can be read (or the chosen
+    `step` cannot), checkpoint.CheckpointFailure."""
     from flax import nnx  # noqa: PLC0415
 
     from gattn.model import sharding  # noqa: PLC0415
@@ -133,10 +145,8 @@ def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()
         cfg = portable(cfg)
     steps = checkpoint.saved_steps(workdir)
     if not steps:
-        raise FileNotFoundError(f"no checkpoint in {workdir / 'checkpoints'}")
-    if step is not None and step not in steps:
-        raise ConfigError("--step", step, f"one of the saved steps {steps}")
-    step = steps[-1] if step is None else step
+        raise ConfigError("--workdir", str(workdir), "a run with a checkpoint; this one has none yet "
+                          f"({workdir / 'checkpoints'} is empty: train it, or wait for its first save)")
     mesh = sharding.make_mesh(cfg.mesh)
 
     def abstract(ex):
@@ -144,12 +154,15 @@ def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()
         return graphdef, checkpoint.abstract(params, sharding.param_shardings(params, mesh))
 
     graphdef, target = abstract(cfg.exec)
-    mngr = checkpoint.manager(workdir, 1, 1)
-    try:  # the checkpoint's block layout is the one it was trained with (older ones: config.json's)
-        saved = (checkpoint.restore_meta(mngr, step) or {}).get("config")
+    def read(s):  # the checkpoint's block layout is the one it was trained with (older ones: config.json's)
+        saved = (checkpoint.restore_meta(mngr, s) or {}).get("config")
         saved = from_dict(Config, saved) if saved else read_config(workdir)
         stored = target if saved.exec.scan_layers == cfg.exec.scan_layers else abstract(saved.exec)[1]
-        params = checkpoint.restore_params(mngr, stored, step)
+        return stored, checkpoint.restore_params(mngr, stored, s)
+
+    mngr = checkpoint.manager(workdir, 1, 1)
+    try:  # an unreadable latest checkpoint: the previous one, with a warning (nothing is moved)
+        step, (stored, params) = checkpoint.first_readable(mngr, read, step)
     finally:
         mngr.close()
     if stored is not target:

@@ -2,8 +2,9 @@
 
 A run lives in its work directory: `checkpoints/` (Orbax), `metrics.jsonl` (one JSON object per
 logged step), `tensorboard/`, `tokenizer/`, `tfds/` and, at the end, `summary.json`. Starting a
-run in a directory that holds a checkpoint resumes from the latest complete one: same data order,
-same numbers as an uninterrupted run. SIGTERM saves a checkpoint and exits cleanly.
+run in a directory that holds a checkpoint resumes from the latest complete one that reads back
+(or a chosen step): same data order, same numbers as an uninterrupted run. SIGTERM saves a
+checkpoint and exits cleanly; a failed save stops the run (docs/training.md#faults).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import math
 import signal
+import sys
 import time
 
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
@@ -22,8 +24,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from gattn import cli
 from gattn.config import Config, ConfigError, from_dict
-from gattn.data import pipeline
+from gattn.data import synthetic
 from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 from gattn.model import sharding
 from gattn.model.transformer import Transformer, relayout
@@ -31,8 +34,9 @@ from gattn.train import checkpoint, hosts, init_from, metrics, optim, rundir
 from gattn.train.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum
 
 
-class TrainingStopped(RuntimeError):
-    """Too many consecutive non-finite steps: the run stops; the last checkpoint stays good."""
+class TrainingStopped(cli.Failure):
+    """Too many consecutive non-finite steps: the run stops, naming the checkpoint kept from before
+    the trouble (checkpoint.BeforeTrouble)."""
 
 
 def state_shardings(tx, abstract_params, mesh):
@@ -72,17 +76,55 @@ def abstract_state(cfg: Config, mesh):
     return checkpoint.abstract(jax.eval_shape(build), shardings)
 
 
-def restore(mngr, cfg: Config, saved: Config, state, mesh):
-    """(state, data_state, meta) of the latest checkpoint, or None. A checkpoint saved with the
-    other block layout (exec.scan_layers) is restored in its own layout, then restacked."""
+def restore(mngr, cfg: Config, saved: Config, state, mesh, step: int | None = None):
+    """(state, data_state, meta) of checkpoint `step` (default: the latest), or None. A checkpoint
+    saved with the other block layout (exec.scan_layers) is restored in its own layout, then restacked."""
     target = checkpoint.abstract(state)
     if saved.exec.scan_layers == cfg.exec.scan_layers:
-        return checkpoint.restore(mngr, target)
-    restored = checkpoint.restore(mngr, abstract_state(dataclasses.replace(cfg, exec=saved.exec), mesh))
+        return checkpoint.restore(mngr, target, step)
+    restored = checkpoint.restore(mngr, abstract_state(dataclasses.replace(cfg, exec=saved.exec), mesh), step)
     if restored is None:
         return None
     state, data_state, meta = restored
     return checkpoint.place(relayout(state, target["params"]), target), data_state, meta
+
+
+def resume(cfg: Config, workdir: Path, mngr, state, mesh, step: int | None):
+    """(state, data_state, meta) of the newest readable checkpoint (or exactly `step`), or None.
+    A checkpoint of another model or data is refused before any array is read, and nothing is
+    written then. An unreadable checkpoint is passed over with a warning; it and any checkpoint
+    after the one resumed are moved to WORKDIR/checkpoints_set_aside/, never deleted (the
+    resumed run would not save those steps again, and the rotation would delete them)."""
+
+    def read(s):
+        saved_meta = checkpoint.restore_meta(mngr, s) or {}
+        if "converted_from" in saved_meta:
+            raise ConfigError("--workdir", str(workdir),
+                              f"it holds a model converted from {saved_meta['converted_from']} (parameters "
+                              "only): train from it in a new run directory with --init-from")
+        if saved_meta.get("config"):
+            rundir.check_same(cfg, saved_meta["config"], rundir.RESUME_FIXED,
+                              fix="resume with the same value or use a new --workdir")
+        saved_cfg = from_dict(Config, saved_meta["config"]) if saved_meta.get("config") else cfg
+        return restore(mngr, cfg, saved_cfg, state, mesh, s)
+
+    try:
+        found = checkpoint.first_readable(mngr, read, step, flag="--resume-step",
+                                          then=f", and setting it aside in {workdir / checkpoint.SET_ASIDE}")
+    except (ConfigError, cli.Failure):
+        mngr.close()
+        raise
+    if found is None:
+        return None
+    later = sorted(s for s in mngr.all_steps() if s > found[0])
+    if later and hosts.primary():
+        folder = checkpoint.set_aside(mngr, later, keep=workdir / "metrics.jsonl")
+        if step is not None:
+            print(f"note: resuming from step {step}; the later checkpoints {later} (and metrics.jsonl as it "
+                  f"was) are moved to {folder}, not deleted", file=sys.stderr, flush=True)
+    hosts.barrier("set aside")
+    mngr.reload()
+    return found[1]
 
 
 def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
@@ -192,11 +234,25 @@ class Stopper:
             signal.signal(signal.SIGTERM, self.previous)
 
 
+def data_source(cfg: Config):
+    """The batches' module: gattn.data.synthetic for data.source="synthetic" (random tokens for
+    timing: no tokenizer, Grain or TFDS), else gattn.data.pipeline, imported only here so that a
+    synthetic run needs neither Grain nor TFDS installed."""
+    if cfg.data.source == synthetic.SOURCE:
+        return synthetic
+    from gattn.data import pipeline  # noqa: PLC0415
+
+    return pipeline
+
+
 def prepare(cfg: Config, workdir: Path, source_step: int | None):
     """The one-time preparation of a run (its tokenizer, the TFDS build, a continued run's
     tokenizer copy), done by process 0 while the others wait; then every host has its copy,
     whether the workdir is a shared filesystem or each host's own disk. Returns the tokenizer."""
-    tokenizer = None
+    tokenizer, pipeline = None, data_source(cfg)
+    if pipeline is synthetic:
+        workdir.mkdir(parents=True, exist_ok=True)
+        return None
     if hosts.primary():
         workdir.mkdir(parents=True, exist_ok=True)
         if source_step is not None:
@@ -209,10 +265,12 @@ def prepare(cfg: Config, workdir: Path, source_step: int | None):
     return tokenizer if tokenizer is not None else load_tokenizer(cfg, workdir)
 
 
-def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
+def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None) -> dict:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint; else starting from the
     parameters of `train.init_from` when set); returns the summary. With several processes (a pod
-    slice), each reads its own rows of every batch and process 0 alone writes metrics and files."""
+    slice), each reads its own rows of every batch and process 0 alone writes metrics and files.
+    `resume_step`: resume from that saved step instead of the latest (later ones are set aside)."""
+    rundir.check_workdir(workdir)
     workdir = Path(workdir)
     # A continued run's source is checked before anything is written (and only until it has a
     # checkpoint of its own: resuming never reads the source again).
@@ -223,7 +281,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     if t.batch_size % shards:
         raise ConfigError("train.batch_size", t.batch_size,
                           f"a multiple of the {shards} data x expert shards of the mesh {dict(mesh.shape)}")
-    tokenizer = prepare(cfg, workdir, source_step)
+    tokenizer, pipeline = prepare(cfg, workdir, source_step), data_source(cfg)
     batch_sharding = sharding.batch_sharding(mesh)
     data = pipeline.train_iterator(cfg, tokenizer, workdir, local_rows(batch_sharding, t.batch_size))
     val_batches = pipeline.validation_batches(cfg, tokenizer, workdir)
@@ -233,21 +291,9 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
                 for k, v in batch.items()}
 
     graphdef, state = init_state(cfg, mesh)
-    mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every)
-    try:  # a checkpoint of another model or data is refused before any array is read
-        saved_meta = checkpoint.restore_meta(mngr) or {}
-        if "converted_from" in saved_meta:
-            raise ConfigError("--workdir", str(workdir),
-                              f"it holds a model converted from {saved_meta['converted_from']} (parameters "
-                              "only): train from it in a new run directory with --init-from")
-        if saved_meta.get("config"):
-            rundir.check_same(cfg, saved_meta["config"], rundir.RESUME_FIXED,
-                              fix="resume with the same value or use a new --workdir")
-    except ConfigError:
-        mngr.close()  # nothing was written: the workdir stays as it was
-        raise
-    saved_cfg = from_dict(Config, saved_meta["config"]) if saved_meta.get("config") else cfg
-    restored = restore(mngr, cfg, saved_cfg, state, mesh)
+    keep_also = set()  # the checkpoint kept before trouble (checkpoint.BeforeTrouble)
+    mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every, keep_also)
+    restored = resume(cfg, workdir, mngr, state, mesh, resume_step)
     meta = rundir.meta(cfg)
     if restored is not None:
         state, data_state, meta = restored
@@ -264,6 +310,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
     spikes.count = meta["loss_spikes"]
     spikes.recent.extend(meta["recent_losses"])  # the spike window continues across a resume
 
+    before_trouble = checkpoint.BeforeTrouble(keep_also, meta, clean=t.spike_window)
+    saves = checkpoint.Saves(mngr, start if restored is not None else None)
     stop = Stopper()
     bar = metrics.Progress(progress and hosts.primary(), start, t.steps)
     bad_in_a_row, skipped, val, loss = 0, meta["skipped_steps"], {}, meta["final_loss"]
@@ -279,13 +327,18 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
             loss, finite = float(m["loss"]), bool(m["finite"])
             bad_in_a_row = 0 if finite else bad_in_a_row + 1
             skipped += not finite
-            if finite:
-                spikes(loss)
+            if not finite or spikes(loss):  # trouble: keep the last checkpoint from before it
+                before_trouble(step, mngr.latest_step())
             if bad_in_a_row >= t.max_bad_steps:
+                kept = before_trouble.step
                 raise TrainingStopped(
                     f"{bad_in_a_row} consecutive steps had a non-finite loss or gradient (last: step "
-                    f"{step}, loss {loss}); stopping. The latest checkpoint (step {mngr.latest_step()}) "
-                    "holds finite weights: lower train.learning_rate or check the data, then rerun.")
+                    f"{step}, loss {loss}); stopping. " + (
+                        f"The last checkpoint saved before the trouble began, step {kept}, is kept: lower "
+                        f"train.learning_rate or check the data, then rerun with --resume-step {kept}."
+                        if kept is not None else "No checkpoint was saved before the trouble began: lower "
+                        "train.learning_rate or check the data, then start again in a new --workdir."))
+            saves.check()  # a failed asynchronous save stops the run here
             timed_steps += step > start + 1  # the first step includes compilation
             if step == start + 1:
                 clock = time.perf_counter()
@@ -305,20 +358,20 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True) -> dict:
             stopping = stop(step)
             if step == t.steps or stopping or mngr.should_save(step):  # build the args only then
                 meta = rundir.meta(cfg, skipped_steps=skipped, loss_spikes=spikes.count,
-                                   recent_losses=list(spikes.recent), final_loss=loss if finite else None)
+                                   recent_losses=list(spikes.recent), final_loss=loss if finite else None,
+                                   **before_trouble.meta())
                 data_state = {k: v for part in hosts.gather_json(data.get_state()) for k, v in part.items()}
-                checkpoint.save(mngr, step, state, data_state, meta, force=True)
+                saves.save(step, state, data_state, meta)
             if stopping:
-                mngr.wait_until_finished()
+                saves.check(wait=True)
                 if hosts.primary():
                     print(f"\nSIGTERM: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
                 break
     finally:
-        mngr.wait_until_finished()
-        mngr.close()
         log.close()
         bar.close()
         stop.close()
+        saves.close()  # waits for the last save; a failure raises CheckpointFailure
     if not val:  # nothing left to train (a finished run rerun): validate what is there
         val = validate(eval_step, state["params"], val_batches, mesh)
     summary = {"step": int(state["step"]), "completed": int(state["step"]) >= t.steps,

@@ -111,7 +111,9 @@ def _pair_text(c: dict, a: str, b: str, what: str, digits: int = 2, present=()) 
     rel = ("lower, by more than" if c["diff"] > 0 else "higher, by more than") if beyond else "within"
     seeds = f"{n} seeds" if n > 1 else "one seed, so no spread to judge by"
     text = (f"{a} {what} {fmt(c['better'], digits)} vs {b} {fmt(c['worse'], digits)} ({seeds}): "
-            f"{abs(c['diff']):.{digits}f} {rel} the seed spread ({c['spread']:.{digits}f})")
+            f"{abs(c['diff']):.{digits}f} {rel} the seed spread ({c['spread']:.{digits}f})" if n > 1 else
+            f"{a} {what} {fmt(c['better'], digits)} vs {b} {fmt(c['worse'], digits)} ({seeds}): "
+            f"{abs(c['diff']):.{digits}f} {'lower' if c['diff'] > 0 else 'higher'}")
     for v, (k, total) in c.get("lost", {}).items():
         text += f"; {k} of {total} seeds of {v} diverged and are left out"
     return text
@@ -143,17 +145,44 @@ def _sink_claim(claim: Claim, gated: str, reference: str, at: dict) -> dict:
     0.048, M-Act 1053 -> 94); merely lower is "partly supported"."""
     parts = [(what, _compare_groups(at.get(gated), at.get(reference), key))
              for what, key in (("F-Attn", "f_attn"), ("M-Act", "m_act"))]
-    verdict = _combine([c["verdict"] for _, c in parts])
-    texts = []
+    verdicts, texts = [], []
     for what, c in parts:
+        v = c["verdict"]
         texts.append(_pair_text(c, gated, reference, what, 3, present=at))
-        if c["verdict"] == "supported" and c["better"]["mean"] > REMOVED * c["worse"]["mean"]:
-            verdict = "partly supported" if verdict == "supported" else verdict
+        if v == "supported" and c["better"]["mean"] > REMOVED * c["worse"]["mean"]:
+            v = "partly supported"
             texts[-1] += (f", but not removed ({c['better']['mean'] / c['worse']['mean']:.0%} of the baseline's; "
                           f"'removed' means at most {REMOVED:.0%})")
+        verdicts.append(v)
+    no_sink = _no_sink(at.get(reference))
+    if no_sink and parts[0][1]["verdict"] != "untested":
+        # Nothing to remove: F-Attn says nothing about the claim; M-Act is judged on its own.
+        verdicts[0] = "inconclusive"
+        texts[0] = f"no sink formed in the baseline ({no_sink}), so F-Attn says nothing about removing one ({texts[0]})"
+        texts[1] = f"M-Act, judged on its own: {WORDS[verdicts[1]].lower()}: {texts[1]}"
+    verdict = _combine(["supported" if v == "partly supported" else v for v in verdicts])
+    if verdict == "supported" and "partly supported" in verdicts:  # lower, but not removed
+        verdict = "partly supported"
     return {"claim": claim.key, "title": claim.title, "verdict": verdict,
+            "parts": {"sink": verdicts[0], "m_act": verdicts[1]}, "no_sink_in_reference": bool(no_sink),
             "comparisons": [{"metric": c["metric"], **c} for _, c in parts],
             "text": f"**{claim.title}.** {WORDS[verdict]}: {'; '.join(texts)}."}
+
+
+def _no_sink(ref: dict | None) -> str:
+    """Why the reference formed no sink ('' if it did, or if its numbers are missing): its share of
+    sink heads is 0 (Sink_1^eps when measured, else F-Attn > threshold), or its F-Attn is within
+    the seed spread of what uniform attention gives on the same data (`uniform_f_attn`)."""
+    if not ref or not ref.get("f_attn"):
+        return ""
+    share = ref.get("sink_share") or ref.get("sink_head_share")
+    f, uniform = ref["f_attn"], ref.get("uniform_f_attn")
+    if share is not None and share["mean"] == 0:
+        return f"its share of sink heads is 0 in every seed; F-Attn {fmt(f, 3)}" + (
+            f", uniform attention gives {uniform['mean']:.3f}" if uniform else "")
+    if uniform is not None and abs(f["mean"] - uniform["mean"]) <= f["std"]:
+        return f"its F-Attn {fmt(f, 3)} is within the seed spread of uniform attention's {uniform['mean']:.3f}"
+    return ""
 
 
 def _lr_claim(claim: Claim, gated: str, reference: str, groups: list[dict]) -> dict:

@@ -17,12 +17,18 @@ def table(groups: list[dict], lr: float) -> str:
     rows = [g for g in groups if g["lr"] == lr]
     domains = sorted({d for g in rows for d in g["ppl"]})
     head = (["variant", "added params"] + [f"PPL {d}" for d in domains] +
-            ["PPL avg", "final loss", "gate score", "M-Act", "F-Attn", "loss spikes", "diverged"])
+            ["PPL avg", "final loss", "gate score", "M-Act", "M-Act per token", "FFN-Act",
+             "mean abs Y (before / after gate)",
+             "F-Attn", "sink heads (Sink_1^0.3)", "loss spikes",
+             "diverged"])
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in rows:
         cells_ = ([g["variant"], f"{g['added_params']:,}"] + [fmt(g["ppl"].get(d)) for d in domains] +
                   [fmt(g["ppl_avg"]), fmt(g["final_loss"], 3), fmt(g["gate_score"], 3), fmt(g["m_act"], 1),
-                   fmt(g["f_attn"], 3), fmt(g["loss_spikes"], 1), f"{g['diverged']}/{g['seeds']}"])
+                   fmt(g.get("m_act_per_token"), 1), fmt(g.get("ffn_act"), 1),
+                   f"{fmt(g.get('mean_abs_y'), 3)} / {fmt(g.get('mean_abs_y_gated'), 3)}",
+                   fmt(g["f_attn"], 3), fmt(g.get("sink_share"), 2), fmt(g["loss_spikes"], 1),
+                   f"{g['diverged']}/{g['seeds']}"])
         out.append("| " + " | ".join(cells_) + " |")
     return "\n".join(out)
 
@@ -46,20 +52,47 @@ def stability_table(groups: list[dict]) -> str:
     return "\n".join(out)
 
 
+def clip_claims(study: Study, groups: list[dict]) -> list[dict]:
+    """The claims' verdicts; with several `grad_clips`, once per setting (keys "CLAIM@grad_clip=C")."""
+    out = []
+    for clip in study.clips:
+        for c in claims([g for g in groups if g.get("clip", clip) == clip], study.reference_lr, table=study.claims,
+                        gated=study.gated, reference=study.reference):
+            if len(study.clips) > 1:
+                c = {**c, "claim": f"{c['claim']}@grad_clip={clip:g}", "grad_clip": clip,
+                     "text": f"*{_clip_words(clip)}:* {c['text']}"}
+            out.append(c)
+    return out
+
+
 def write_report(study: Study, records: list[dict], root: Path) -> dict:
     from gattn.eval import plots  # noqa: PLC0415
 
-    groups = aggregate(study, records)
-    ref = study.reference_lr
-    verdicts = claims(groups, ref, table=study.claims, gated=study.gated, reference=study.reference)
+    all_groups, all_records = aggregate(study, records), records
+    ref, clips = study.reference_lr, study.clips
+    # With several grad_clips the claims, the stability table and its figures are given per
+    # setting; the other tables and figures are of the first setting.
+    verdicts = clip_claims(study, all_groups)
+    groups = [g for g in all_groups if g["clip"] == clips[0]]
+    records = [r for r in records if r.get("clip", clips[0]) == clips[0]]
     figdir = root / "figures"
     ref_records = [r for r in records if r["lr"] == ref]
     at = {g["variant"]: g for g in groups if g["lr"] == ref}
-    figures = [
-        plots.loss_curves({lr: [r for r in records if r["lr"] == lr] for lr in study.lrs}, figdir / "loss_curves.png"),
+    per_clip = [] if len(clips) == 1 else [
+        p for clip in clips for p in (
+            plots.loss_curves({lr: [r for r in all_records if r["lr"] == lr and r.get("clip") == clip] for lr in study.lrs},
+                              figdir / f"loss_curves_clip_{clip:g}.png"),
+            plots.stability([g for g in all_groups if g["clip"] == clip], study.divergence_threshold,
+                            figdir / f"stability_clip_{clip:g}.png") if len(study.lrs) > 1 else None)]
+    figures = per_clip + [
+        plots.loss_curves({lr: [r for r in records if r["lr"] == lr] for lr in study.lrs}, figdir / "loss_curves.png")
+        if len(clips) == 1 else None,
         plots.per_layer({v: {"per_layer": g["per_layer"]} for v, g in at.items() if g["per_layer"]},
                         figdir / "per_layer.png", title=f"per layer, mean over seeds (LR {ref:g})")
         if any(g["per_layer"] for g in at.values()) else None,
+        plots.mean_abs_y({v: {"per_layer": g["per_layer"]} for v, g in at.items() if g["per_layer"]},
+                         figdir / "mean_abs_y.png", title=f"mean |SDPA output| before and after the gate (LR {ref:g})")
+        if any(g["per_layer"] and "mean_abs_y" in g["per_layer"][0] for g in at.values()) else None,
         plots.gate_histograms({r["variant"]: r["measurements"] for r in ref_records
                                if not r["diverged"] and r["seed"] == study.seeds[0]
                                and "gate_histogram" in r["measurements"]}, figdir / "gate_scores.png"),
@@ -67,21 +100,29 @@ def write_report(study: Study, records: list[dict], root: Path) -> dict:
                                   if not r["diverged"] and r["seed"] == study.seeds[0]}, figdir / "attention_maps.png"),
         plots.sink_curves({v: g["sink_curve"] for v, g in at.items() if g["sink_curve"]},
                           figdir / "f_attn_vs_tokens.png"),
-        plots.stability(groups, study.divergence_threshold, figdir / "stability.png") if len(study.lrs) > 1 else None,
+        plots.stability(groups, study.divergence_threshold, figdir / "stability.png")
+        if len(study.lrs) > 1 and len(clips) == 1 else None,
     ]
     figures = [str(p.relative_to(root)) for p in figures if p]
     timed = [r["seconds"] for r in records if "seconds" in r]
     seconds = {k: sum(t[k] for t in timed) for k in ("train", "measure")} if timed else None
-    report = {"study": describe(study), "groups": groups, "claims": verdicts, "figures": figures,
+    report = {"study": describe(study), "groups": all_groups, "claims": verdicts, "figures": figures,
               "seconds": seconds,
-              "cells": [{k: v for k, v in r.items() if k not in ("measurements", "losses")} for r in records]}
+              "cells": [{k: v for k, v in r.items() if k not in ("measurements", "losses")} for r in all_records]}
     (root / "report.json").write_text(json.dumps(report, indent=1))
     (root / "report.md").write_text(markdown(report))
     return report
 
 
+def _clip_words(clip: float) -> str:
+    return f"gradient clipping at {clip:g}" if clip else "no gradient clipping"
+
+
 def markdown(report: dict) -> str:
     s = report["study"]
+    clips = s.get("grad_clips", [])
+    all_groups = report["groups"]
+    report = {**report, "groups": [g for g in all_groups if not clips or g.get("clip") == clips[0]]}
     lines = [f"# Study: {s['description'] or ', '.join(s['variants'])}", "",
              f"{len(s['variants'])} variants x {len(s['learning_rates'])} learning rate(s) x {len(s['seeds'])} seeds; "
              f"{s['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens ({s['tokens']:,} tokens) per run. "
@@ -89,9 +130,19 @@ def markdown(report: dict) -> str:
              f"loss is above {s['diverged_loss']:.3f}. Perplexity: held-out text per domain."
              + (f" Wall time: {sum(report['seconds'].values()) / 60:.1f} min ({report['seconds']['train'] / 60:.1f} "
                 f"training, {report['seconds']['measure'] / 60:.1f} measuring)." if report.get("seconds") else ""), "",
-             f"## Table (LR {s['reference_lr']:g})", "", table(report["groups"], s["reference_lr"]), ""]
-    if len(s["learning_rates"]) > 1:
-        lines += ["## Stability across learning rates", "", stability_table(report["groups"]), ""]
+             f"## Table (LR {s['reference_lr']:g}" + (f", {_clip_words(clips[0])})" if clips else ")"), "",
+             table(report["groups"], s["reference_lr"]), ""]
+    uniform = [g["uniform_f_attn"]["mean"] for g in report["groups"] if g.get("uniform_f_attn")]
+    if uniform:  # what the sink numbers are to be read against (docs/sinks.md)
+        lines += [f"Uniform attention would give F-Attn {uniform[0]:.3f} on the measured rows and alpha_1 "
+                  f"H_T/T = {sum(1 / k for k in range(1, 65)) / 64:.3f} on Sink_1's windows of T = 64.", ""]
+    for clip in clips or [None]:
+        if len(s["learning_rates"]) > 1:
+            lines += ["## Stability across learning rates" + (f" ({_clip_words(clip)})" if clips else ""), "",
+                      stability_table([g for g in all_groups if clip is None or g.get("clip") == clip]), ""]
+        elif clips and clip != clips[0]:
+            lines += [f"## Table (LR {s['reference_lr']:g}, {_clip_words(clip)})", "",
+                      table([g for g in all_groups if g.get("clip") == clip], s["reference_lr"]), ""]
     curves = [g for g in report["groups"] if g["lr"] == s["reference_lr"] and g["sink_curve"]]
     if curves:
         tokens = [r["tokens"] for r in curves[0]["sink_curve"]]
@@ -100,6 +151,13 @@ def markdown(report: dict) -> str:
         lines += [f"| {g['variant']} | " + " | ".join(f"{r['f_attn']:.3f}" for r in g["sink_curve"]) + " |"
                   for g in curves]
         lines.append("")
+        for key, what in (("sink_share", "all queries"), ("sink_share_non_trigger", "non-trigger queries")):
+            if all(key in r for g in curves for r in g["sink_curve"]):  # (gattn/eval/sinks.py)
+                lines += [f"Share of sink heads (Sink_1^0.3, T = 64, {what}), mean over seeds:", "",
+                          "| variant | " + " | ".join(f"{t:,}" for t in tokens) + " |", "|---|" + "---|" * len(tokens)]
+                lines += [f"| {g['variant']} | " + " | ".join(f"{r[key]:.2f}" for r in g["sink_curve"]) + " |"
+                          for g in curves]
+                lines.append("")
     lines += ["## The paper's claims at this scale", ""]
     lines += [c["text"] + "\n" for c in report["claims"]]
     lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in report["figures"]]

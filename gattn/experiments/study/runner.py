@@ -15,7 +15,8 @@ from gattn.config import Config, ConfigError, flat_fields, from_dict, to_dict
 from gattn.experiments.study.spec import Cell, Study, cell_config, cells, describe, planned_steps
 
 STOPPED = "stopped (SIGTERM); rerun the same command to resume"
-MEASURED = ("gate_score", "f_attn", "sink_head_share", "m_act")  # the overall measurements in a `cell_row`
+MEASURED = ("gate_score", "f_attn", "sink_head_share", "m_act", "m_act_per_token", "ffn_act", "mean_abs_y",
+            "mean_abs_y_gated")  # the overall measurements in a `cell_row`
 
 
 def _share(workdir: Path, shared: Path) -> None:
@@ -53,7 +54,7 @@ def _sink_curve(cfg: Config, workdir: Path, max_batches: int) -> list[dict]:
     loader, gattn.train.rundir), on the batches the table's measurements use."""
     from gattn.data import pipeline  # noqa: PLC0415
     from gattn.data.tokenizer import load_tokenizer  # noqa: PLC0415
-    from gattn.eval import analysis  # noqa: PLC0415
+    from gattn.eval import analysis, sinks  # noqa: PLC0415
     from gattn.train import checkpoint, rundir  # noqa: PLC0415
 
     batches = pipeline.validation_batches(cfg, load_tokenizer(cfg, workdir), workdir)
@@ -62,8 +63,10 @@ def _sink_curve(cfg: Config, workdir: Path, max_batches: int) -> list[dict]:
     for step in sorted(set(checkpoint.saved_steps(workdir)) & set(planned_steps(cfg))):
         model = rundir.load(workdir, step).model
         overall = analysis.measure(model, chosen)["overall"]
+        sink = sinks.measure(model, cfg, chosen)["overall"]
         out.append({"step": step, "tokens": step * cfg.train.batch_size * cfg.train.seq_len,
-                    "f_attn": overall["f_attn"], "m_act": overall["m_act"]})
+                    "f_attn": overall["f_attn"], "m_act": overall["m_act"], "sink_share": sink["sink_share"],
+                    **{k: sink[k] for k in ("alpha_1_max", "sink_share_non_trigger") if k in sink}})
     return out
 
 
@@ -81,7 +84,8 @@ def run_cell(study: Study, cell: Cell, root: Path, *, shared: Path | None = None
     cfg = cell_config(study, cell)
     workdir.mkdir(parents=True, exist_ok=True)
     _share(workdir, shared or root / "shared")
-    record = {"variant": cell.variant, "lr": cell.lr, "seed": cell.seed, "path": str(cell.path)}
+    record = {"variant": cell.variant, "lr": cell.lr, "seed": cell.seed, "clip": cfg.train.grad_clip,
+              "path": str(cell.path)}
     start = time.perf_counter()
     try:
         summary = trainer.train(cfg, workdir, progress=progress)
@@ -100,6 +104,7 @@ def run_cell(study: Study, cell: Cell, root: Path, *, shared: Path | None = None
         res = evaluate.evaluate(workdir, max_batches=study.measure_batches, figures=False)
         record["perplexity"] = {d: v["ppl"] for d, v in res["perplexity"].items()}
         record["measurements"] = res["measurements"]
+        record["sinks"] = res["sinks"]
         record["sink_curve"] = _sink_curve(cfg, workdir, study.measure_batches) if study.sink_points else []
     # Wall time of this session's part (a resumed cell counts from its resume).
     record["seconds"] = {"train": trained - start, "measure": time.perf_counter() - trained}
@@ -166,7 +171,8 @@ def cell_row(study: Study, record: dict, root: Path) -> dict:
     loss), the overall measurements (gate_score only for a gated model), tokens_per_sec, seconds."""
     from gattn.model.params import count_params  # noqa: PLC0415
 
-    cell = next(c for c in cells(study) if (c.variant, c.lr, c.seed) == (record["variant"], record["lr"], record["seed"]))
+    cell = next(c for c in cells(study) if (c.variant, c.lr, c.seed, c.clip) ==
+                (record["variant"], record["lr"], record["seed"], record.get("clip", study.clips[0])))
     params = count_params(cell_config(study, cell).model)
     row = {"variant": cell.variant, "lr": cell.lr, "seed": cell.seed, "params": params,
            "added_params": params - count_params(study.base.model)}

@@ -14,7 +14,7 @@ from gattn import cli, variants
 from gattn.config import Config, ConfigError, to_dict
 from gattn.experiments.study.claims import CLAIMS, PAPER_GATED, PAPER_REFERENCE, Claim
 
-CELL_FIELDS = ("variant", "lr", "seed")  # the names a `cell_dir` template may use
+CELL_FIELDS = ("variant", "lr", "seed", "clip")  # the names a `cell_dir` template may use
 # What a study directory holds besides its cells (a cell directory may not start with these).
 STUDY_FILES = ("shared", "figures", "study.json", "report.json", "report.md", "results.json")
 
@@ -28,6 +28,7 @@ class Study:
     variants: tuple[str, ...] = ("baseline", "sdpa_elementwise")
     seeds: tuple[int, ...] = (0, 1, 2)
     learning_rates: tuple[float, ...] = ()  # () = base.train.learning_rate only
+    grad_clips: tuple[float, ...] = ()      # train.grad_clip settings (0 = off); () = base's only
     # A run diverged if training stopped on non-finite losses, or if its final training loss is
     # above this (0: ln(vocab_size), the loss of a uniform guess; inf: only a stop counts).
     diverged_loss: float = 0.0
@@ -64,6 +65,9 @@ class Study:
         if any(not isinstance(lr, (int, float)) or not lr > 0 for lr in self.learning_rates) or \
                 len(set(self.learning_rates)) != len(self.learning_rates):
             raise ConfigError("learning_rates", self.learning_rates, "expected distinct numbers > 0, or ()")
+        if any(not isinstance(c, (int, float)) or isinstance(c, bool) or not c >= 0 for c in self.grad_clips) or \
+                len(set(self.grad_clips)) != len(self.grad_clips):
+            raise ConfigError("grad_clips", self.grad_clips, "expected distinct numbers >= 0 (0: no clipping), or ()")
         if not isinstance(self.diverged_loss, (int, float)) or not self.diverged_loss >= 0:
             raise ConfigError("diverged_loss", self.diverged_loss, "expected a number >= 0 (0: ln(vocab_size))")
         steps = self.base.train.steps
@@ -84,6 +88,10 @@ class Study:
     @property
     def lrs(self) -> tuple[float, ...]:
         return tuple(float(x) for x in self.learning_rates) or (self.base.train.learning_rate,)
+
+    @property
+    def clips(self) -> tuple[float, ...]:
+        return tuple(float(x) for x in self.grad_clips) or (float(self.base.train.grad_clip),)
 
     @property
     def reference_lr(self) -> float:
@@ -107,16 +115,17 @@ class Cell:
     lr: float
     seed: int
     path: Path  # relative to the study directory (`Study.cell_dir`)
+    clip: float | None = None  # train.grad_clip (None: the base config's)
 
 
-def _cell_path(template: str, variant: str, lr: float, seed: int) -> Path:
-    return Path(template.format(variant=variant, lr=lr, seed=seed))
+def _cell_path(template: str, variant: str, lr: float, seed: int, clip: float) -> Path:
+    return Path(template.format(variant=variant, lr=lr, seed=seed, clip=clip))
 
 
 def cells(study: Study) -> list[Cell]:
-    """In training order: learning rate, then variant, then seed."""
-    return [Cell(v, lr, s, _cell_path(study.cell_dir, v, lr, s))
-            for lr in study.lrs for v in study.variants for s in study.seeds]
+    """In training order: gradient clipping, learning rate, then variant, then seed."""
+    return [Cell(v, lr, s, _cell_path(study.cell_dir, v, lr, s, c), c)
+            for c in study.clips for lr in study.lrs for v in study.variants for s in study.seeds]
 
 
 def _check_cell_dir(study: Study) -> None:
@@ -133,11 +142,14 @@ def _check_cell_dir(study: Study) -> None:
     except ValueError as e:
         raise bad(f"expected a format string ({e})") from None
     if names - set(CELL_FIELDS):
-        raise bad(f"expected only the fields {{variant}}, {{lr}} and {{seed}}, not {sorted(names - set(CELL_FIELDS))}")
-    for name, several in (("variant", True), ("lr", len(study.lrs) > 1), ("seed", len(study.seeds) > 1)):
+        raise bad(f"expected only the fields {{variant}}, {{lr}}, {{seed}} and {{clip}}, "
+                  f"not {sorted(names - set(CELL_FIELDS))}")
+    for name, several in (("variant", True), ("lr", len(study.lrs) > 1), ("seed", len(study.seeds) > 1),
+                          ("clip", len(study.clips) > 1)):
         if several and name not in names:
             raise bad(f"expected {{{name}}} in it" + {"variant": "", "lr": " (the study has several learning rates)",
-                                                      "seed": " (the study has several seeds)"}[name])
+                                                      "seed": " (the study has several seeds)",
+                                                      "clip": " (the study has several grad_clips)"}[name])
     try:
         paths = [c.path for c in cells(study)]
     except (ValueError, KeyError, IndexError, AttributeError) as e:
@@ -156,7 +168,7 @@ def cell_config(study: Study, cell: Cell) -> Config:
     t = base.train
     every = max(1, t.steps // max(study.sink_points, 1))
     train = dataclasses.replace(
-        t, seed=cell.seed, learning_rate=cell.lr, min_learning_rate=t.min_learning_rate * cell.lr / t.learning_rate,
+        t, seed=cell.seed, learning_rate=cell.lr, grad_clip=t.grad_clip if cell.clip is None else cell.clip, min_learning_rate=t.min_learning_rate * cell.lr / t.learning_rate,
         log_every=1, checkpoint_every=every, keep_checkpoints=study.sink_points + 6,  # (+ SIGTERM saves)
         eval_every=t.steps)  # (validated once at the end; the cell's measurements follow)
     cfg = dataclasses.replace(base, model=variants.apply(cell.variant, base.model), train=train, variant=cell.variant)
@@ -202,6 +214,8 @@ def describe(study: Study) -> dict:
            "diverged_loss": study.divergence_threshold, "base": to_dict(study.base)}
     if study.overrides:
         out["overrides"] = list(study.overrides)
+    if study.grad_clips:  # (absent otherwise: a study.json written before the axis still matches)
+        out["grad_clips"] = list(study.clips)
     return json.loads(json.dumps(out))
 
 

@@ -50,8 +50,8 @@ def _mean_by_step(curves: list[list[dict]]) -> list[dict]:
     out = []
     for step in sorted(common):
         rows = [next(r for r in c if r["step"] == step) for c in curves]
-        out.append({"step": step, "tokens": rows[0]["tokens"],
-                    **{k: float(np.mean([r[k] for r in rows])) for k in ("f_attn", "m_act")}})
+        keys = [k for k in ("f_attn", "m_act", "sink_share", "sink_share_non_trigger") if all(k in r for r in rows)]
+        out.append({"step": step, "tokens": rows[0]["tokens"], **{k: float(np.mean([r[k] for r in rows])) for k in keys}})
     return out
 
 
@@ -62,22 +62,27 @@ def aggregate(study, records: list[dict]) -> list[dict]:
 
     base_params = count_params(study.base.model)
     groups = []
-    for lr in study.lrs:
+    for clip, lr in ((c, lr) for c in study.clips for lr in study.lrs):
         for v in study.variants:
-            rs = [r for r in records if r["variant"] == v and r["lr"] == lr]
+            rs = [r for r in records if r["variant"] == v and r["lr"] == lr and r.get("clip", study.clips[0]) == clip]
             ok = [r for r in rs if not r["diverged"]]
             domains = sorted({d for r in ok for d in r["perplexity"]})
-            g = {"variant": v, "lr": lr, "seeds": len(rs), "diverged": sum(bool(r["diverged"]) for r in rs),
+            g = {"variant": v, "lr": lr, "clip": clip, "seeds": len(rs), "diverged": sum(bool(r["diverged"]) for r in rs),
                  "added_params": count_params(variants.apply(v, study.base.model)) - base_params,
                  "final_loss": _stat(r["final_loss"] for r in rs),
                  "final_loss_per_seed": [r["final_loss"] for r in rs],
                  "loss_spikes": _stat(r.get("loss_spikes") for r in rs),
                  "ppl": {d: _stat(r["perplexity"][d] for r in ok) for d in domains},
                  "ppl_avg": _stat(np.mean([r["perplexity"][d] for d in domains]) for r in ok)}
-            for key in ("gate_score", "m_act", "f_attn", "sink_head_share"):
+            for key in ("gate_score", "m_act", "f_attn", "sink_head_share", "m_act_per_token", "ffn_act",
+                        "mean_abs_y", "mean_abs_y_gated"):
                 g[key] = _stat(r["measurements"]["overall"].get(key) for r in ok) if ok else None
+            # Gu et al.'s Sink_1^eps share and uniform attention's F-Attn on the same data (gattn/eval/sinks.py)
+            for key in ("sink_share", "uniform_f_attn", "sink_share_non_trigger"):
+                g[key] = _stat(r.get("sinks", {}).get("overall", {}).get(key) for r in ok) if ok else None
             per_layer = [r["measurements"]["per_layer"] for r in ok]
-            g["per_layer"] = _mean_curves(per_layer, ("m_act", "f_attn", "sink_head_share", "gate_score"))
+            g["per_layer"] = _mean_curves(per_layer, ("m_act", "f_attn", "sink_head_share", "gate_score",
+                                                      "m_act_per_token", "ffn_act", "mean_abs_y", "mean_abs_y_gated"))
             g["sink_curve"] = _mean_by_step([r["sink_curve"] for r in ok])
             groups.append(g)
     return groups

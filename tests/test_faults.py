@@ -1,0 +1,315 @@
+"""Faults and bad input at the entry points and in checkpoints: one line naming the thing, exit 2
+for a usage error and 1 for a runtime failure, --debug for the traceback, and no lost checkpoint
+(an unreadable one gives way to the previous one, a failed save stops the run, the checkpoint
+from before a divergence outlives the rotation)."""
+
+import errno
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gattn import cli
+from gattn.config import ConfigError, TrainConfig
+from gattn.train import checkpoint, rundir
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def entry_point(name):
+    """train.py / eval.py as a module, to call its main() in this process."""
+    spec = importlib.util.spec_from_file_location(f"entry_{name}", ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def test_a_config_file_that_fails_is_named_with_its_line(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from gattn.config import Config\n\ndef get_config(:\n    return Config()\n")
+    with pytest.raises(ConfigError) as e:
+        cli.load(bad)
+    assert e.value.field == "--config" and e.value.value == f"{bad}:3" and "syntax error" in str(e.value)
+    bad.write_text("def get_config():\n    x = 1\n    return undefined_name\n")
+    with pytest.raises(ConfigError) as e:
+        cli.load(bad)
+    assert e.value.value == f"{bad}:3" and "NameError" in str(e.value)
+    bad.write_text("def get_config():\n    return {'model': {}}\n")
+    with pytest.raises(ConfigError) as e:
+        cli.load(bad)
+    assert "must return a gattn.config.Config" in str(e.value) and "dict" in str(e.value)
+
+
+def test_a_seed_beyond_32_bits_is_refused_at_validation():
+    assert TrainConfig(seed=2**32 - 1).seed == 2**32 - 1
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(seed=2**32)
+    assert e.value.field == "seed" and "4294967295" in str(e.value)
+
+
+def test_errors_are_one_line_with_exit_2_for_usage_and_1_for_failures(capsys, monkeypatch):
+    monkeypatch.setenv("GATTN_DEBUG", "0")  # (restored after the test: --debug below sets it to 1)
+
+    def main_raising(error):
+        def main(argv):
+            assert "--debug" not in argv  # taken out by run_cli
+            raise error
+        return main
+
+    cases = [(ConfigError("train.steps", -1, "expected > 0"), 2, "'train.steps' = -1"),
+             (cli.Failure("the run diverged"), 1, "the run diverged"),
+             (ValueError("first line\nsecond line"), 1, "ValueError: first line (rerun with --debug")]
+    for error, code, text in cases:
+        assert cli.run_cli(main_raising(error), []) == code
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and text in err and "Traceback" not in err, err
+    assert cli.run_cli(main_raising(cli.Failure("boom")), ["--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().endswith("error: boom")
+    monkeypatch.setenv("GATTN_DEBUG", "0")
+    assert cli.run_cli(main_raising(ValueError("x")), []) == 1
+    assert "Traceback" not in capsys.readouterr().err
+    monkeypatch.setenv("GATTN_DEBUG", "1")
+    assert cli.run_cli(main_raising(ValueError("x")), []) == 1
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_workdir_tasks_and_missing_checkpoint_are_one_line(tmp_path, capsys):
+    train, evaluate = entry_point("train"), entry_point("eval")
+    afile = tmp_path / "afile"
+    afile.write_text("not a run")
+    assert cli.run_cli(train.main, ["--config", "tiny", "--workdir", str(afile), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "'--workdir'" in err and "this is a file" in err and err.count("\n") == 1
+    # Item 6 of the issue (kept): --steps and --config.train.steps together are refused, naming both.
+    assert cli.run_cli(train.main, ["--config", "tiny", "--workdir", str(tmp_path / "w"), "--steps", "5",
+                                    "--config.train.steps=7"]) == 2
+    err = capsys.readouterr().err
+    assert "train.steps" in err and "'5'" in err and "'7'" in err and not (tmp_path / "w").exists()
+    run = tmp_path / "run"
+    run.mkdir()
+    rundir.write_config(run, cli.load("tiny"))
+    assert cli.run_cli(evaluate.main, ["--workdir", str(run), "--tasks", str(tmp_path / "nope.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "'--tasks'" in err and "nope.jsonl" in err and "no such file" in err
+    assert cli.run_cli(evaluate.main, ["--workdir", str(run), "--no-figures"]) == 2
+    err = capsys.readouterr().err
+    assert "has none yet" in err and "Traceback" not in err and err.count("\n") == 1, err
+    assert not (run / "eval").exists()
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+STATE = {"step": jnp.zeros((), jnp.int32), "params": {"w": jnp.arange(32.0).reshape(4, 8)}}
+
+
+def saved_run(workdir, steps=(1, 2, 3), keep=3):
+    mngr = checkpoint.manager(workdir, keep, 1)
+    for s in steps:
+        checkpoint.save(mngr, s, {**STATE, "step": jnp.asarray(s)}, {"k": s}, {"m": s}, force=True)
+    mngr.wait_until_finished()
+    return mngr
+
+
+def read_all(mngr):
+    return lambda s: checkpoint.restore(mngr, checkpoint.abstract(STATE), s)
+
+
+CORRUPTIONS = {  # what the issue tried on a latest checkpoint
+    "a truncated array file": lambda c: [p.write_bytes(p.read_bytes()[:10])
+                                         for p in (c / "state").rglob("d/*") if p.is_file()],
+    "a missing manifest": lambda c: (c / "state" / "manifest.ocdbt").unlink(),
+    "emptied metadata": lambda c: (c / "state" / "_METADATA").write_text(""),
+}
+
+
+def test_an_unreadable_checkpoint_gives_way_to_the_previous_one(tmp_path, capfd):
+    saved_run(tmp_path / "clean").close()
+    for name, corrupt in CORRUPTIONS.items():
+        work = tmp_path / name.replace(" ", "_")
+        shutil.copytree(tmp_path / "clean", work)
+        corrupt(work / "checkpoints" / "3")
+        mngr = checkpoint.manager(work, 3, 1)
+        step, (state, data, meta) = checkpoint.first_readable(mngr, read_all(mngr))
+        mngr.close()
+        assert (step, data, meta) == (2, {"k": 2}, {"m": 2}), name
+        np.testing.assert_array_equal(state["params"]["w"], STATE["params"]["w"])
+        err = capfd.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and "checkpoint step 3" in lines[0] and "using step 2" in lines[0], (name, err)
+        assert (work / "checkpoints" / "3").is_dir()  # never deleted
+    # None readable: one clear failure, and the checkpoints stay as they were.
+    work = tmp_path / "all_bad"
+    shutil.copytree(tmp_path / "clean", work)
+    for s in (1, 2, 3):
+        CORRUPTIONS["a missing manifest"](work / "checkpoints" / str(s))
+    mngr = checkpoint.manager(work, 3, 1)
+    with pytest.raises(checkpoint.CheckpointFailure) as e:
+        checkpoint.first_readable(mngr, read_all(mngr))
+    assert "no checkpoint in" in str(e.value) and "step 1:" in str(e.value) and "\n" not in str(e.value)
+    assert sorted(mngr.all_steps()) == [1, 2, 3]
+    # A resumed run sets the later checkpoints aside (moved, never deleted), metrics.jsonl copied.
+    (work / "metrics.jsonl").write_text('{"step": 3}\n')
+    folder = checkpoint.set_aside(mngr, [2, 3], keep=work / "metrics.jsonl")
+    assert sorted(mngr.all_steps()) == [1] and sorted(p.name for p in folder.iterdir()) == \
+        ["2", "3", "metrics.until-3.jsonl"]
+    mngr.close()
+    assert "Event loop is closed" not in capfd.readouterr().err
+
+
+def test_a_failed_save_stops_the_run_naming_the_last_good_checkpoint(tmp_path, capfd, monkeypatch):
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+
+    mngr = saved_run(tmp_path, steps=(1,))
+    saves = checkpoint.Saves(mngr, last_good=1)
+    saves.save(2, STATE, {"k": 2}, {"m": 2})
+    saves.check(wait=True)
+    assert saves.good == 2
+
+    async def disk_full(self, x, directory):  # the background write of a save
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+
+    monkeypatch.setattr(handler.JsonCheckpointHandler, "_save_fn", disk_full)
+    saves.save(3, STATE, {"k": 3}, {"m": 3})  # returns at once: the write runs in the background
+    with pytest.raises(checkpoint.CheckpointFailure) as e:
+        saves.check(wait=True)
+    message = str(e.value)
+    assert "saving checkpoint step 3 failed" in message and "No space left on device" in message
+    assert "the last good checkpoint is step 2" in message and "\n" not in message
+    saves.close()  # (the failure was reported: closing does not raise it again)
+    assert "Traceback" not in capfd.readouterr().err  # Orbax's own tracebacks are not shown
+    assert sorted(checkpoint.saved_steps(tmp_path)) == [1, 2]
+
+
+def test_the_checkpoint_before_trouble_outlives_the_rotation(tmp_path):
+    keep_also = set()
+    mngr = checkpoint.manager(tmp_path, 2, 1, keep_also)
+    trouble = checkpoint.BeforeTrouble(keep_also, {}, clean=3)
+    for step in range(1, 10):
+        if step in (4, 6):  # trouble at steps 4 and 6: the checkpoint of step 3 is kept
+            trouble(step, mngr.latest_step())
+        checkpoint.save(mngr, step, STATE, {}, {"m": step, **trouble.meta()}, force=True)
+        mngr.wait_until_finished()
+    assert sorted(mngr.all_steps()) == [3, 8, 9] and trouble.step == 3
+    # Step 6's trouble came 2 steps after step 4's: step 5 (mid-trouble) did not replace step 3.
+    # After a clean stretch, new trouble keeps a newer checkpoint (and step 3 goes).
+    trouble(12, mngr.latest_step())
+    assert trouble.step == 9 and keep_also == {9}
+    checkpoint.save(mngr, 10, STATE, {}, {"m": 10}, force=True)
+    checkpoint.save(mngr, 11, STATE, {}, {"m": 11}, force=True)
+    mngr.wait_until_finished()
+    assert sorted(mngr.all_steps()) == [9, 10, 11]
+    mngr.close()
+    # A resumed run reads the kept step back from the checkpoint's metadata.
+    resumed = set()
+    assert checkpoint.BeforeTrouble(resumed, {"kept_step": 9, "last_trouble": 12}, clean=3).step == 9
+    assert resumed == {9}
+
+
+# --------------------------------------------------------------------------- end to end (slow)
+
+CONFIG = textwrap.dedent("""
+    from gattn.config import Config, DataConfig, ModelConfig, TrainConfig
+
+    def get_config():
+        return Config(
+            model=ModelConfig(vocab_size=512, d_model=32, num_layers=2, q_heads=2, kv_heads=1,
+                              head_dim=16, d_ff=64),
+            train=TrainConfig(batch_size=4, seq_len=32, steps=6, warmup_steps=1, log_every=1,
+                              eval_every=100, checkpoint_every=2, keep_checkpoints=2),
+            data=DataConfig(code_max_bytes=200_000, eval_batches=1, eval_batch_size=2))
+    """)
+
+
+def run(script, *args):
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow  # three runs of train.py and one of eval.py (~1 min on 2 CPU cores)
+def test_train_and_eval_fall_back_and_resume_from_a_chosen_step(tmp_path):
+    config = tmp_path / "small.py"
+    config.write_text(CONFIG)
+    work = tmp_path / "run"
+    out = run("train.py", "--config", config, "--workdir", work, "--quiet")
+    assert out.returncode == 0, out.stderr
+    CORRUPTIONS["a truncated array file"](work / "checkpoints" / "6")
+    # eval: the previous checkpoint, with one warning; nothing is moved.
+    out = run("eval.py", "--workdir", work, "--no-figures", "--max-batches", "1")
+    assert out.returncode == 0, out.stderr
+    assert "checkpoint step 6" in out.stderr and "using step 4" in out.stderr and "Traceback" not in out.stderr
+    assert json.loads((work / "eval" / "results.json").read_text())["step"] == 4
+    # train: resumes from step 4, sets step 6 aside (not deleted), and goes on.
+    out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--steps", "8")
+    assert out.returncode == 0, out.stderr
+    assert sum("checkpoint step 6" in line for line in out.stderr.splitlines()) == 1
+    assert "Traceback" not in out.stderr and "Event loop" not in out.stderr
+    assert (work / "checkpoints_set_aside" / "6").is_dir()
+    assert sorted(int(p.name) for p in (work / "checkpoints").iterdir()) == [6, 8]
+    # --resume-step: an earlier step; the later checkpoints are moved aside, the run continues.
+    out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--steps", "8", "--resume-step", "6")
+    assert out.returncode == 0, out.stderr
+    assert "resuming from step 6" in out.stderr and (work / "checkpoints_set_aside" / "8").is_dir()
+    out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--resume-step", "5")
+    assert out.returncode == 2 and "'--resume-step' = 5" in out.stderr and "[6, 8]" in out.stderr
+
+
+@pytest.mark.slow  # two runs of train.py (~1 min on 2 CPU cores)
+def test_a_divergence_names_the_checkpoint_kept_from_before_it(tmp_path):
+    config = tmp_path / "small.py"
+    config.write_text(CONFIG)
+    work = tmp_path / "run"
+    # LR 1e6 from step 1 on: the weights blow up and, two steps later, the steps turn non-finite.
+    out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--steps", "40",
+              "--config.train.learning_rate=1e6", "--config.train.max_bad_steps=3",
+              "--config.train.keep_checkpoints=1")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    (message,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    kept = int(message.split("--resume-step ")[1].rstrip("."))
+    rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    first_skipped = min(r["step"] for r in rows if r["skipped_steps"])
+    steps = sorted(int(p.name) for p in (work / "checkpoints").iterdir())
+    assert kept < first_skipped and kept in steps and len(steps) == 2  # keep 1, plus the kept one
+    out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--steps", "12",
+              "--config.train.learning_rate=1e-3", f"--resume-step={kept}")
+    assert out.returncode == 0, out.stderr
+    assert f"resuming from step {kept}" in out.stderr
+    assert sorted(p.name for p in (work / "checkpoints_set_aside").iterdir() if p.name.isdigit()) == \
+        [str(s) for s in steps if s > kept]
+
+
+@pytest.mark.slow  # a training run in this process (~30 s on 2 CPU cores)
+def test_training_stops_at_once_when_a_save_fails(tmp_path, monkeypatch, capfd):
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+
+    from gattn.train import trainer
+
+    config = tmp_path / "small.py"
+    config.write_text(CONFIG)
+    cfg = cli.load(config, ["train.steps=12"])
+    real, calls = handler.JsonCheckpointHandler._save_fn, []
+
+    async def full_from_step_4(self, x, directory):  # steps 2 and 4 save; from 4 on the disk is full
+        calls.append(str(directory))
+        if "/4." in str(directory):
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+        return await real(self, x, directory)
+
+    monkeypatch.setattr(handler.JsonCheckpointHandler, "_save_fn", full_from_step_4)
+    with pytest.raises(checkpoint.CheckpointFailure) as e:
+        trainer.train(cfg, tmp_path / "run", progress=False)
+    assert "saving checkpoint step 4 failed" in str(e.value) and "last good checkpoint is step 2" in str(e.value)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) < 12  # stopped, not trained to the end
+    assert checkpoint.saved_steps(tmp_path / "run") == [1, 2]  # (Orbax saves the first step too)
+    assert "Traceback" not in capfd.readouterr().err
