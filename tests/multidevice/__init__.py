@@ -50,3 +50,18 @@ def check_devices() -> None:
 def shape(text: str) -> tuple[int, ...]:
     """'2,2,2' -> (2, 2, 2): an argparse type for mesh shapes."""
     return tuple(int(n) for n in text.split(","))
+
+
+EXPERT_MESHES = [(1, 4, 2), (2, 2, 2), (1, 8, 1)]  # (data, expert, model): the issue's expert meshes
+
+
+def expert_meshes(doc: str, argv=None) -> list[tuple[int, ...]]:
+    """For the expert-parallel programs: their --meshes (default EXPERT_MESHES), once the
+    devices are checked."""
+    import argparse  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--meshes", nargs="+", type=shape, default=EXPERT_MESHES, help="data,expert,model shapes")
+    meshes = ap.parse_args(argv).meshes
+    check_devices()
+    return meshes

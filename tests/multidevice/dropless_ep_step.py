@@ -14,7 +14,6 @@ Prints "ok MESH" per mesh (tests/test_dropless_ep.py counts them)."""
 
 from __future__ import annotations
 
-import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +25,7 @@ from gattn.model.transformer import Transformer
 from gattn.train.loss import aux_loss, lm_loss_and_aux
 
 from conftest import tiny_model
-from multidevice import check_devices, shape
+from multidevice import expert_meshes
 
 BATCH, SEQ = 8, 16
 
@@ -79,11 +78,7 @@ def check_overflow(moe, spec, mesh, mesh_shape):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--meshes", nargs="+", type=shape, default=[(1, 4, 2), (2, 2, 2), (1, 8, 1)],
-                    help="data,expert,model shapes")
-    args = ap.parse_args(argv)
-    check_devices()
+    meshes = expert_meshes(__doc__, argv)
     spec = MoESpec(num_experts=8, top_k=2, expert_width=16, z_loss_coef=1e-3)  # dropless
     cfg = tiny_model(vocab_size=64, num_layers=1, moe=spec)  # one layer: compiles fast
     ragged = ExecConfig(moe_impl="ragged")
@@ -97,7 +92,7 @@ def main(argv=None):
     assert int(load[:, 2:].sum()) == 0 and int(load[:, 0].min()) == BATCH * SEQ, load
     step = step_fn(cfg, graph(cfg, ragged))
     skewed_moe = nnx.merge(graphdef, cases["skewed"]).blocks[0].ffn
-    for mesh_shape in args.meshes:
+    for mesh_shape in meshes:
         Config(model=cfg, mesh=MeshConfig(*mesh_shape), exec=ragged)  # a valid run config
         mesh = sharding.make_mesh(MeshConfig(*mesh_shape))
         t = jax.device_put(tokens, sharding.batch_sharding(mesh))
@@ -105,7 +100,7 @@ def main(argv=None):
             for name, p in cases.items():
                 p = jax.device_put(p, sharding.param_shardings(p, mesh))
                 check_equal(step(p, t), want[name])
-            if mesh_shape == args.meshes[0]:  # the overflow count on one mesh (compile time)
+            if mesh_shape == meshes[0]:  # the overflow count on one mesh (compile time)
                 check_overflow(skewed_moe, spec, mesh, mesh_shape)
         print("ok", mesh_shape, flush=True)
 

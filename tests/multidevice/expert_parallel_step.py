@@ -10,7 +10,6 @@ Prints "ok MESH" per mesh (tests/test_expert_parallel.py counts them)."""
 
 from __future__ import annotations
 
-import argparse
 
 import jax
 import jax.numpy as jnp
@@ -23,15 +22,11 @@ from gattn.model.transformer import Transformer, with_exec
 from gattn.train.loss import aux_loss, lm_loss_and_aux
 
 from conftest import tiny_model
-from multidevice import check_devices, shape
+from multidevice import expert_meshes
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--meshes", nargs="+", type=shape, default=[(1, 4, 2), (2, 2, 2), (1, 8, 1)],
-                    help="data,expert,model shapes")
-    args = ap.parse_args(argv)
-    check_devices()
+    meshes = expert_meshes(__doc__, argv)
     cfg = tiny_model(vocab_size=64, moe=MoESpec(num_experts=8, top_k=2, expert_width=16,
                                                 capacity_factor=4.0, z_loss_coef=1e-3))
     a2a = ExecConfig(moe_impl="all_to_all")
@@ -50,7 +45,7 @@ def main(argv=None):
     (ref_loss, ref_aux), ref_grads = reference(params, tokens)
     assert int(ref_aux["dropped"].sum()) == 0
     step = step_fn(a2a_graphdef)
-    for mesh_shape in args.meshes:
+    for mesh_shape in meshes:
         Config(model=cfg, mesh=MeshConfig(*mesh_shape), exec=a2a)  # a valid run config
         mesh = sharding.make_mesh(MeshConfig(*mesh_shape))
         p = jax.device_put(params, sharding.param_shardings(params, mesh))
