@@ -31,3 +31,17 @@ def tiny_model(**changes) -> ModelConfig:
     Tests import it (`from conftest import tiny_model`); so do the programs in tests/multidevice."""
     return ModelConfig(**{**TINY_DIMS, **changes})
 
+
+def run_config_file(**train) -> str:
+    """The text of a config file for end-to-end runs of train.py / eval.py: a tiny model on the
+    embedded corpus, with `train` (TrainConfig fields: steps, warmup_steps, eval_every, ...)."""
+    fields = ", ".join(f"{k}={v!r}" for k, v in {"batch_size": 4, "seq_len": 32, "log_every": 1, **train}.items())
+    return (
+        "from gattn.config import Config, DataConfig, ModelConfig, TrainConfig\n\n"
+        "def get_config():\n"
+        "    return Config(\n"
+        "        model=ModelConfig(vocab_size=512, d_model=32, num_layers=2, q_heads=2, kv_heads=1,\n"
+        "                          head_dim=16, d_ff=64),\n"
+        f"        train=TrainConfig({fields}),\n"
+        "        data=DataConfig(code_max_bytes=200_000, eval_batches=1, eval_batch_size=2))\n")
+

@@ -9,7 +9,6 @@ import json
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -19,6 +18,8 @@ import pytest
 from gattn import cli
 from gattn.config import ConfigError, TrainConfig
 from gattn.train import checkpoint, rundir
+
+from conftest import run_config_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -218,17 +219,7 @@ def test_the_checkpoint_before_trouble_outlives_the_rotation(tmp_path):
 
 # --------------------------------------------------------------------------- end to end (slow)
 
-CONFIG = textwrap.dedent("""
-    from gattn.config import Config, DataConfig, ModelConfig, TrainConfig
-
-    def get_config():
-        return Config(
-            model=ModelConfig(vocab_size=512, d_model=32, num_layers=2, q_heads=2, kv_heads=1,
-                              head_dim=16, d_ff=64),
-            train=TrainConfig(batch_size=4, seq_len=32, steps=6, warmup_steps=1, log_every=1,
-                              eval_every=100, checkpoint_every=2, keep_checkpoints=2),
-            data=DataConfig(code_max_bytes=200_000, eval_batches=1, eval_batch_size=2))
-    """)
+CONFIG = run_config_file(steps=6, warmup_steps=1, eval_every=100, checkpoint_every=2, keep_checkpoints=2)
 
 
 def run(script, *args):

@@ -13,18 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = textwrap.dedent("""
-    from gattn.config import Config, DataConfig, ModelConfig, TrainConfig
+from conftest import run_config_file
 
-    def get_config():
-        return Config(
-            model=ModelConfig(vocab_size=512, d_model=32, num_layers=2, q_heads=2, kv_heads=1,
-                              head_dim=16, d_ff=64),
-            train=TrainConfig(batch_size=4, seq_len=32, steps=24, warmup_steps=3, log_every=1,
-                              eval_every=12, checkpoint_every=6, keep_checkpoints=2),
-            data=DataConfig(code_max_bytes=200_000, eval_batches=1, eval_batch_size=2))
-    """)
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = run_config_file(steps=24, warmup_steps=3, eval_every=12, checkpoint_every=6, keep_checkpoints=2)
 
 
 @pytest.fixture()
