@@ -32,7 +32,6 @@ row is 0 rather than NaN or a uniform average.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -42,234 +41,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+import gattn.kernels.flash_blocks as fb
+from gattn.kernels.flash_blocks import MAX_SEGMENT_ID, BlockSizes
 from gattn.kernels.reference import check_inputs
-
-_NEG = -1e30
-MAX_SEGMENT_ID = 2**24  # segment ids cross the kernel as float32: exact for |id| < 2**24
-# Scoped VMEM a kernel may use: a step holds a whole GQA group's query blocks (and their float32
-# accumulators); 48 MiB fits the VMEM of v5e, v5p and v6e chips.
-_VMEM_LIMIT = 48 * 1024 * 1024
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Query and key block lengths (rows per kernel step) of the forward and dQ kernels, and of
-    the dK/dV kernel, which streams the whole GQA group's q and dO past each key block and so
-    wants longer key blocks. TPU wants multiples of 128; a block longer than the (128-rounded)
-    sequence is shortened to it."""
-    block_q: int = 512
-    block_k: int = 512
-    block_q_dkv: int = 512
-    block_k_dkv: int = 2048
-
-    def __post_init__(self):
-        for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 8 or value % 8:
-                raise ValueError(f"block_sizes.{name} = {value!r}: must be a positive multiple of 8")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything the kernels need to know at trace time."""
-    causal: bool
-    scale: float
-    bq: int
-    bk: int
-    nq: int           # query blocks
-    nk: int           # key blocks
-    groups: int       # query heads per kv head
-    offset: int       # T - S (causal diagonal offset)
-    kv_len: int       # keys before padding; keys at >= kv_len are masked (when no segment ids)
-    padded_kv: bool
-    segments: bool
-    lanes: bool       # heads-in-lanes layout (head_dim % 128 == 0)
-    interpret: bool
-    dkv_blocks: tuple[int, int]  # (bq, bk) of the dK/dV kernel
-
-    def for_dkv(self) -> "_Static":
-        bq, bk = self.dkv_blocks
-        return dataclasses.replace(self, bq=bq, bk=bk, nq=self.nq * self.bq // bq,
-                                   nk=self.nk * self.bk // bk)
-
-
-def _on_tpu() -> bool:
-    """Whether this trace is for TPU: the platform of the mesh set with `jax.set_mesh` (so an
-    ahead-of-time compile for a TPU topology from a CPU host gets the real kernel), else the
-    default backend's."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-    return (device.platform if device is not None else jax.default_backend()) == "tpu"
-
-
-def _round_up(n, m):
-    return -(-n // m) * m
-
-
-# ---------------------------------------------------------------- layout helpers
-#
-# A kernel step handles one kv head and the G query heads that read it (GQA group), so K/V
-# blocks are fetched once per group rather than once per query head. Query-side arrays are
-# blocked as all G heads of the group, key-side arrays as the one kv head.
-
-def _tiles(x, lanes):
-    """[B, S, H, K] -> the kernel layout: [B, S, H*K] (lanes) or [B, H, S, K]."""
-    b, s, h, d = x.shape
-    return x.reshape(b, s, h * d) if lanes else x.transpose(0, 2, 1, 3)
-
-
-def _untiles(x, shape, lanes):
-    return x.reshape(shape) if lanes else x.transpose(0, 2, 1, 3)
-
-
-def _q_spec(st: _Static, d, index):
-    """The group's G query heads x a query block; `index` maps grid ids to (b, kv head, blk)."""
-    g = st.groups
-    if st.lanes:
-        return pl.BlockSpec((None, st.bq, g * d), lambda *ids: (lambda b, h, i: (b, i, h))(*index(*ids)))
-    return pl.BlockSpec((None, g, st.bq, d), lambda *ids: (lambda b, h, i: (b, h, i, 0))(*index(*ids)))
-
-
-def _kv_spec(st: _Static, d, index):
-    """One kv head x a key block."""
-    if st.lanes:
-        return pl.BlockSpec((None, st.bk, d), lambda *ids: (lambda b, h, j: (b, j, h))(*index(*ids)))
-    return pl.BlockSpec((None, None, st.bk, d), lambda *ids: (lambda b, h, j: (b, h, j, 0))(*index(*ids)))
-
-
-def _rows_spec(st: _Static, index):
-    """The group's G heads x (1, block) of a lane-dense [B, Hq, 1, S] row array."""
-    return pl.BlockSpec((None, st.groups, 1, st.bq),
-                        lambda *ids: (lambda b, h, i: (b, h, 0, i))(*index(*ids)))
-
-
-def _seg_spec(block, index):
-    """A (1, block) piece of the [B, 1, S] segment ids."""
-    return pl.BlockSpec((None, 1, block), lambda *ids: (lambda b, h, i: (b, 0, i))(*index(*ids)))
-
-
-def _head(st: _Static, ref, g, d):
-    """Head g of a query-side block: [bq, d]."""
-    return ref[:, g * d:(g + 1) * d] if st.lanes else ref[g]
-
-
-def _set_head(st: _Static, ref, g, d, value):
-    if st.lanes:
-        ref[:, g * d:(g + 1) * d] = value.astype(ref.dtype)
-    else:
-        ref[g] = value.astype(ref.dtype)
-
-
-def _sds(shape, dtype, like):
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
-
-
-def _column(row):
-    """(1, n) -> (n, 1). Row vectors live lane-dense in HBM (a [.., S, 1] array would be padded
-    to 128 lanes per element on TPU); a 2-D transpose of a broadcast tile turns one into a column."""
-    dtype = row.dtype
-    tile = jnp.broadcast_to(row.astype(jnp.float32), (128, row.shape[1]))
-    return tile.T[:, :1].astype(dtype)
-
-
-def _row(column):
-    """(n, 1) -> (1, n), the inverse of `_column`."""
-    tile = jnp.broadcast_to(column.astype(jnp.float32), (column.shape[0], 128))
-    return tile.T[:1].astype(column.dtype)
-
-
-def _last_k_block(st: _Static, i):
-    """Last key block a causal query block i can see."""
-    return jnp.minimum((i * st.bq + st.bq - 1 + st.offset) // st.bk, st.nk - 1)
-
-
-def _first_q_block(st: _Static, j):
-    """First query block that can see key block j (causal)."""
-    return jnp.clip((j * st.bk - st.offset) // st.bq, 0, st.nq - 1)
-
-
-def _block_visible(st: _Static, i, j):
-    if not st.causal:
-        return True
-    return j * st.bk <= i * st.bq + st.bq - 1 + st.offset
-
-
-def _mask(st: _Static, q_pos, k_pos, q_seg, k_seg):
-    """Which scores are kept, from broadcastable positions and segment ids: [bq, 1] with [1, bk]
-    for query-major blocks, [1, bq] with [bk, 1] for key-major ones. None when all are."""
-    mask = None
-
-    def both(m):
-        return m if mask is None else mask & m
-
-    if st.causal:
-        mask = both(k_pos <= q_pos + st.offset)
-    if st.padded_kv and not st.segments:  # with segment ids, padded keys have id 0
-        mask = both(k_pos < st.kv_len)
-    if st.segments:
-        mask = both((q_seg == k_seg) & (q_seg != 0))
-    return mask
-
-
-def _positions(st: _Static, i, j, key_major: bool):
-    iota = lambda n, axis: jax.lax.broadcasted_iota(jnp.int32, (n, 1) if axis == 0 else (1, n), axis)
-    if key_major:
-        return i * st.bq + iota(st.bq, 1), j * st.bk + iota(st.bk, 0)
-    return i * st.bq + iota(st.bq, 0), j * st.bk + iota(st.bk, 1)
-
-
-def _nt(a, b):  # a @ b^T with float32 accumulation
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _nn(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _query_major_mask(st, i, j, qseg_ref, kseg_ref):
-    """[bq, bk] mask of block (i, j), as the forward and dQ kernels see it."""
-    q_pos, k_pos = _positions(st, i, j, key_major=False)
-    q_seg = k_seg = None
-    if st.segments:
-        q_seg, k_seg = _column(qseg_ref[...]), kseg_ref[...]
-    return _mask(st, q_pos, k_pos, q_seg, k_seg)
-
-
-def _cost(st: _Static, kernel: str, b: int, hq: int, hk: int, d: int, itemsize: int,
-          gate: str | None = None) -> pl.CostEstimate:
-    """HBM bytes, flops and exps of one kernel, counted block by block as its grid fetches them
-    (fully masked causal blocks are neither fetched nor computed; K/V once per GQA group). XLA's
-    cost analysis, and its scheduler, see a Mosaic kernel only through this estimate."""
-    last = lambda i: min((i * st.bq + st.bq - 1 + st.offset) // st.bk, st.nk - 1)
-    pairs = sum(last(i) + 1 for i in range(st.nq)) if st.causal else st.nq * st.nk
-    g = st.groups
-    tq, tk, row = st.bq * d * itemsize, st.bk * d * itemsize, st.bq * 4
-    sq, sk = (st.bq * 4, st.bk * 4) if st.segments else (0, 0)
-    gq = {None: 0, "elementwise": tq, "headwise": row}[gate]
-    exps = b * hq * pairs * st.bq * st.bk
-    if kernel == "fwd":  # per query block: q, gate, out, lse; per visible key block: k, v
-        nbytes = b * hk * (st.nq * (g * (2 * tq + gq + row) + sq) + pairs * (2 * tk + sk))
-        return pl.CostEstimate(flops=4 * exps * d, transcendentals=exps, bytes_accessed=nbytes)
-    if kernel == "dq":  # per query block: q, dO, lse, D, dq; per visible key block: k, v
-        nbytes = b * hk * (st.nq * (g * (3 * tq + 2 * row) + sq) + pairs * (2 * tk + sk))
-        return pl.CostEstimate(flops=6 * exps * d, transcendentals=exps, bytes_accessed=nbytes)
-    if kernel == "dkv":  # per key block: k, v, dk, dv; per visible query block: q, dO, lse, D
-        nbytes = b * hk * (st.nk * (4 * tk + sk) + pairs * (g * (2 * tq + 2 * row) + sq))
-        return pl.CostEstimate(flops=8 * exps * d, transcendentals=exps, bytes_accessed=nbytes)
-    # prep: y, dy in; D out; with a gate also g in, dO and dg out
-    nbytes = b * hq * st.nq * (2 * tq + row + (2 * gq + tq if gate else 0))
-    return pl.CostEstimate(flops=b * hq * st.nq * st.bq * d * 4, transcendentals=0 if gate is None
-                           else b * hq * st.nq * st.bq * (d if gate == "elementwise" else 1),
-                           bytes_accessed=nbytes)
-
-
-def _params(*semantics):
-    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=_VMEM_LIMIT)
 
 
 # ---------------------------------------------------------------- forward
 
-def _fwd_kernel(st: _Static, gate: str | None, d: int, *refs):
+def _fwd_kernel(st: fb.Static, gate: str | None, d: int, *refs):
     q_ref, k_ref, v_ref, *refs = refs
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if st.segments else (None, None)
     g_ref = refs.pop(0) if gate else None
@@ -278,18 +57,18 @@ def _fwd_kernel(st: _Static, gate: str | None, d: int, *refs):
 
     @pl.when(j == 0)
     def _init():
-        m_sc[...] = jnp.full(m_sc.shape, _NEG, jnp.float32)
+        m_sc[...] = jnp.full(m_sc.shape, fb.NEG, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @pl.when(_block_visible(st, i, j))
+    @pl.when(fb.block_visible(st, i, j))
     def _step():
         k, v = k_ref[...], v_ref[...]
-        mask = _query_major_mask(st, i, j, qseg_ref, kseg_ref)
+        mask = fb.query_major_mask(st, i, j, qseg_ref, kseg_ref)
         for g in range(st.groups):
-            s = _nt(_head(st, q_ref, g, d), k) * st.scale  # [bq, bk]
+            s = fb.nt(fb.head(st, q_ref, g, d), k) * st.scale  # [bq, bk]
             if mask is not None:
-                s = jnp.where(mask, s, _NEG)
+                s = jnp.where(mask, s, fb.NEG)
             m_prev = m_sc[g]
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
             p = jnp.exp(s - m_new)
@@ -297,7 +76,7 @@ def _fwd_kernel(st: _Static, gate: str | None, d: int, *refs):
                 p = jnp.where(mask, p, 0.0)
             alpha = jnp.exp(m_prev - m_new)
             l_sc[g] = alpha * l_sc[g] + jnp.sum(p, axis=1, keepdims=True)
-            acc_sc[g] = alpha * acc_sc[g] + _nn(p.astype(v.dtype), v)
+            acc_sc[g] = alpha * acc_sc[g] + fb.nn(p.astype(v.dtype), v)
             m_sc[g] = m_new
 
     @pl.when(j == st.nk - 1)
@@ -307,44 +86,44 @@ def _fwd_kernel(st: _Static, gate: str | None, d: int, *refs):
             l_safe = jnp.where(l == 0.0, 1.0, l)  # fully masked row: acc is 0, output 0
             o = acc_sc[g] / l_safe
             if gate == "elementwise":
-                o = o * jax.nn.sigmoid(_head(st, g_ref, g, d).astype(jnp.float32))
+                o = o * jax.nn.sigmoid(fb.head(st, g_ref, g, d).astype(jnp.float32))
             elif gate == "headwise":
-                o = o * _column(jax.nn.sigmoid(g_ref[g].astype(jnp.float32)))
-            _set_head(st, o_ref, g, d, o)
-            lse_ref[g] = _row(m_sc[g] + jnp.log(l_safe))
+                o = o * fb.column(jax.nn.sigmoid(g_ref[g].astype(jnp.float32)))
+            fb.set_head(st, o_ref, g, d, o)
+            lse_ref[g] = fb.row(m_sc[g] + jnp.log(l_safe))
 
 
-def _k_index(st: _Static):
+def _k_index(st: fb.Static):
     """Key-block index map of query-major grids (b, kv head, i, j): causal blocks past the
     diagonal repeat the last visible block, so Pallas does not fetch them."""
     if st.causal:
-        return lambda b, h, i, j: (b, h, jnp.minimum(j, _last_k_block(st, i)))
+        return lambda b, h, i, j: (b, h, jnp.minimum(j, fb.last_k_block(st, i)))
     return lambda b, h, i, j: (b, h, j)
 
 
-def _forward(st: _Static, q, k, v, seg, g, gate, shape, kv_shape):
+def _forward(st: fb.Static, q, k, v, seg, g, gate, shape, kv_shape):
     b, s, hq, d = shape
     hk = kv_shape[2]
     q_index, k_index = (lambda b_, h, i, j: (b_, h, i)), _k_index(st)
-    in_specs = [_q_spec(st, d, q_index), _kv_spec(st, d, k_index), _kv_spec(st, d, k_index)]
+    in_specs = [fb.q_spec(st, d, q_index), fb.kv_spec(st, d, k_index), fb.kv_spec(st, d, k_index)]
     args = [q, k, v]
     if st.segments:
-        in_specs += [_seg_spec(st.bq, q_index), _seg_spec(st.bk, k_index)]
+        in_specs += [fb.seg_spec(st.bq, q_index), fb.seg_spec(st.bk, k_index)]
         args += [seg, seg]
     if gate:
-        in_specs.append(_q_spec(st, d, q_index) if gate == "elementwise" else _rows_spec(st, q_index))
+        in_specs.append(fb.q_spec(st, d, q_index) if gate == "elementwise" else fb.rows_spec(st, q_index))
         args.append(g)
     y, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, st, gate, d),
         grid=(b, hk, st.nq, st.nk),
         in_specs=in_specs,
-        out_specs=[_q_spec(st, d, q_index), _rows_spec(st, q_index)],
-        out_shape=[_sds(q.shape, q.dtype, q), _sds((b, hq, 1, s), jnp.float32, q)],
+        out_specs=[fb.q_spec(st, d, q_index), fb.rows_spec(st, q_index)],
+        out_shape=[fb.sds(q.shape, q.dtype, q), fb.sds((b, hq, 1, s), jnp.float32, q)],
         scratch_shapes=[pltpu.VMEM((st.groups, st.bq, 1), jnp.float32),
                         pltpu.VMEM((st.groups, st.bq, 1), jnp.float32),
                         pltpu.VMEM((st.groups, st.bq, d), jnp.float32)],
-        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
-        cost_estimate=_cost(st, "fwd", b, hq, hk, d, q.dtype.itemsize, gate),
+        compiler_params=fb.params("parallel", "parallel", "parallel", "arbitrary"),
+        cost_estimate=fb.cost(st, "fwd", b, hq, hk, d, q.dtype.itemsize, gate),
         interpret=st.interpret, name="gated_flash_fwd" if gate else "flash_fwd",
     )(*args)
     return y, lse
@@ -352,7 +131,7 @@ def _forward(st: _Static, q, k, v, seg, g, gate, shape, kv_shape):
 
 # ---------------------------------------------------------------- backward
 
-def _prep_kernel(st: _Static, gate: str | None, d: int, *refs):
+def _prep_kernel(st: fb.Static, gate: str | None, d: int, *refs):
     """The gate's backward and the row term, per query block and head:
     D = rowsum(y * dy), dO = dy * s, dg = dy * y * (1 - s) (headwise: D * (1 - s))."""
     y_ref, dy_ref, *refs = refs
@@ -360,43 +139,43 @@ def _prep_kernel(st: _Static, gate: str | None, d: int, *refs):
     dd_ref, *refs = refs
     do_ref, dg_ref = refs if gate else (None, None)
     for g in range(st.groups):
-        y = _head(st, y_ref, g, d).astype(jnp.float32)
-        dy = _head(st, dy_ref, g, d).astype(jnp.float32)
+        y = fb.head(st, y_ref, g, d).astype(jnp.float32)
+        dy = fb.head(st, dy_ref, g, d).astype(jnp.float32)
         d_col = jnp.sum(y * dy, axis=1, keepdims=True)
-        dd_ref[g] = _row(d_col)
+        dd_ref[g] = fb.row(d_col)
         if gate == "elementwise":
-            sg = jax.nn.sigmoid(_head(st, g_ref, g, d).astype(jnp.float32))
-            _set_head(st, do_ref, g, d, dy * sg)
-            _set_head(st, dg_ref, g, d, dy * y * (1.0 - sg))
+            sg = jax.nn.sigmoid(fb.head(st, g_ref, g, d).astype(jnp.float32))
+            fb.set_head(st, do_ref, g, d, dy * sg)
+            fb.set_head(st, dg_ref, g, d, dy * y * (1.0 - sg))
         elif gate == "headwise":
             sg = jax.nn.sigmoid(g_ref[g].astype(jnp.float32))  # (1, bq)
-            _set_head(st, do_ref, g, d, dy * _column(sg))
-            dg_ref[g] = (_row(d_col) * (1.0 - sg)).astype(dg_ref.dtype)
+            fb.set_head(st, do_ref, g, d, dy * fb.column(sg))
+            dg_ref[g] = (fb.row(d_col) * (1.0 - sg)).astype(dg_ref.dtype)
 
 
-def _prep(st: _Static, y, dy, g, gate, shape, kv_shape):
+def _prep(st: fb.Static, y, dy, g, gate, shape, kv_shape):
     b, s, hq, d = shape
     index = lambda b_, h, i: (b_, h, i)
-    tile, rows = _q_spec(st, d, index), _rows_spec(st, index)
+    tile, rows = fb.q_spec(st, d, index), fb.rows_spec(st, index)
     in_specs, args = [tile, tile], [y, dy]
-    out_specs, out_shape = [rows], [_sds((b, hq, 1, s), jnp.float32, y)]
+    out_specs, out_shape = [rows], [fb.sds((b, hq, 1, s), jnp.float32, y)]
     if gate:
         g_spec = tile if gate == "elementwise" else rows
         in_specs.append(g_spec)
         args.append(g)
         out_specs += [tile, g_spec]
-        out_shape += [_sds(y.shape, y.dtype, y), _sds(g.shape, g.dtype, g)]
+        out_shape += [fb.sds(y.shape, y.dtype, y), fb.sds(g.shape, g.dtype, g)]
     out = pl.pallas_call(
         functools.partial(_prep_kernel, st, gate, d), grid=(b, kv_shape[2], st.nq),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        compiler_params=_params("parallel", "parallel", "parallel"),
-        cost_estimate=_cost(st, "prep", b, hq, kv_shape[2], d, y.dtype.itemsize, gate),
+        compiler_params=fb.params("parallel", "parallel", "parallel"),
+        cost_estimate=fb.cost(st, "prep", b, hq, kv_shape[2], d, y.dtype.itemsize, gate),
         interpret=st.interpret, name="gated_flash_bwd_prep" if gate else "flash_bwd_prep",
     )(*args)
     return (out[0], dy, None) if gate is None else tuple(out)
 
 
-def _dkv_kernel(st: _Static, d: int, *refs):
+def _dkv_kernel(st: fb.Static, d: int, *refs):
     """Key-major: scores are [bk, bq] (k q^T), so the saved rows (lse, D) and the query segment
     ids broadcast along keys as they are stored, and no matrix is transposed. The group's query
     heads all add into the one kv head's dK, dV in VMEM."""
@@ -410,20 +189,20 @@ def _dkv_kernel(st: _Static, d: int, *refs):
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-    @pl.when(_block_visible(st, i, j))
+    @pl.when(fb.block_visible(st, i, j))
     def _step():
         k, v = k_ref[...], v_ref[...]
-        q_pos, k_pos = _positions(st, i, j, key_major=True)
-        seg = (qseg_ref[...], _column(kseg_ref[...])) if st.segments else (None, None)
-        mask = _mask(st, q_pos, k_pos, *seg)
+        q_pos, k_pos = fb.positions(st, i, j, key_major=True)
+        seg = (qseg_ref[...], fb.column(kseg_ref[...])) if st.segments else (None, None)
+        mask = fb.mask(st, q_pos, k_pos, *seg)
         for g in range(st.groups):
-            q, do = _head(st, q_ref, g, d), _head(st, do_ref, g, d)
-            p_t = jnp.exp(_nt(k, q) * st.scale - lse_ref[g])  # [bk, bq]
+            q, do = fb.head(st, q_ref, g, d), fb.head(st, do_ref, g, d)
+            p_t = jnp.exp(fb.nt(k, q) * st.scale - lse_ref[g])  # [bk, bq]
             if mask is not None:
                 p_t = jnp.where(mask, p_t, 0.0)
-            dv_sc[...] += _nn(p_t.astype(do.dtype), do)
-            ds_t = p_t * (_nt(v, do) - dd_ref[g])
-            dk_sc[...] += _nn(ds_t.astype(q.dtype), q) * st.scale
+            dv_sc[...] += fb.nn(p_t.astype(do.dtype), do)
+            ds_t = p_t * (fb.nt(v, do) - dd_ref[g])
+            dk_sc[...] += fb.nn(ds_t.astype(q.dtype), q) * st.scale
 
     @pl.when(i == st.nq - 1)
     def _finish():
@@ -431,7 +210,7 @@ def _dkv_kernel(st: _Static, d: int, *refs):
         dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(st: _Static, d: int, *refs):
+def _dq_kernel(st: fb.Static, d: int, *refs):
     q_ref, k_ref, v_ref, *refs = refs
     qseg_ref, kseg_ref = (refs.pop(0), refs.pop(0)) if st.segments else (None, None)
     do_ref, lse_ref, dd_ref, dq_ref, dq_sc = refs
@@ -441,57 +220,57 @@ def _dq_kernel(st: _Static, d: int, *refs):
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-    @pl.when(_block_visible(st, i, j))
+    @pl.when(fb.block_visible(st, i, j))
     def _step():
         k, v = k_ref[...], v_ref[...]
-        mask = _query_major_mask(st, i, j, qseg_ref, kseg_ref)
+        mask = fb.query_major_mask(st, i, j, qseg_ref, kseg_ref)
         for g in range(st.groups):
-            q, do = _head(st, q_ref, g, d), _head(st, do_ref, g, d)
-            p = jnp.exp(_nt(q, k) * st.scale - _column(lse_ref[g]))  # [bq, bk]
+            q, do = fb.head(st, q_ref, g, d), fb.head(st, do_ref, g, d)
+            p = jnp.exp(fb.nt(q, k) * st.scale - fb.column(lse_ref[g]))  # [bq, bk]
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)
-            ds = p * (_nt(do, v) - _column(dd_ref[g]))
-            dq_sc[g] += _nn(ds.astype(k.dtype), k) * st.scale
+            ds = p * (fb.nt(do, v) - fb.column(dd_ref[g]))
+            dq_sc[g] += fb.nn(ds.astype(k.dtype), k) * st.scale
 
     @pl.when(j == st.nk - 1)
     def _finish():
         for g in range(st.groups):
-            _set_head(st, dq_ref, g, d, dq_sc[g])
+            fb.set_head(st, dq_ref, g, d, dq_sc[g])
 
 
-def _bwd_inputs(st: _Static, d, q_of, k_of, q, k, v, seg, do, lse, dd):
-    in_specs = [_q_spec(st, d, q_of), _kv_spec(st, d, k_of), _kv_spec(st, d, k_of)]
+def _bwd_inputs(st: fb.Static, d, q_of, k_of, q, k, v, seg, do, lse, dd):
+    in_specs = [fb.q_spec(st, d, q_of), fb.kv_spec(st, d, k_of), fb.kv_spec(st, d, k_of)]
     args = [q, k, v]
     if st.segments:
-        in_specs += [_seg_spec(st.bq, q_of), _seg_spec(st.bk, k_of)]
+        in_specs += [fb.seg_spec(st.bq, q_of), fb.seg_spec(st.bk, k_of)]
         args += [seg, seg]
-    in_specs += [_q_spec(st, d, q_of), _rows_spec(st, q_of), _rows_spec(st, q_of)]
+    in_specs += [fb.q_spec(st, d, q_of), fb.rows_spec(st, q_of), fb.rows_spec(st, q_of)]
     return in_specs, args + [do, lse, dd]
 
 
-def _dkv(st: _Static, q, k, v, seg, do, lse, dd, shape, kv_shape):
+def _dkv(st: fb.Static, q, k, v, seg, do, lse, dd, shape, kv_shape):
     """dK, dV: grid (b, kv head, key block, query block), with the dK/dV blocks; causal query
     blocks before the diagonal repeat the first visible one, so they are not fetched."""
     st = st.for_dkv()
     b, _, hq, d = shape
     hk = kv_shape[2]
-    q_of = lambda b_, h, j, i: (b_, h, jnp.maximum(i, _first_q_block(st, j)) if st.causal else i)
+    q_of = lambda b_, h, j, i: (b_, h, jnp.maximum(i, fb.first_q_block(st, j)) if st.causal else i)
     k_of = lambda b_, h, j, i: (b_, h, j)
     in_specs, args = _bwd_inputs(st, d, q_of, k_of, q, k, v, seg, do, lse, dd)
     return pl.pallas_call(
         functools.partial(_dkv_kernel, st, d),
         grid=(b, hk, st.nk, st.nq),
         in_specs=in_specs,
-        out_specs=[_kv_spec(st, d, k_of), _kv_spec(st, d, k_of)],
-        out_shape=[_sds(k.shape, k.dtype, k), _sds(v.shape, v.dtype, v)],
+        out_specs=[fb.kv_spec(st, d, k_of), fb.kv_spec(st, d, k_of)],
+        out_shape=[fb.sds(k.shape, k.dtype, k), fb.sds(v.shape, v.dtype, v)],
         scratch_shapes=[pltpu.VMEM((st.bk, d), jnp.float32), pltpu.VMEM((st.bk, d), jnp.float32)],
-        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
-        cost_estimate=_cost(st, "dkv", b, hq, hk, d, q.dtype.itemsize),
+        compiler_params=fb.params("parallel", "parallel", "parallel", "arbitrary"),
+        cost_estimate=fb.cost(st, "dkv", b, hq, hk, d, q.dtype.itemsize),
         interpret=st.interpret, name="flash_bwd_dkv",
     )(*args)
 
 
-def _dq(st: _Static, q, k, v, seg, do, lse, dd, shape, kv_shape):
+def _dq(st: fb.Static, q, k, v, seg, do, lse, dd, shape, kv_shape):
     """dQ: grid (b, kv head, query block, key block), like the forward."""
     b, _, hq, d = shape
     hk = kv_shape[2]
@@ -501,11 +280,11 @@ def _dq(st: _Static, q, k, v, seg, do, lse, dd, shape, kv_shape):
         functools.partial(_dq_kernel, st, d),
         grid=(b, hk, st.nq, st.nk),
         in_specs=in_specs,
-        out_specs=_q_spec(st, d, q_of),
-        out_shape=_sds(q.shape, q.dtype, q),
+        out_specs=fb.q_spec(st, d, q_of),
+        out_shape=fb.sds(q.shape, q.dtype, q),
         scratch_shapes=[pltpu.VMEM((st.groups, st.bq, d), jnp.float32)],
-        compiler_params=_params("parallel", "parallel", "parallel", "arbitrary"),
-        cost_estimate=_cost(st, "dq", b, hq, hk, d, q.dtype.itemsize),
+        compiler_params=fb.params("parallel", "parallel", "parallel", "arbitrary"),
+        cost_estimate=fb.cost(st, "dq", b, hq, hk, d, q.dtype.itemsize),
         interpret=st.interpret, name="flash_bwd_dq",
     )(*args)
 
@@ -586,16 +365,16 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
     bs = block_sizes or BlockSizes()
-    fit = lambda block, n: min(block, _round_up(n, 128))
+    fit = lambda block, n: min(block, fb.round_up(n, 128))
     bq, bk = fit(bs.block_q, s), fit(bs.block_k, t)
     bq2, bk2 = fit(bs.block_q_dkv, s), fit(bs.block_k_dkv, t)
-    sp, tp = _round_up(s, math.lcm(bq, bq2)), _round_up(t, math.lcm(bk, bk2))
+    sp, tp = fb.round_up(s, math.lcm(bq, bq2)), fb.round_up(t, math.lcm(bk, bk2))
     if segment_ids is not None:  # one id array serves queries and keys: one padded length
-        sp = tp = _round_up(s, math.lcm(bq, bq2, bk, bk2))
-    st = _Static(causal=causal, scale=float(d ** -0.5 if sm_scale is None else sm_scale),
+        sp = tp = fb.round_up(s, math.lcm(bq, bq2, bk, bk2))
+    st = fb.Static(causal=causal, scale=float(d ** -0.5 if sm_scale is None else sm_scale),
                  bq=bq, bk=bk, nq=sp // bq, nk=tp // bk, groups=hq // hk, offset=t - s, kv_len=t,
                  padded_kv=tp != t, segments=segment_ids is not None, lanes=d % 128 == 0,
-                 interpret=not _on_tpu() if interpret is None else bool(interpret),
+                 interpret=not fb.on_tpu() if interpret is None else bool(interpret),
                  dkv_blocks=(bq2, bk2))
     if not st.interpret and any(x % 128 for x in (bq, bk, bq2, bk2)):
         raise ValueError(f"block_sizes {bs}: compiled for TPU the blocks must be multiples of 128 "
@@ -607,9 +386,9 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
     if segment_ids is not None:
         seg = pad(segment_ids.astype(jnp.int32), sp)[:, None, :]
     if kind == "elementwise":
-        g = _tiles(pad(gate, sp), st.lanes)
+        g = fb.tiles(pad(gate, sp), st.lanes)
     elif kind == "headwise":
         g = pad(gate.reshape(b, s, hq), sp).transpose(0, 2, 1)[:, :, None]
-    y = _flash(st, kind, shape, kv_shape, _tiles(q_p, st.lanes), _tiles(k_p, st.lanes),
-               _tiles(v_p, st.lanes), seg, g)
-    return _untiles(y, shape, st.lanes)[:, :s]
+    y = _flash(st, kind, shape, kv_shape, fb.tiles(q_p, st.lanes), fb.tiles(k_p, st.lanes),
+               fb.tiles(v_p, st.lanes), seg, g)
+    return fb.untiles(y, shape, st.lanes)[:, :s]
