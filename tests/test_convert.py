@@ -1,5 +1,6 @@
-"""Hugging Face interop (gattn/interop/convert.py): small random transformers models, saved with
-save_pretrained, converted, and compared with gattn's forward pass on the same tokens (float32).
+"""Hugging Face interop (gattn/interop/: convert.py, hf_config.py, weights.py): small random
+transformers models, saved with save_pretrained, converted, and compared with gattn's forward pass
+on the same tokens (float32).
 
 The authors' release is not in transformers: `release_model` builds it from its documented layout
 (their modeling_qwen3.py: q_proj widened per kv group, [queries of the group's heads | gates], the
@@ -18,10 +19,10 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from gattn.interop import convert
+from gattn.interop import convert, hf_config, weights
 from gattn.train import rundir
 from gattn.config import ConfigError
-from gattn.interop.convert import ConversionError
+from gattn.interop.weights import ConversionError
 
 TOL = dict(rtol=2e-4, atol=2e-4)  # float32 logits of two implementations (values ~ 1-10)
 DIMS = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -255,7 +256,7 @@ def test_bad_folders_are_refused_and_nothing_is_written(tmp_path, tokenizer_file
     refused(bad, "config.json architectures.*GPT2LMHeadModel.*Qwen3ForCausalLM", ConfigError)
     # Layers gattn does not have.
     nxt = json.loads(json.dumps({**cfg, "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}))
-    for flag in convert.RELEASE_FLAGS:
+    for flag in hf_config.RELEASE_FLAGS:
         nxt.pop(flag)
     (bad / "config.json").write_text(json.dumps({**nxt, "layer_types": ["linear_attention", "full_attention"]}))
     refused(bad, "layer_types.*linear_attention", ConfigError)
@@ -284,16 +285,16 @@ def test_export_refuses_what_no_layout_holds(tmp_path, tokenizer_file):
     from gattn.config import GateSpec, ModelConfig
 
     with pytest.raises(ConfigError, match="model.gate.*head-specific, input-dependent sigmoid"):
-        convert.export_layout(ModelConfig(gate=GateSpec(position="value")))
+        hf_config.export_layout(ModelConfig(gate=GateSpec(position="value")))
     with pytest.raises(ConfigError, match="model.sandwich_norm"):
-        convert.export_layout(ModelConfig(sandwich_norm=True))
+        hf_config.export_layout(ModelConfig(sandwich_norm=True))
     with pytest.raises(ConfigError, match="model.qk_norm.*qwen3_next"):
-        convert.export_layout(ModelConfig(gate=GateSpec()), "qwen3_next")
+        hf_config.export_layout(ModelConfig(gate=GateSpec()), "qwen3_next")
     with pytest.raises(ConfigError, match="model.gate.*layout qwen3 holds no gate"):
-        convert.export_layout(ModelConfig(gate=GateSpec(), qk_norm=True), "qwen3")
-    assert convert.export_layout(ModelConfig(gate=GateSpec(granularity="headwise"), qk_norm=True)) == "release"
-    assert convert.export_layout(ModelConfig(gate=GateSpec(), qk_norm=True)) == "qwen3_next"
-    assert convert.export_layout(ModelConfig(qk_norm=False)) == "llama"
+        hf_config.export_layout(ModelConfig(gate=GateSpec(), qk_norm=True), "qwen3")
+    assert hf_config.export_layout(ModelConfig(gate=GateSpec(granularity="headwise"), qk_norm=True)) == "release"
+    assert hf_config.export_layout(ModelConfig(gate=GateSpec(), qk_norm=True)) == "qwen3_next"
+    assert hf_config.export_layout(ModelConfig(qk_norm=False)) == "llama"
 
 
 def test_eval_and_continued_training_on_a_converted_model(tmp_path, tokenizer_file):
@@ -342,31 +343,31 @@ def test_config_fields_are_read_as_transformers_5_reads_them():
     base = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 320, "hidden_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
             "max_position_embeddings": 4096}
-    cfg = convert.model_config(base, "qwen3")
+    cfg = hf_config.model_config(base, "qwen3")
     assert cfg.head_dim == 128 and cfg.rope_base == 10_000.0 and cfg.yarn is None  # Qwen3Config's defaults
     # v4's rope_scaling replaces rope_parameters whole (transformers: rope_scaling or rope_parameters).
     both = {**base, "rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}
-    cfg = convert.model_config(both, "qwen3")
+    cfg = hf_config.model_config(both, "qwen3")
     assert cfg.rope_base == 1e6 and (cfg.yarn.factor, cfg.yarn.original_len) == (4.0, 1024)
     # A top-level original_max_position_embeddings wins; a missing factor is max / original.
     top = {**base, "original_max_position_embeddings": 512,
            "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "original_max_position_embeddings": 1024}}
-    yarn = convert.model_config(top, "qwen3").yarn
+    yarn = hf_config.model_config(top, "qwen3").yarn
     assert (yarn.original_len, yarn.factor) == (512, 8.0)
     # Parameters nested per layer type (full attention only).
     nested = {**base, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e5}}}
-    assert convert.model_config(nested, "qwen3").rope_base == 5e5
+    assert hf_config.model_config(nested, "qwen3").rope_base == 5e5
     # Qwen3-Next: head_dim 256 and a quarter of it rotating unless config.json says otherwise.
     nxt = {**base, "architectures": ["Qwen3NextForCausalLM"], "layer_types": ["full_attention"] * 2,
            "mlp_only_layers": [0, 1]}
-    cfg = convert.model_config(nxt, "qwen3_next")
+    cfg = hf_config.model_config(nxt, "qwen3_next")
     assert (cfg.head_dim, cfg.rope_dim) == (256, 64)
     for field, value, match in [("rope_scaling", {"rope_type": "linear", "factor": 2.0}, "rope_type"),
                                 ("hidden_act", "gelu", "hidden_act.*gelu_pytorch_tanh"),
                                 ("mlp_bias", True, "mlp_bias")]:
         with pytest.raises(ConfigError, match=match):
-            convert.model_config({**base, field: value}, "qwen3")
+            hf_config.model_config({**base, field: value}, "qwen3")
 
 
 def _tied_config_untied_head(path, tokenizer_file):
@@ -383,7 +384,7 @@ def test_a_tied_config_with_a_different_stored_head_keeps_the_head(tmp_path, tok
     assert "tensor lm_head.weight differs from model.embed_tokens.weight" in capsys.readouterr().err
     assert cfg.tie_embeddings is False
     np.testing.assert_array_equal(tensors["lm_head.weight"], model.lm_head.weight.detach().numpy())
-    assert ("lm_head",) in convert.to_gattn(tensors, cfg, "qwen3")
+    assert ("lm_head",) in weights.to_gattn(tensors, cfg, "qwen3")
 
 
 @pytest.mark.slow

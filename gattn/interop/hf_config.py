@@ -1,0 +1,207 @@
+"""Hugging Face config.json <-> gattn ModelConfig, both ways: which layout a config.json is in,
+the gattn model it describes (refusing what gattn cannot represent), the config.json of a gattn
+model, and the layout a gattn model is exported in. The layouts are described in
+gattn/interop/convert.py."""
+
+from __future__ import annotations
+
+from gattn.config import ConfigError, GateSpec, ModelConfig, YarnSpec
+
+LAYOUTS = ("qwen3", "llama", "release", "qwen3_next")
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3NextForCausalLM": "qwen3_next"}
+RELEASE_FLAGS = ("headwise_attn_output_gate", "elementwise_attn_output_gate", "use_qk_norm", "qkv_bias")
+# Hugging Face hidden_act -> gattn ffn_activation (jax.nn.gelu is the tanh approximation).
+ACTIVATIONS = {"silu": "silu", "relu": "relu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
+EXPORT_ACTIVATIONS = {"silu": "silu", "relu": "relu", "gelu": "gelu_pytorch_tanh"}
+
+
+def detect_layout(hf: dict) -> str:
+    """The layout of a Hugging Face config.json (see gattn/interop/convert.py's docstring)."""
+    if any(flag in hf for flag in RELEASE_FLAGS):
+        return "release"  # the authors' files say model_type "qwen2" or "qwen3": the flags decide
+    names = list(hf.get("architectures") or [])
+    for name in names:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    by_type = {"qwen3": "qwen3", "llama": "llama", "qwen3_next": "qwen3_next"}
+    if not names and hf.get("model_type") in by_type:
+        return by_type[hf["model_type"]]
+    raise ConfigError("config.json architectures", names or hf.get("model_type"),
+                      f"expected one of {', '.join(ARCHITECTURES)} (or the authors' release, whose "
+                      f"config has {', '.join(RELEASE_FLAGS)})")
+
+
+def _field(hf: dict, key: str, default=None):
+    if key not in hf and default is None:
+        raise ConfigError(f"config.json {key}", None, "a required field is missing")
+    return hf.get(key, default)
+
+
+def _rope(hf: dict, default_partial: float) -> tuple[float, YarnSpec | None, float]:
+    """(base, yarn, partial rotary factor) as transformers 5 reads them: v4's rope_scaling, when
+    present, replaces rope_parameters whole; rope_theta and partial_rotary_factor at the top
+    level fill what the dict lacks; a top-level original_max_position_embeddings wins."""
+    spec = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    if isinstance(spec.get("full_attention"), dict):  # nested per layer type (only full attention here)
+        spec = dict(spec["full_attention"])
+    if any(isinstance(v, dict) for v in spec.values()):
+        raise ConfigError("config.json rope_parameters", sorted(spec), "one dict, or one per layer type "
+                          "with only 'full_attention'")
+    base = spec.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    partial = spec.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_partial))
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if kind == "default":
+        return float(base), None, float(partial)
+    if kind != "yarn":
+        raise ConfigError("config.json rope_type", kind, "expected 'default' or 'yarn'")
+    for unsupported in ("mscale", "mscale_all_dim"):
+        if spec.get(unsupported):
+            raise ConfigError(f"config.json rope_scaling.{unsupported}", spec[unsupported],
+                              "not supported (plain YaRN only)")
+    if spec.get("truncate") is False:
+        raise ConfigError("config.json rope_scaling.truncate", False, "gattn's YaRN truncates (True)")
+    original = (hf.get("original_max_position_embeddings") or spec.get("original_max_position_embeddings")
+                or hf.get("max_position_embeddings"))
+    factor = spec.get("factor") or _field(hf, "max_position_embeddings") / original
+    yarn = YarnSpec(factor=float(factor), original_len=int(original),
+                    beta_fast=float(spec.get("beta_fast") or 32), beta_slow=float(spec.get("beta_slow") or 1),
+                    attention_factor=spec.get("attention_factor"))
+    return float(base), yarn, float(partial)
+
+
+def model_config(hf: dict, layout: str) -> ModelConfig:
+    """The gattn model of a Hugging Face config.json in `layout`; fields gattn cannot represent
+    (sliding windows, linear-attention or MoE layers, exact GELU, MLP biases) are refused."""
+    d, heads = int(_field(hf, "hidden_size")), int(_field(hf, "num_attention_heads"))
+    layers = int(_field(hf, "num_hidden_layers"))
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+        raise ConfigError("config.json use_sliding_window", True, "gattn has no sliding-window attention")
+    if hf.get("mlp_bias"):
+        raise ConfigError("config.json mlp_bias", True, "gattn's SwiGLU has no biases")
+    act = hf.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise ConfigError("config.json hidden_act", act, f"expected one of {', '.join(ACTIVATIONS)}")
+    # transformers' defaults when config.json has no head_dim (the release's config: 128 too).
+    default_head_dim = {"qwen3": 128, "release": 128, "qwen3_next": 256}.get(layout, d // heads)
+    head_dim = int(hf.get("head_dim") or default_head_dim)
+    base, yarn, partial = _rope(hf, 0.25 if layout == "qwen3_next" else 1.0)  # (Qwen3NextConfig's default)
+    rope_dim = None if partial == 1.0 else int(head_dim * partial)
+    if rope_dim is not None and layout != "qwen3_next":
+        raise ConfigError("config.json partial_rotary_factor", partial, f"1.0 for layout {layout}")
+    gate, qk_norm, bias = None, layout in ("qwen3", "qwen3_next"), bool(hf.get("attention_bias", False))
+    if layout == "release":
+        qk_norm, bias = bool(hf.get("use_qk_norm", False)), bool(hf.get("qkv_bias", False))
+        if hf.get("headwise_attn_output_gate") and hf.get("elementwise_attn_output_gate"):
+            raise ConfigError("config.json headwise_attn_output_gate", True,
+                              "at most one of headwise / elementwise_attn_output_gate")
+        if hf.get("headwise_attn_output_gate"):
+            gate = GateSpec(granularity="headwise")
+        elif hf.get("elementwise_attn_output_gate"):
+            gate = GateSpec(granularity="elementwise")
+    if layout == "qwen3_next":
+        gate = GateSpec(granularity="elementwise")
+        kinds = hf.get("layer_types") or []
+        if any(k != "full_attention" for k in kinds):
+            raise ConfigError("config.json layer_types", sorted(set(kinds)),
+                              "only 'full_attention' layers (gattn has no linear attention)")
+        sparse = [i for i in range(layers) if i not in (hf.get("mlp_only_layers") or [])
+                  and hf.get("num_experts", 0) > 0 and (i + 1) % hf.get("decoder_sparse_step", 1) == 0]
+        if sparse:
+            raise ConfigError("config.json num_experts", hf.get("num_experts"),
+                              f"dense MLPs only (layers {sparse} would be MoE): set mlp_only_layers to all")
+    return ModelConfig(
+        vocab_size=int(_field(hf, "vocab_size")), d_model=d, num_layers=layers, q_heads=heads,
+        kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
+        d_ff=int(_field(hf, "intermediate_size")), ffn_activation=ACTIVATIONS[act],
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_base=base, yarn=yarn,
+        rope_dim=rope_dim, qk_norm=qk_norm, attention_bias=bias, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        gate=gate)
+
+
+def hf_config(cfg: ModelConfig, layout: str, max_len: int) -> dict:
+    """The Hugging Face config.json of gattn model `cfg` in `layout` (see `export_layout`)."""
+    rope = {"rope_theta": cfg.rope_base, "rope_type": "default"}
+    if cfg.yarn is not None:
+        y = cfg.yarn
+        rope.update(rope_type="yarn", factor=y.factor, original_max_position_embeddings=y.original_len,
+                    beta_fast=y.beta_fast, beta_slow=y.beta_slow)
+        if y.attention_factor is not None:
+            rope["attention_factor"] = y.attention_factor
+    if cfg.rope_dim is not None or layout == "qwen3_next":  # (Qwen3-Next's default is 0.25)
+        rope["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
+    out = {
+        "architectures": [{v: k for k, v in ARCHITECTURES.items()}.get(layout, "Qwen3ForCausalLM")],
+        "model_type": {"llama": "llama", "qwen3_next": "qwen3_next"}.get(layout, "qwen3"),
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_width,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.q_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+        "hidden_act": EXPORT_ACTIVATIONS[cfg.ffn_activation],
+        "max_position_embeddings": max_len, "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0, "use_cache": True, "torch_dtype": "float32",
+        # v5 reads rope_parameters; v4 reads rope_theta / rope_scaling / partial_rotary_factor.
+        "rope_parameters": rope, "rope_theta": cfg.rope_base,
+        "rope_scaling": None if cfg.yarn is None else {k: v for k, v in rope.items() if k != "rope_theta"},
+    }
+    if "partial_rotary_factor" in rope:
+        out["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    if layout in ("qwen3", "release"):
+        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers,
+                   layer_types=["full_attention"] * cfg.num_layers)
+    if layout == "llama":
+        out["mlp_bias"] = False
+    if layout == "release":
+        # Loads with the authors' modeling_qwen3.py / configuration_qwen3.py next to it
+        # (trust_remote_code). A model type transformers does not know keeps its own Qwen3 code
+        # from loading these weights without their gate, biases or norms.
+        out.update(model_type="qwen3_gated_attention",
+                   auto_map={"AutoConfig": "configuration_qwen3.Qwen3Config",
+                             "AutoModelForCausalLM": "modeling_qwen3.Qwen3ForCausalLM"})
+        out.update(headwise_attn_output_gate=cfg.gate is not None and cfg.gate.granularity == "headwise",
+                   elementwise_attn_output_gate=cfg.gate is not None and cfg.gate.granularity == "elementwise",
+                   use_qk_norm=cfg.qk_norm, qkv_bias=cfg.attention_bias, attention_bias=False)
+    if layout == "qwen3_next":
+        out.update(layer_types=["full_attention"] * cfg.num_layers, mlp_only_layers=list(range(cfg.num_layers)),
+                   num_experts=0, decoder_sparse_step=1)
+    return out
+
+
+def export_layout(cfg: ModelConfig, layout: str = "auto") -> str:
+    """The Hugging Face layout gattn model `cfg` is written in. auto: a layout transformers loads
+    natively where one exists (qwen3 / llama without a gate, qwen3_next for an elementwise gate
+    with QK-norm), else the authors' release layout. Models no layout holds are refused, naming
+    the field."""
+    g = cfg.gate
+    checks = [("sdpa_nonlinearity", cfg.sdpa_nonlinearity, cfg.sdpa_nonlinearity == "none", "'none'"),
+              ("switch_heads", cfg.switch_heads, cfg.switch_heads is None, "None"),
+              ("moe", cfg.moe, cfg.moe is None, "None (MoE checkpoints are not converted yet)"),
+              ("sandwich_norm", cfg.sandwich_norm, not cfg.sandwich_norm, "False"),
+              ("output_clip", cfg.output_clip, cfg.output_clip is None, "None"),
+              ("gate", g, g is None or (g.fusable and g.granularity in ("elementwise", "headwise")),
+               "None or a head-specific, input-dependent sigmoid gate on the SDPA output (G1)")]
+    for name, value, ok, allowed in checks:
+        if not ok:
+            raise ConfigError(f"model.{name}", value, f"{allowed} to export to Hugging Face")
+    if layout == "auto":
+        if g is None:
+            layout = "qwen3" if cfg.qk_norm else "llama"
+        elif g.granularity == "elementwise" and cfg.qk_norm:
+            layout = "qwen3_next"
+        else:
+            layout = "release"
+    if layout not in LAYOUTS:
+        raise ConfigError("--layout", layout, f"expected auto or one of {', '.join(LAYOUTS)}")
+    need = {"qwen3": (g is None, cfg.qk_norm), "llama": (g is None, not cfg.qk_norm),
+            "qwen3_next": (g is not None and g.granularity == "elementwise", cfg.qk_norm),
+            "release": (True, True)}[layout]
+    if not need[0]:
+        raise ConfigError("model.gate", g, f"layout {layout} holds "
+                          + ("no gate" if layout in ("qwen3", "llama") else "an elementwise gate"))
+    if not need[1]:
+        raise ConfigError("model.qk_norm", cfg.qk_norm, f"{not cfg.qk_norm} for layout {layout}")
+    if cfg.rope_dim is not None and cfg.rope_dim != cfg.head_dim and layout != "qwen3_next":
+        raise ConfigError("model.rope_dim", cfg.rope_dim, f"None (all of head_dim) for layout {layout}")
+    if cfg.rope_dim is not None and int(cfg.head_dim * (cfg.rope_dim / cfg.head_dim)) != cfg.rope_dim:
+        raise ConfigError("model.rope_dim", cfg.rope_dim, f"a value transformers recovers from "
+                          f"partial_rotary_factor = rope_dim / head_dim ({cfg.head_dim}) without rounding")
+    return layout

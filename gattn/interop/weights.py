@@ -1,0 +1,234 @@
+"""Hugging Face tensors <-> gattn parameters, both ways: the files a model folder keeps them in
+(safetensors or pytorch_model.bin), every tensor name and shape of a layout, and the mapping
+(transposes, the gate packed into q_proj, Qwen3-Next's 1 + w norms). The layouts are described
+in gattn/interop/convert.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from gattn.config import ModelConfig
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exports carry
+
+
+# Here, in the lowest module that raises it; convert.py imports it (and read_json) from here.
+class ConversionError(ValueError):
+    """A Hugging Face folder or a gattn run that cannot be converted; names the file, tensor or field."""
+
+
+def read_json(path: Path, text: str | bytes | None = None) -> dict:
+    """The JSON object in file `path` (or in `text`, read from it): anything else is one line
+    naming the file and where the JSON breaks."""
+    try:
+        data = json.loads(path.read_bytes() if text is None else text)
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise ConversionError(f"{path}: not valid JSON (not UTF-8 at byte offset {e.start})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: expected a JSON object, not a {type(data).__name__}")
+    return data
+
+
+# --------------------------------------------------------------------------- tensors on disk
+
+
+class TensorFiles:
+    """The tensors of a model folder: safetensors (one file or an index of shards) or
+    pytorch_model.bin files (read with torch, if installed). Nothing is read until `get`."""
+
+    def __init__(self, src: Path):
+        self.src, self.where = src, {}
+        index = next((src / n for n in ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+                      if (src / n).is_file()), None)
+        if index is not None:
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ConversionError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
+        else:
+            single = next((n for n in ("model.safetensors", "pytorch_model.bin") if (src / n).is_file()), None)
+            if single is None:
+                raise ConversionError(f"{src}: no model.safetensors, pytorch_model.bin or index of shards")
+            weight_map = {name: single for name in self._names(src / single)}
+        for name, shard in weight_map.items():
+            if not (src / shard).is_file():
+                raise ConversionError(f"shard {shard} (holding tensor {name}) is missing from {src}")
+        self.where = weight_map
+        self._open = {}
+
+    @staticmethod
+    def _names(path: Path) -> list[str]:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open  # noqa: PLC0415
+
+            with safe_open(path, framework="flax") as f:
+                return list(f.keys())
+        return list(_torch_load(path))
+
+    def _file(self, shard: str):
+        if shard not in self._open:
+            path = self.src / shard
+            if path.suffix == ".safetensors":
+                from safetensors import safe_open  # noqa: PLC0415
+
+                self._open[shard] = safe_open(path, framework="flax")
+            else:
+                self._open[shard] = _torch_load(path)
+        return self._open[shard]
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor in float32 (bf16 and fp16 widen exactly)."""
+        f = self._file(self.where[name])
+        if isinstance(f, dict):
+            return f[name].float().numpy()
+        return np.asarray(f.get_tensor(name), dtype=np.float32)
+
+
+def _torch_load(path: Path) -> dict:
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        raise ConversionError(f"{path} is a PyTorch pickle: install torch to read it, or save the model "
+                              "with safetensors (save_pretrained(..., safe_serialization=True))") from None
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+# --------------------------------------------------------------------------- tensor layouts
+
+
+def _split_q(w: np.ndarray, cfg: ModelConfig, layout: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """q_proj rows ([out] + rest) -> (W_Q rows [H*K, ...], gate rows [H*width, ...] or None)."""
+    g, hq, hk, k = cfg.gate, cfg.q_heads, cfg.kv_heads, cfg.head_dim
+    if g is None:
+        return w, None
+    rest = w.shape[1:]
+    if layout == "qwen3_next":
+        per_head = w.reshape(hq, 2 * k, *rest)
+        return per_head[:, :k].reshape(hq * k, *rest), per_head[:, k:].reshape(hq * k, *rest)
+    per_group = w.reshape(hk, -1, *rest)  # release: [queries of the G heads | their gates]
+    q_rows = cfg.group_size * k
+    return per_group[:, :q_rows].reshape(hq * k, *rest), per_group[:, q_rows:].reshape(-1, *rest)
+
+
+def _join_q(q: np.ndarray, gate: np.ndarray | None, cfg: ModelConfig, layout: str) -> np.ndarray:
+    """The inverse of `_split_q`."""
+    hq, hk, k = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+    if gate is None:
+        return q
+    rest = q.shape[1:]
+    if layout == "qwen3_next":
+        both = np.concatenate([q.reshape(hq, k, *rest), gate.reshape(hq, k, *rest)], axis=1)
+    else:
+        both = np.concatenate([q.reshape(hk, -1, *rest), gate.reshape(hk, -1, *rest)], axis=1)
+    return both.reshape(-1, *rest)
+
+
+def _q_rows(cfg: ModelConfig) -> int:
+    heads, width = cfg.gate.shape(cfg) if cfg.gate is not None else (0, 0)
+    return cfg.q_heads * cfg.head_dim + heads * width
+
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the Hugging Face model and its shape."""
+    d, f, v = cfg.d_model, cfg.ffn_width, cfg.vocab_size
+    kv = cfg.kv_heads * cfg.head_dim
+    out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (v, d)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        attn = {"q_proj": (_q_rows(cfg), d), "k_proj": (kv, d), "v_proj": (kv, d),
+                "o_proj": (d, cfg.q_heads * cfg.head_dim)}
+        for name, shape in attn.items():
+            out[f"{p}self_attn.{name}.weight"] = shape
+            if cfg.attention_bias:
+                out[f"{p}self_attn.{name}.bias"] = shape[:1]
+        if cfg.qk_norm:
+            out[f"{p}self_attn.q_norm.weight"] = out[f"{p}self_attn.k_norm.weight"] = (cfg.head_dim,)
+        out.update({f"{p}input_layernorm.weight": (d,), f"{p}post_attention_layernorm.weight": (d,),
+                    f"{p}mlp.gate_proj.weight": (f, d), f"{p}mlp.up_proj.weight": (f, d),
+                    f"{p}mlp.down_proj.weight": (d, f)})
+    return out
+
+
+def _norm_names(cfg: ModelConfig) -> list[str]:
+    names = ["model.norm.weight"]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+        if cfg.qk_norm:
+            names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
+    return names
+
+
+def to_gattn(tensors: dict[str, np.ndarray], cfg: ModelConfig, layout: str) -> dict[tuple, np.ndarray]:
+    """Hugging Face tensors -> gattn parameters {path: array} of the unscanned model."""
+    t = dict(tensors)
+    if layout == "qwen3_next":  # (1 + w) norms: gattn's scale is the whole factor
+        for name in _norm_names(cfg):
+            t[name] = (1.0 + t[name].astype(np.float32)).astype(np.float32)
+    out = {("embed",): t["model.embed_tokens.weight"], ("final_norm", "scale"): t["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        out[("lm_head",)] = t["lm_head.weight"].T
+    for i in range(cfg.num_layers):
+        p, b = f"model.layers.{i}.", ("blocks", i)
+        a = p + "self_attn."
+        q, gate = _split_q(t[a + "q_proj.weight"], cfg, layout)
+        out.update({b + ("attn_norm", "scale"): t[p + "input_layernorm.weight"],
+                    b + ("ffn_norm", "scale"): t[p + "post_attention_layernorm.weight"],
+                    b + ("attn", "wq"): q.T, b + ("attn", "wk"): t[a + "k_proj.weight"].T,
+                    b + ("attn", "wv"): t[a + "v_proj.weight"].T, b + ("attn", "wo"): t[a + "o_proj.weight"].T,
+                    b + ("ffn", "w1"): t[p + "mlp.gate_proj.weight"].T,
+                    b + ("ffn", "w3"): t[p + "mlp.up_proj.weight"].T,
+                    b + ("ffn", "w2"): t[p + "mlp.down_proj.weight"].T})
+        if gate is not None:
+            out[b + ("attn", "gate", "w")] = gate.T
+        if cfg.attention_bias:
+            qb, gb = _split_q(t[a + "q_proj.bias"], cfg, layout)
+            out.update({b + ("attn", "bq"): qb, b + ("attn", "bk"): t[a + "k_proj.bias"],
+                        b + ("attn", "bv"): t[a + "v_proj.bias"], b + ("attn", "bo"): t[a + "o_proj.bias"]})
+            if gb is not None:
+                out[b + ("attn", "gate", "b")] = gb
+        if cfg.qk_norm:
+            out[b + ("attn", "q_norm")] = t[a + "q_norm.weight"]
+            out[b + ("attn", "k_norm")] = t[a + "k_norm.weight"]
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def from_gattn(params: dict[tuple, np.ndarray], cfg: ModelConfig, layout: str) -> dict[str, np.ndarray]:
+    """gattn parameters {path: array} of the unscanned model -> Hugging Face tensors."""
+    P = params
+    out = {"model.embed_tokens.weight": P[("embed",)], "model.norm.weight": P[("final_norm", "scale")]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = P[("lm_head",)].T
+    for i in range(cfg.num_layers):
+        p, b = f"model.layers.{i}.", ("blocks", i)
+        a = p + "self_attn."
+        gate = P[b + ("attn", "gate", "w")].T if cfg.gate is not None else None
+        out.update({p + "input_layernorm.weight": P[b + ("attn_norm", "scale")],
+                    p + "post_attention_layernorm.weight": P[b + ("ffn_norm", "scale")],
+                    a + "q_proj.weight": _join_q(P[b + ("attn", "wq")].T, gate, cfg, layout),
+                    a + "k_proj.weight": P[b + ("attn", "wk")].T, a + "v_proj.weight": P[b + ("attn", "wv")].T,
+                    a + "o_proj.weight": P[b + ("attn", "wo")].T,
+                    p + "mlp.gate_proj.weight": P[b + ("ffn", "w1")].T,
+                    p + "mlp.up_proj.weight": P[b + ("ffn", "w3")].T,
+                    p + "mlp.down_proj.weight": P[b + ("ffn", "w2")].T})
+        if cfg.attention_bias:
+            gb = P[b + ("attn", "gate", "b")] if cfg.gate is not None else None
+            out.update({a + "q_proj.bias": _join_q(P[b + ("attn", "bq")], gb, cfg, layout),
+                        a + "k_proj.bias": P[b + ("attn", "bk")], a + "v_proj.bias": P[b + ("attn", "bv")],
+                        a + "o_proj.bias": P[b + ("attn", "bo")]})
+        if cfg.qk_norm:
+            out[a + "q_norm.weight"] = P[b + ("attn", "q_norm")]
+            out[a + "k_norm.weight"] = P[b + ("attn", "k_norm")]
+    if layout == "qwen3_next":
+        for name in _norm_names(cfg):
+            out[name] = out[name].astype(np.float32) - 1.0
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
