@@ -229,3 +229,23 @@ def test_the_moe_path_is_chosen_by_the_config_and_checked_against_the_mesh():
         assert e.value.field == "exec.moe_impl" and allowed in e.value.allowed, e.value
     ok = cli.apply_overrides(moe, ["exec.moe_impl=all_to_all", "model.moe.capacity_factor=1.25", "mesh.expert=4"])
     assert ok.exec.moe_impl == "all_to_all"
+
+
+def test_every_name_of_the_config_package_is_importable_from_gattn_config():
+    """gattn.config is a package (checks, model, execution, train, data); callers import every public
+    name from the package itself, and every dataclass's type hints resolve in its own module (from_dict
+    and the overrides read them)."""
+    import importlib
+    import pkgutil
+    import typing
+    for info in pkgutil.iter_modules(C.__path__):
+        module = importlib.import_module(f"gattn.config.{info.name}")
+        public = [n for n, v in vars(module).items() if not n.startswith("_") and getattr(v, "__module__",
+                  module.__name__) == module.__name__ and (n.isupper() or isinstance(v, type))]
+        assert public and set(public) <= set(C.__all__), (info.name, set(public) - set(C.__all__))
+        for value in vars(module).values():
+            if dataclasses.is_dataclass(value):
+                typing.get_type_hints(value)
+    assert all(getattr(C, n) is not None for n in C.__all__)
+    cfg = cli.apply_overrides(C.Config(), ["model.gate.position=G2", "data.backcopy.chars=9", "mesh.model=2"])
+    assert C.from_dict(C.Config, C.to_dict(cfg)) == cfg

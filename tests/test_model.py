@@ -228,7 +228,7 @@ def test_packed_loss_equals_the_loss_of_each_document_alone():
 
 
 def test_config_name_lists_match_the_implementations():
-    """config.py (JAX-free) lists the names; the modules hold the functions: they must agree."""
+    """gattn.config (JAX-free) lists the names; the modules hold the functions: they must agree."""
     from gattn import config, kernels
     from gattn.model import layers
     from gattn.model import transformer as model_lib

@@ -1,0 +1,138 @@
+"""The schema of a run: typed, frozen dataclasses for the gate design space, the architecture,
+the execution settings, training, data and the mesh.
+
+Every value is checked when the object is built, before any JAX work, and a bad value raises
+`ConfigError` naming the field, the value and what is allowed. This package imports nothing from
+the rest of gattn and no JAX, so checking a config is instant; reading config files and
+command-line overrides is `gattn.cli`'s job.
+
+Where each part lives (every name is importable from `gattn.config` itself):
+    checks.py     ConfigError, the choice tuples (POSITIONS ... DECODE_ERRORS), the validators
+    model.py      the architecture: ModelConfig, GateSpec, MoESpec, SwitchHeadsSpec, YarnSpec,
+                  POSITION_FIELDS
+    execution.py  how and where it is computed: ExecConfig, MOVED_TO_EXEC, MeshConfig
+    train.py      TrainConfig, LR_PRESETS
+    data.py       DataConfig, BackcopySpec, BACKCOPY
+    __init__.py   Config (the run: all of the above) and its dicts: from_dict, to_dict,
+                  flat_fields, differences (a run's config.json)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from gattn.config.checks import (ATTENTION_IMPLS, DECODE_ERRORS, DTYPES, FFN_ACTIVATIONS, FORMS, GATE_ACTIVATIONS,
+                                 GRANULARITIES, GROUPED_MATMULS, LBL_SCOPES, MOE_IMPLS, POSITIONS, REMAT_POLICIES,
+                                 SDPA_NONLINEARITIES, SHARINGS, SWITCH_TARGETS, ConfigError)
+from gattn.config.data import BACKCOPY, BackcopySpec, DataConfig
+from gattn.config.execution import MOVED_TO_EXEC, ExecConfig, MeshConfig
+from gattn.config.model import POSITION_FIELDS, GateSpec, ModelConfig, MoESpec, SwitchHeadsSpec, YarnSpec
+from gattn.config.train import LR_PRESETS, TrainConfig
+
+__all__ = [
+    "ATTENTION_IMPLS", "BACKCOPY", "DECODE_ERRORS", "DTYPES", "FFN_ACTIVATIONS", "FORMS", "GATE_ACTIVATIONS",
+    "GRANULARITIES", "GROUPED_MATMULS", "LBL_SCOPES", "LR_PRESETS", "MOE_IMPLS", "MOVED_TO_EXEC", "POSITIONS", "POSITION_FIELDS",
+    "REMAT_POLICIES", "SDPA_NONLINEARITIES", "SHARINGS", "SWITCH_TARGETS",
+    "BackcopySpec", "Config", "ConfigError", "DataConfig", "ExecConfig", "GateSpec", "MeshConfig", "ModelConfig",
+    "MoESpec", "SwitchHeadsSpec", "TrainConfig", "YarnSpec",
+    "differences", "flat_fields", "from_dict", "to_dict",
+]
+
+
+@dataclass(frozen=True)
+class Config:
+    """A run: the architecture (`model`), how it trains (`train`) on what (`data`), and where and
+    how it is computed (`mesh`, `exec`: free to change between runs of the same checkpoint)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    exec: ExecConfig = field(default_factory=ExecConfig)
+    # The registered variant (gattn.variants) that `gattn.cli.load` applied to the config file's
+    # model. It is a record, not a switch: choose a variant with `--variant NAME` (or
+    # `--config.variant=NAME`); gattn.cli checks the name against the registry.
+    variant: str = "baseline"
+
+    def __post_init__(self):
+        if not isinstance(self.variant, str) or not self.variant:
+            raise ConfigError("variant", self.variant, "expected a registered variant's name "
+                              "(python -m gattn.variants)")
+        for name, kind in (("model", ModelConfig), ("train", TrainConfig), ("data", DataConfig),
+                           ("mesh", MeshConfig), ("exec", ExecConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(name, type(getattr(self, name)).__name__, f"expected a {kind.__name__}")
+        if self.exec.moe_impl == "all_to_all":
+            moe = self.model.moe
+            if moe is None or moe.capacity_factor is None:
+                raise ConfigError("exec.moe_impl", "all_to_all", "the explicit all-to-all needs a MoE model with "
+                                  "model.moe.capacity_factor set (fixed-size buffers); use 'partitioned'")
+            if self.mesh.expert < 2 or moe.num_experts % self.mesh.expert:
+                raise ConfigError("exec.moe_impl", "all_to_all", f"it splits the {moe.num_experts} experts over "
+                                  f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them")
+        if self.exec.moe_impl == "ragged":
+            moe = self.model.moe
+            if moe is None or moe.capacity_factor is not None:
+                raise ConfigError("exec.moe_impl", "ragged", "dropless expert parallelism needs a MoE model "
+                                  "with model.moe.capacity_factor None; use 'all_to_all' with a capacity")
+            if self.mesh.expert < 2 or moe.num_experts % self.mesh.expert:
+                raise ConfigError("exec.moe_impl", "ragged", f"it splits the {moe.num_experts} experts over "
+                                  f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them")
+
+
+# --------------------------------------------------------------------------- dicts (config.json)
+
+
+def from_dict(cls: type, tree: dict, prefix: str = "") -> Any:
+    """The dataclass `cls` from a JSON-like dict (`dataclasses.asdict` of one, e.g. a run's
+    config.json); nested configs are rebuilt, every value is checked as usual. A `Config` written
+    before the architecture / execution split has its execution fields under "model": they are
+    read as `exec`."""
+    if cls is Config and any(k in MOVED_TO_EXEC for k in tree.get("model", {})):
+        tree = dict(tree, model=dict(tree["model"]), exec=dict(tree.get("exec", {})))
+        for name in MOVED_TO_EXEC:
+            if name in tree["model"]:
+                tree["exec"].setdefault(name, tree["model"].pop(name))
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in tree.items():
+        path = f"{prefix}.{name}" if prefix else name
+        if name not in fields:
+            raise ConfigError(path, None, f"unknown field; {cls.__name__} has {', '.join(sorted(fields))}")
+        sub = next((a for a in (hints[name], *typing.get_args(hints[name])) if dataclasses.is_dataclass(a)), None)
+        kwargs[name] = from_dict(sub, value, path) if sub is not None and isinstance(value, dict) else value
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise e.under(prefix) from None
+
+
+def to_dict(cfg: Any) -> dict:
+    """A config as JSON would hold it (what a run's config.json stores)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def flat_fields(tree: Any) -> dict:
+    """{"model.gate.position": value, ...}: a config (or its JSON dict, as in config.json) as
+    dotted field paths, values as JSON would hold them (for comparing two configs field by field)."""
+    if dataclasses.is_dataclass(tree):
+        tree = to_dict(tree)
+    out = {}
+    for k, v in tree.items():
+        out.update({f"{k}.{kk}": vv for kk, vv in flat_fields(v).items()} if isinstance(v, dict) else {k: v})
+    return out
+
+
+def differences(now: Any, then: Any, under: tuple[str, ...], *, may_differ: tuple[str, ...] = ()) -> list[tuple]:
+    """[(field, now, then), ...]: the dotted fields starting with one of `under` whose values
+    differ between two configs (or their config.json dicts), except those starting with one of
+    `may_differ`. A run written before the execution split is read with `from_dict` first."""
+    now = flat_fields(from_dict(Config, now) if isinstance(now, dict) else now)
+    then = flat_fields(from_dict(Config, then) if isinstance(then, dict) else then)
+    return [(k, now.get(k), then.get(k)) for k in sorted(set(now) | set(then))
+            if k.startswith(under) and not k.startswith(may_differ) and now.get(k) != then.get(k)]

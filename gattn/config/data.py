@@ -1,0 +1,106 @@
+"""What a run trains on: `DataConfig` (text source, tokenizer, batching of held-out data) and
+the synthetic Bigram-Backcopy task's `BackcopySpec`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gattn.config.checks import DECODE_ERRORS, ConfigError, _bool, _choice, _integer
+
+
+BACKCOPY = "bigram_backcopy"  # data.source of the synthetic Bigram-Backcopy task (gattn/data/backcopy.py)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+@dataclass(frozen=True)
+class BackcopySpec:
+    """Bigram-Backcopy (Guo et al. 2024), the task that makes attention sinks form in small models
+    (docs/sinks.md): each row is one sequence `<s> x1 x2 ...` over the `chars` most frequent
+    characters of the embedded docs. After a trigger character of set j the next token copies the
+    token offsets[j] places before the trigger; after any other character it is drawn from the
+    docs' character bigrams.
+
+    chars:    vocabulary size besides <s>.
+    triggers: trigger sets as character frequency ranks (0 = the most frequent, a space), a set's
+              ranks separated by ',' and sets by '|': "0,1,2" is Guo's one set of the top 3;
+              "0|1|2|3" four one-character sets.
+    offsets:  per trigger set, how far before the trigger the copied token is (1 = the token
+              just before it, Guo's task), separated by ','.
+    """
+
+    chars: int = 63
+    triggers: str = "0,1,2"
+    offsets: str = "1"
+
+    def __post_init__(self):
+        _integer("chars", self.chars)
+        if self.chars < 2:
+            raise ConfigError("chars", self.chars, "expected at least 2 characters")
+        try:
+            sets = self.trigger_sets
+        except (AttributeError, ValueError):
+            raise ConfigError("triggers", self.triggers, "expected ranks like '0,1,2' or sets like '0|1|2'") from None
+        ranks = [r for s in sets for r in s]
+        if any(not 0 <= r < self.chars for r in ranks) or len(set(ranks)) != len(ranks):
+            raise ConfigError("triggers", self.triggers,
+                              f"expected distinct character ranks in 0..{self.chars - 1}, each in one set")
+        if len(ranks) >= self.chars:
+            raise ConfigError("triggers", self.triggers, f"expected fewer triggers than chars ({self.chars})")
+        try:
+            offsets = self.offset_list
+        except (AttributeError, ValueError):
+            offsets = []
+        if len(offsets) != len(sets) or any(o < 1 for o in offsets):
+            raise ConfigError("offsets", self.offsets,
+                              f"expected one integer >= 1 per trigger set ({len(sets)}), separated by ','")
+
+    @property
+    def trigger_sets(self) -> list[list[int]]:
+        return [_int_list(s) for s in self.triggers.split("|")]
+
+    @property
+    def offset_list(self) -> list[int]:
+        return _int_list(self.offsets)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from and how it becomes tokens (gattn/data)."""
+
+    source: str = "embedded"        # "embedded" (CPython docs + stdlib sources) or a folder path
+    code_max_bytes: int = 1_500_000  # how much stdlib source the embedded corpus takes
+    tokenizer: str = ""             # a SentencePiece .model file; "" trains one of model.vocab_size
+    shuffle_window: int = 256       # packed rows shuffled together (decorrelates batches)
+    eval_batches: int = 4           # held-out batches per domain for validation
+    eval_batch_size: int = 8
+    # A folder's text that is not valid UTF-8: "strict" refuses it, naming the file and the byte
+    # offset; "replace" decodes it with U+FFFD and reports how many bytes were replaced.
+    decode_errors: str = "strict"
+    # Natural text: a fixed BOS token opens each document (a fixed first token, the literature's
+    # strongest attention-sink recipe; docs/sinks.md). document_resets: positions restart and
+    # attention stops at each document start (True), or each row is a plain window of
+    # concatenated text read as one sequence (False; Gu et al.'s setup).
+    bos: bool = False
+    document_resets: bool = True
+    backcopy: BackcopySpec = field(default_factory=BackcopySpec)  # used when source is 'bigram_backcopy'
+
+    def __post_init__(self):
+        if not isinstance(self.source, str) or not self.source:
+            raise ConfigError("source", self.source, "expected 'embedded' or a folder path")
+        _choice("decode_errors", self.decode_errors, DECODE_ERRORS)
+        if not isinstance(self.tokenizer, str):
+            raise ConfigError("tokenizer", self.tokenizer, "expected a path or ''")
+        for name in ("code_max_bytes", "shuffle_window", "eval_batches", "eval_batch_size"):
+            _integer(name, getattr(self, name))
+        _bool("bos", self.bos)
+        _bool("document_resets", self.document_resets)
+        if not isinstance(self.backcopy, BackcopySpec):
+            raise ConfigError("backcopy", self.backcopy, "expected a BackcopySpec")
+        if self.source == BACKCOPY:
+            for name, natural in (("bos", False), ("document_resets", True), ("tokenizer", "")):
+                if getattr(self, name) != natural:
+                    raise ConfigError(name, getattr(self, name), f"source {BACKCOPY!r} has its own <s> start "
+                                      f"token, one sequence per row and its own vocabulary: leave it {natural!r}")

@@ -1,0 +1,104 @@
+"""How and where the model is computed: `ExecConfig` (kernel, block sizes, remat, scan, dtype,
+the MoE path) and `MeshConfig`; free to change between runs of the same checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from gattn.config.checks import (ATTENTION_IMPLS, DTYPES, GROUPED_MATMULS, MOE_IMPLS, REMAT_POLICIES, ConfigError,
+                                 _bool, _choice, _integer)
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    """How the model is computed, not what it is: free to change on resume, in eval and when moving
+    to another machine (the checkpoint's parameters do not depend on any of it).
+
+    dtype:            compute dtype of activations and matmul inputs (parameters keep model.param_dtype).
+    scan_layers:      one jax.lax.scan over stacked blocks (fast compiles for deep models) instead
+                      of a Python loop; checkpoints convert between the two layouts on restore.
+    remat:            rematerialisation of each block in the backward pass: none, full, dots,
+                      dots_no_batch (which intermediates are saved).
+    attention_impl:   xla (the plain jnp reference) or pallas (the fused flash kernel with the gate;
+                      compiled by Mosaic on TPU, interpret mode elsewhere, ~100x slower);
+                      pallas_gpu (the fused kernel for GPUs, Triton; interpret mode elsewhere);
+                      cudnn (cuDNN attention, gate applied after it); auto (TPU -> pallas,
+                      GPU -> kernels.GPU_DEFAULT, else xla). docs/gpu.md.
+    attention_block_q: causal query block of the xla path (0 = no blocking).
+    attention_query_chunk: > 0: the xla path runs queries this many at a time in a loop
+                      (memory O(chunk * S) per layer; long contexts on CPU).
+    flash_block_q, flash_block_k: query / key blocks of the pallas kernel (multiples of 8; TPU
+                      wants multiples of 128).
+    moe_impl:         partitioned: the MoE layer is one program that XLA's partitioner splits over
+                      the mesh (dropless or with a capacity counted over the whole batch);
+                      all_to_all: tokens exchanged explicitly over the mesh's expert axis inside
+                      shard_map (needs model.moe.capacity_factor and mesh.expert > 1 dividing the
+                      experts; capacity is counted per data x expert shard); ragged: dropless
+                      expert parallelism, only the routed rows exchanged with ragged_all_to_all
+                      and grouped matmuls (needs a dropless MoE, capacity_factor None, and
+                      mesh.expert > 1 dividing the experts; gattn/model/dropless_ep.py). Chosen
+                      here, never by whatever mesh happens to be set.
+    moe_buffer:       ragged only: rows each device's experts can receive, as a multiple of the
+                      rows one shard routes (N_local * k). None = the worst case, every row of
+                      every shard of the expert group (mesh.expert x), so nothing can overflow; a
+                      smaller value (>= 1) saves memory and compute, and rows past it are dropped
+                      and counted (moe/dropped), never silently.
+    grouped_matmul:   ragged only: the local experts' grouped matmul, ragged_dot (jax.lax.ragged_dot)
+                      or megablox (the Pallas TPU kernel jax ships, gmm forward and gmm + tgmm
+                      backward; interpret mode on CPU, slow). docs/moe-and-mesh.md.
+    """
+
+    dtype: str = "float32"
+    scan_layers: bool = False
+    remat: str = "none"
+    attention_impl: str = "xla"
+    attention_block_q: int = 128
+    attention_query_chunk: int = 0
+    flash_block_q: int = 512
+    flash_block_k: int = 512
+    moe_impl: str = "partitioned"
+    moe_buffer: float | None = None
+    grouped_matmul: str = "ragged_dot"
+
+    def __post_init__(self):
+        _choice("dtype", self.dtype, DTYPES)
+        _bool("scan_layers", self.scan_layers)
+        _choice("remat", self.remat, REMAT_POLICIES)
+        _choice("attention_impl", self.attention_impl, ATTENTION_IMPLS)
+        _choice("moe_impl", self.moe_impl, MOE_IMPLS)
+        if self.moe_buffer is not None and not (isinstance(self.moe_buffer, (int, float))
+                                                and not isinstance(self.moe_buffer, bool)
+                                                and self.moe_buffer >= 1):
+            raise ConfigError("moe_buffer", self.moe_buffer, "expected None (the worst case) or a number >= 1")
+        _choice("grouped_matmul", self.grouped_matmul, GROUPED_MATMULS)
+        if self.grouped_matmul != "ragged_dot" and self.moe_impl != "ragged":
+            raise ConfigError("grouped_matmul", self.grouped_matmul, "megablox runs in the ragged MoE path only: "
+                              f"set moe_impl='ragged' (now {self.moe_impl!r}) or keep 'ragged_dot'")
+        _integer("attention_block_q", self.attention_block_q, zero_ok=True)
+        _integer("attention_query_chunk", self.attention_query_chunk, zero_ok=True)
+        for name in ("flash_block_q", "flash_block_k"):
+            _integer(name, getattr(self, name))
+            if getattr(self, name) % 8:
+                raise ConfigError(name, getattr(self, name), "expected a positive multiple of 8")
+
+
+# Fields that lived in ModelConfig before the architecture / execution split: a run's older
+# config.json and `--config.model.FIELD=...` overrides are read as `exec.FIELD`.
+MOVED_TO_EXEC = tuple(f.name for f in dataclasses.fields(ExecConfig))
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes (gattn/model/sharding.py): data parallel, expert parallel, model (tensor)
+    parallel. Their product is the device count; data = -1 takes what the others leave."""
+
+    data: int = -1
+    expert: int = 1
+    model: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.data, int) or isinstance(self.data, bool) or (self.data < 1 and self.data != -1):
+            raise ConfigError("data", self.data, "expected a positive integer or -1 (all remaining devices)")
+        _integer("expert", self.expert)
+        _integer("model", self.model)

@@ -1,0 +1,80 @@
+"""How a run trains: `TrainConfig` (optimisation, checkpointing, logging, continued training)
+and the paper's learning-rate presets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gattn.config.checks import ConfigError, _choice, _integer, _positive
+
+
+# The paper's learning-rate recipes (Sec. 3.2): name -> (max LR, final LR, warmup steps). The
+# paper gives the floor only for the MoE recipe; the dense presets decay to 1% of their peak.
+LR_PRESETS = {
+    "moe_15a2b": (2e-3, 3e-5, 1000),          # Table 1: 1k warmup, 2e-3 -> 3e-5, bsz 1024
+    "dense_400b": (4e-3, 4e-5, 1000),         # Table 2 rows 1-2, 5, 8-9 (bsz 1024)
+    "dense_3.5t": (4.5e-3, 4.5e-5, 1000),     # Table 2 rows 3-4 (bsz 2048)
+    "dense_1t": (5.3e-3, 5.3e-5, 1000),       # Table 2 rows 11, 13 (bsz 4096)
+    "dense_high_lr": (8e-3, 8e-5, 1000),      # Table 2 rows 6-7, 10, 12, 14: the baseline diverges
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, checkpointing and logging of a run (gattn/train/optim.py, gattn/train/trainer.py)."""
+
+    seed: int = 0
+    batch_size: int = 8             # global batch (sequences)
+    seq_len: int = 128
+    steps: int = 200                # total training steps
+    learning_rate: float = 3e-3     # max LR, after linear warmup
+    min_learning_rate: float = 3e-5  # cosine floor at the last step
+    warmup_steps: int = 20
+    lr_preset: str = ""             # a key of LR_PRESETS; sets the three values above
+    weight_decay: float = 0.01      # AdamW's defaults otherwise (the paper keeps them)
+    grad_clip: float = 1.0          # global-norm clipping (0 = off)
+    log_every: int = 10
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    max_bad_steps: int = 10         # consecutive non-finite steps before the run stops
+    spike_window: int = 50          # loss spike: loss > median of the last `window` + margin
+    spike_margin: float = 0.5
+    # Continued training (e.g. the paper's context extension: a new RoPE base and seq_len): a new
+    # run starts from the parameters of run directory `init_from` (its latest checkpoint, or step
+    # `init_step`) with a fresh optimizer and schedule. Ignored once this run has a checkpoint.
+    init_from: str = ""
+    init_step: int | None = None
+
+    def __post_init__(self):
+        _integer("seed", self.seed, zero_ok=True)
+        if self.seed > 2**32 - 1:  # the data pipeline's and NumPy's seeds are unsigned 32-bit
+            raise ConfigError("seed", self.seed, f"expected an integer in 0..{2**32 - 1}")
+        for name in ("batch_size", "seq_len", "steps", "log_every", "eval_every", "checkpoint_every",
+                     "keep_checkpoints", "max_bad_steps", "spike_window"):
+            _integer(name, getattr(self, name))
+        _integer("warmup_steps", self.warmup_steps, zero_ok=True)
+        for name in ("learning_rate", "spike_margin"):
+            _positive(name, getattr(self, name))
+        for name in ("min_learning_rate", "weight_decay", "grad_clip"):
+            _positive(name, getattr(self, name), zero_ok=True)
+        if not isinstance(self.init_from, str):
+            raise ConfigError("init_from", self.init_from, "expected a run directory or ''")
+        if self.init_step is not None:
+            _integer("init_step", self.init_step)
+            if not self.init_from:
+                raise ConfigError("init_step", self.init_step, "only with init_from (a run directory)")
+        if self.lr_preset:
+            _choice("lr_preset", self.lr_preset, tuple(LR_PRESETS))
+        peak, floor, warmup = self.schedule
+        if floor > peak:
+            raise ConfigError("min_learning_rate", floor, f"expected <= the max LR ({peak})")
+        if warmup >= self.steps:
+            raise ConfigError("warmup_steps", warmup, f"expected fewer than steps ({self.steps})")
+
+    @property
+    def schedule(self) -> tuple[float, float, int]:
+        """(max LR, final LR, warmup steps), from the preset when one is named."""
+        if self.lr_preset:
+            return LR_PRESETS[self.lr_preset]
+        return self.learning_rate, self.min_learning_rate, self.warmup_steps
