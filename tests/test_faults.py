@@ -159,11 +159,10 @@ def test_an_unreadable_checkpoint_gives_way_to_the_previous_one(tmp_path, capfd)
         checkpoint.first_readable(mngr, read_all(mngr))
     assert "no checkpoint in" in str(e.value) and "step 1:" in str(e.value) and "\n" not in str(e.value)
     assert sorted(mngr.all_steps()) == [1, 2, 3]
-    # A resumed run sets the later checkpoints aside (moved, never deleted), metrics.jsonl copied.
-    (work / "metrics.jsonl").write_text('{"step": 3}\n')
-    folder = checkpoint.set_aside(mngr, [2, 3], keep=work / "metrics.jsonl")
-    assert sorted(mngr.all_steps()) == [1] and sorted(p.name for p in folder.iterdir()) == \
-        ["2", "3", "metrics.until-3.jsonl"]
+    # A resumed run sets the later checkpoints aside (moved, never deleted; their metrics rows are
+    # set aside by metrics.MetricsLog: tests/test_rundir.py).
+    folder = checkpoint.set_aside(mngr, [2, 3])
+    assert sorted(mngr.all_steps()) == [1] and sorted(p.name for p in folder.iterdir()) == ["2", "3"]
     mngr.close()
     assert "Event loop is closed" not in capfd.readouterr().err
 
@@ -251,6 +250,11 @@ def test_train_and_eval_fall_back_and_resume_from_a_chosen_step(tmp_path):
     out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--steps", "8", "--resume-step", "6")
     assert out.returncode == 0, out.stderr
     assert "resuming from step 6" in out.stderr and (work / "checkpoints_set_aside" / "8").is_dir()
+    # Both resumes set the metrics rows after their step aside: the fallback's 5-6, --resume-step's 7-8.
+    aside = [json.loads(line) for line in (work / "metrics.set_aside.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["resumed_from"]) for r in aside] == [(5, 4), (6, 4), (7, 6), (8, 6)]
+    assert [json.loads(line)["step"] for line in (work / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, 9))
     out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--resume-step", "5")
     assert out.returncode == 2 and "'--resume-step' = 5" in out.stderr and "[6, 8]" in out.stderr
 

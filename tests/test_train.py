@@ -59,10 +59,17 @@ def test_sigkill_then_resume_reproduces_the_uninterrupted_run(config_file, tmp_p
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert 12 <= max(losses(killed)[0]) < 24
+    logged = losses(killed)[0]
     subprocess.run(train_cmd(config_file, killed), check=True, capture_output=True, timeout=300)
     steps, resumed = losses(killed)
     assert steps == list(range(1, 25))          # each step logged once
     assert resumed == expected    # bit-identical: losses, grad norms, LRs, spike counts, val PPL
+    # The rows logged after the resumed checkpoint were set aside, not dropped (and match).
+    aside = killed / "metrics.set_aside.jsonl"
+    aside = [json.loads(line) for line in aside.read_text().splitlines()] if aside.exists() else []
+    (resumed_from,) = {r.pop("resumed_from") for r in aside} or {max(logged)}
+    assert [r["step"] for r in aside] == [s for s in logged if s > resumed_from]
+    assert all({k: v for k, v in r.items() if k != "tokens_per_sec"} == expected[r["step"]] for r in aside)
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["step"] == 24 and set(summary) >= {"val_ppl/code", "val_ppl/docs", "loss_spikes"}
 
@@ -157,6 +164,7 @@ def test_resume_refuses_another_model_and_continues_under_other_execution_settin
     assert "'model.d_ff' = 96" in out.stderr and "trained with 64" in out.stderr
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
     assert json.loads((workdir / "config.json").read_text())["model"]["d_ff"] == 64
+    assert not (workdir / "config_history.jsonl").exists()  # a refused resume writes nothing
     # Execution settings are not the architecture: a copy of the run resumes under another kernel,
     # remat and block layout (scanned), and continues as the plain resume of the run does.
     moved = tmp_path / "moved"
@@ -165,6 +173,11 @@ def test_resume_refuses_another_model_and_continues_under_other_execution_settin
     subprocess.run(train_cmd(config_file, workdir, "--steps", "8"), check=True, capture_output=True,
                    timeout=300)
     assert losses(workdir)[0] == list(range(1, 9))
+    def history(run):
+        return [json.loads(line) for line in (run / "config_history.jsonl").read_text().splitlines()]
+
+    ((was_at, changed),) = [(h["replaced_at_step"], h["changed"]) for h in history(workdir)]
+    assert was_at == 6 and changed == {"train.steps": {"was": 6, "now": 8}}  # the earlier config is kept
     out = subprocess.run(train_cmd(config_file, moved, "--steps", "8", "--config.exec.attention_impl=pallas",
                                    "--config.exec.remat=full", "--config.exec.scan_layers=true",
                                    "--config.exec.flash_block_q=32", "--config.exec.flash_block_k=32"),
@@ -177,6 +190,9 @@ def test_resume_refuses_another_model_and_continues_under_other_execution_settin
         np.testing.assert_allclose(rows[step]["loss"], expected[step]["loss"], rtol=1e-5)
     saved = json.loads((moved / "config.json").read_text())
     assert saved["exec"]["attention_impl"] == "pallas" and saved["exec"]["scan_layers"] is True
+    (earlier,) = history(moved)
+    assert {"train.steps", "exec.attention_impl", "exec.remat", "exec.scan_layers"} <= set(earlier["changed"])
+    assert earlier["config"]["exec"]["attention_impl"] == "xla" and "config_history.jsonl" in out.stderr
 
 
 def test_moe_run_logs_its_auxiliary_losses(config_file, tmp_path):

@@ -138,11 +138,11 @@ def first_readable(mngr: ocp.CheckpointManager, read: Callable[[int], object], s
                             "as they are: use a new --workdir, or restore the files")
 
 
-def set_aside(mngr: ocp.CheckpointManager, steps: list[int], keep: Path | None = None) -> Path | None:
+def set_aside(mngr: ocp.CheckpointManager, steps: list[int]) -> Path | None:
     """Moves the checkpoints of `steps` out of the manager's folder into WORKDIR/checkpoints_set_aside/
     (never deleted: a resumed run would otherwise not save those steps again, and the rotation
-    would delete them), with a copy of the file `keep` (metrics.jsonl, which the resumed run cuts
-    back) named after the last step; returns that folder. The manager is reloaded."""
+    would delete them); returns that folder. The manager is reloaded. (The metrics rows of those
+    steps are set aside by the resumed run's metrics.MetricsLog, on every resume.)"""
     if not steps:
         return None
     folder = Path(mngr.directory).parent / SET_ASIDE
@@ -156,8 +156,6 @@ def set_aside(mngr: ocp.CheckpointManager, steps: list[int], keep: Path | None =
 
     for s in steps:
         (Path(mngr.directory) / str(s)).rename(free(str(s)))
-    if keep is not None and Path(keep).exists():
-        Path(keep).copy(free(f"{Path(keep).stem}.until-{max(steps)}{Path(keep).suffix}"))
     mngr.reload()
     return folder
 

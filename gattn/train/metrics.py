@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import json
 import math
+import sys
 
 import numpy as np
 from etils.epath import Path
@@ -13,38 +14,67 @@ from etils.epath import Path
 from gattn.train import hosts
 
 
+# Losses a spike is judged against at the least: a blow-up in a run's first steps must count (the
+# checkpoint kept before trouble depends on it), yet the median of fewer losses is too noisy.
+MIN_PRIOR = 8
+
+
 class SpikeCounter:
-    """A loss spike: a loss above the median of the previous `window` losses by `margin` (nats)."""
+    """A loss spike: a loss above the median of the previous `window` losses by `margin` (nats).
+    Judging starts once MIN_PRIOR losses (or `window`, if smaller) are known, with the median of
+    those present so far. Only a rise counts: early training, where the loss falls fast, sits
+    below the median of the steps before it, so it is never a spike."""
 
     def __init__(self, window: int, margin: float):
         self.recent, self.margin, self.count = collections.deque(maxlen=window), margin, 0
 
     def __call__(self, loss: float) -> bool:
-        spike = bool(len(self.recent) == self.recent.maxlen
+        spike = bool(len(self.recent) >= min(MIN_PRIOR, self.recent.maxlen)
                      and loss > float(np.median(self.recent)) + self.margin)
         self.count += int(spike)
         self.recent.append(loss)
         return spike
 
 
+SET_ASIDE = "metrics.set_aside.jsonl"
+
+
+def set_aside_rows(path: Path, resumed_step: int) -> int:
+    """Cuts `path` (metrics.jsonl) back to the rows of steps <= `resumed_step`, so each step appears
+    once in the resumed run; the later rows (logged by an interrupted run after its last checkpoint,
+    or past a --resume-step) are appended to SET_ASIDE beside it, each tagged with
+    "resumed_from", never dropped. Returns how many were set aside."""
+    kept, later = [], []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            if row["step"] <= resumed_step:
+                kept.append(line)
+            else:
+                later.append(row)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass  # a line cut short when the previous run was killed
+    if later:
+        with (path.parent / SET_ASIDE).open("a") as f:
+            f.write("".join(json.dumps({**row, "resumed_from": resumed_step}) + "\n" for row in later))
+    tmp = path.with_suffix(".jsonl.tmp")  # (replaced atomically: a kill here loses no row)
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+    return len(later)
+
+
 class MetricsLog:
-    """WORKDIR/metrics.jsonl (and TensorBoard). On resume, entries past the restored step (written
-    by the interrupted run after its last checkpoint) are dropped, so each step appears once."""
+    """WORKDIR/metrics.jsonl (and TensorBoard). On resume, the rows past the restored step are
+    moved to WORKDIR/metrics.set_aside.jsonl (`set_aside_rows`), with one line saying so."""
 
     def __init__(self, workdir: Path, resumed_step: int):
         self.path, self.tb = workdir / "metrics.jsonl", None
         if not hosts.primary():  # one writer: process 0
             self.path = None
             return
-        if self.path.exists():
-            kept = []
-            for line in self.path.read_text().splitlines():
-                try:
-                    if json.loads(line)["step"] <= resumed_step:
-                        kept.append(line)
-                except (json.JSONDecodeError, KeyError):
-                    pass  # a line cut short when the previous run was killed
-            self.path.write_text("".join(k + "\n" for k in kept))
+        if self.path.exists() and (n := set_aside_rows(self.path, resumed_step)):
+            print(f"note: this run continues from step {resumed_step}: the {n} metrics row(s) logged after "
+                  f"it by the earlier run are moved to {workdir / SET_ASIDE}", file=sys.stderr, flush=True)
         try:
             from tensorboardX import SummaryWriter  # noqa: PLC0415
 

@@ -1,9 +1,12 @@
 """A run directory: what is written into it, and the one loader every reader of a run uses.
 
     WORKDIR/config.json      the run's Config (gattn.config.to_dict), written atomically
+    WORKDIR/config_history.jsonl   each earlier config.json a resumed run replaced (`record_config`)
     WORKDIR/checkpoints/     Orbax: {step, params, opt_state}, the data iterator, `meta`
                              (counters, and the config the checkpoint was trained with)
-    WORKDIR/tokenizer/, tfds/, metrics.jsonl, tensorboard/, summary.json, eval/
+    WORKDIR/metrics.jsonl    one row per logged step; rows past a resumed step are moved to
+                             metrics.set_aside.jsonl (gattn.train.metrics.MetricsLog)
+    WORKDIR/tokenizer/, tfds/, tensorboard/, summary.json, eval/
 
 Readers (eval.py, the main job, studies, `--init-from`, the converter, notebooks) call `load`:
 the run's config plus the caller's overrides, on the devices present now, with execution
@@ -26,6 +29,7 @@ from gattn import cli
 from gattn.config import POSITION_FIELDS, Config, ConfigError, differences, from_dict, to_dict
 
 CONFIG = "config.json"
+HISTORY = "config_history.jsonl"
 # What a resumed run shares with its checkpoint: the architecture, data and batch layout.
 # Everything else (more steps, a new LR, another kernel, remat, scan or mesh) may change.
 RESUME_FIXED = ("model", "data", "train.seed", "train.batch_size", "train.seq_len")
@@ -41,6 +45,43 @@ def write_config(workdir: str | Path, cfg: Config) -> None:
     tmp.replace(path)
 
 
+def record_config(workdir: str | Path, cfg: Config, step: int) -> None:
+    """Writes WORKDIR/config.json for a run that starts (or resumes) at `step`, keeping history: an
+    existing config.json that differs (a resumed run with more steps, a new LR, another kernel) is
+    appended to WORKDIR/config_history.jsonl first, as {"replaced_at_step", "changed": {field:
+    {"was", "now"}}, "config": the old one}, and one line names the changed fields. An unchanged
+    config writes nothing."""
+    workdir = Path(workdir)
+    path = workdir / CONFIG
+    if path.is_file():
+        text = path.read_text()
+        try:
+            then = json.loads(text)
+            changed = {name: {"was": was, "now": now} for name, now, was in differences(cfg, then, ("",))}
+        except (ValueError, TypeError, AttributeError):  # not JSON, or not a config we can read now:
+            then, changed = text, None                    # kept as it is, all of it "changed"
+        if changed == {}:
+            return
+        with (workdir / HISTORY).open("a") as f:
+            f.write(json.dumps({"replaced_at_step": step, "changed": changed, "config": then}) + "\n")
+        print(f"note: {CONFIG} changed at step {step} ({_listed(changed)}); the earlier one is kept in "
+              f"{workdir / HISTORY}", file=sys.stderr, flush=True)
+    write_config(workdir, cfg)
+
+
+def _listed(changed: dict | None, most: int = 6) -> str:
+    """'train.steps 6 -> 8, ...' for the first `most` fields (one line however many changed)."""
+    if changed is None:
+        return "the earlier one could not be read as a config"
+
+    def short(value):
+        text = repr(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    parts = [f"{name} {short(v['was'])} -> {short(v['now'])}" for name, v in list(changed.items())[:most]]
+    return ", ".join(parts) + (f" and {len(changed) - most} more" if len(changed) > most else "")
+
+
 def meta(cfg: Config, **extra) -> dict:
     """The JSON saved with every checkpoint: training counters and the config it was trained
     with (what `check_same` compares a resumed or continued run against)."""
@@ -49,10 +90,22 @@ def meta(cfg: Config, **extra) -> dict:
 
 
 def check_workdir(workdir: str | Path) -> None:
-    """A run directory is a folder (created if absent), never a regular file."""
+    """A run directory is a folder (created if absent), never a regular file, nor a Hugging Face
+    model folder (whose config.json a run would otherwise overwrite or fail to read)."""
     if Path(workdir).exists() and not Path(workdir).is_dir():
         raise ConfigError("--workdir", str(workdir), "a run directory (a folder, created if absent); "
                           "this is a file")
+    path = Path(workdir) / CONFIG
+    if not path.is_file():
+        return
+    try:
+        found = json.loads(path.read_text())
+    except ValueError:  # not JSON: read_config says so
+        return
+    if isinstance(found, dict) and "model" not in found and ("architectures" in found or "model_type" in found):
+        raise ConfigError("--workdir", str(workdir), f"{workdir} is a Hugging Face model folder, not a gattn "
+                          "run: convert it first with "
+                          f"`python -m gattn.convert from-hf {workdir} --workdir OUT`")
 
 
 def read_config(workdir: str | Path) -> Config:

@@ -118,10 +118,10 @@ def resume(cfg: Config, workdir: Path, mngr, state, mesh, step: int | None):
         return None
     later = sorted(s for s in mngr.all_steps() if s > found[0])
     if later and hosts.primary():
-        folder = checkpoint.set_aside(mngr, later, keep=workdir / "metrics.jsonl")
+        folder = checkpoint.set_aside(mngr, later)
         if step is not None:
-            print(f"note: resuming from step {step}; the later checkpoints {later} (and metrics.jsonl as it "
-                  f"was) are moved to {folder}, not deleted", file=sys.stderr, flush=True)
+            print(f"note: resuming from step {step}; the later checkpoints {later} are moved to {folder}, "
+                  "not deleted", file=sys.stderr, flush=True)
     hosts.barrier("set aside")
     mngr.reload()
     return found[1]
@@ -300,9 +300,9 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
         pipeline.set_state(data, data_state)
     elif source_step is not None:
         state = {**state, "params": init_from.params(cfg, state["params"], source_step)}
-    if hosts.primary():
-        rundir.write_config(workdir, cfg)
     start = int(state["step"])
+    if hosts.primary():  # (an earlier, different config.json goes to config_history.jsonl)
+        rundir.record_config(workdir, cfg, start)
     log = metrics.MetricsLog(workdir, start)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     train_step, eval_step = make_train_step(cfg, graphdef, shardings, mesh), make_eval_step(graphdef)
