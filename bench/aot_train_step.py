@@ -7,7 +7,8 @@ use (`memory_analysis`: parameters + optimizer state + batch, outputs, temporari
 
     python bench/aot_train_step.py --preset moe_15a2b --topology v5p:4x4x2 --mesh 4,8,1 --batch-per-device 1
         [--config.model.moe.capacity_factor=1.25 --config.exec.moe_impl=all_to_all]
-        [--config.exec.moe_impl=ragged [--config.exec.moe_buffer=1.25]]   # dropless expert parallel
+        [--config.exec.moe_impl=ragged [--config.exec.moe_buffer=1.25]   # dropless expert parallel
+         [--config.exec.grouped_matmul=megablox]]                         # Pallas gmm, not ragged_dot
     python bench/aot_train_step.py --preset dense_1p7b --topology v5e:4x4 --mesh 4,1,4 [--variant sdpa_elementwise]
     python bench/aot_train_step.py --preset moe_15a2b --topology v5p:4x4x4 --mesh 2,8,4   # 16 hosts x 4 chips
 

@@ -9,7 +9,8 @@ shard (each expert's width split over `model`). Per device, with M = N_local * k
     ragged_all_to_all  each expert's rows, exactly, into the expert's device, laid out expert-major
                        (expert 0's rows from source 0, 1, ..., then expert 1's ...) in a buffer
                        of B rows, so the grouped matmul needs no further sort
-    experts            grouped matmuls (`jax.lax.ragged_dot`) over the E/n local experts; psum
+    experts            grouped matmuls over the E/n local experts (exec.grouped_matmul:
+                       `jax.lax.ragged_dot` or megablox, gattn/kernels/grouped_matmul.py); psum
                        over `model`
     ragged_all_to_all  back: every source receives its own M rows, in its own order
     unpermute          each token's k outputs summed with its router weights
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from gattn.kernels.grouped_matmul import grouped_dot, padded_rows
 from gattn.model.expert_parallel import BATCH_AXES, micro_groups_per_shard, shard_aux
 from gattn.model.layers import dense
 from gattn.model.moe_ops import permute, route, unpermute
@@ -89,11 +91,11 @@ def buffer_rows(rows: int, n_exp: int, moe_buffer: float | None) -> int:
     return worst if moe_buffer is None else min(worst, math.ceil(moe_buffer * rows))
 
 
-def grouped_swiglu(act, dtype, x_BxD, w1, w3, w2, sizes_L):
+def grouped_swiglu(act, dtype, x_BxD, w1, w3, w2, sizes_L, dot=jax.lax.ragged_dot):
     """The local experts' SwiGLU on their contiguous blocks of rows (rows past sum(sizes) are
-    padding: never read back)."""
-    h = act(jax.lax.ragged_dot(x_BxD, w1, sizes_L)) * jax.lax.ragged_dot(x_BxD, w3, sizes_L)
-    return jax.lax.ragged_dot(h.astype(dtype), w2, sizes_L)
+    padding: never read back); `dot` is the grouped matmul (gattn.kernels.grouped_matmul)."""
+    h = act(dot(x_BxD, w1, sizes_L)) * dot(x_BxD, w3, sizes_L)
+    return dot(h.astype(dtype), w2, sizes_L)
 
 
 def exchange_plan(sizes_E: jax.Array, n_exp: int, rows_in: int):
@@ -120,9 +122,12 @@ def exchange_plan(sizes_E: jax.Array, n_exp: int, rows_in: int):
     return forward, backward, jnp.sum(take_SxL, axis=0)
 
 
-def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh, moe_buffer: float | None = None):
+def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh, moe_buffer: float | None = None,
+                grouped_matmul: str = "ragged_dot"):
     """(out [N, D], aux) of the dropless MoE with `weights` (gattn.model.moe.MoE.weights()) and
-    experts split over the mesh's `expert` axis; same contract as `MoE.__call__`."""
+    experts split over the mesh's `expert` axis; same contract as `MoE.__call__`. `grouped_matmul`
+    (exec.grouped_matmul) names the local experts' kernel; megablox rounds the buffer up to whole
+    row tiles and turns off shard_map's check_vma, which its pallas_call cannot satisfy."""
     n_exp = mesh.shape["expert"]
     device = getattr(getattr(mesh, "abstract_mesh", mesh), "abstract_device", None)
     platform = getattr(device, "platform", None) or jax.default_backend()  # TPU in an AOT compile
@@ -132,6 +137,8 @@ def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh, moe_buf
     mlp_ok = model is not None and spec.expert_width % mesh.shape["model"] == 0
     w13_spec = P("expert", None, "model" if mlp_ok else None)
     w2_spec = P("expert", "model" if mlp_ok else None, None)
+    dot = grouped_dot(grouped_matmul, platform)
+    megablox = grouped_matmul == "megablox"
 
     def body(x, router, w1, w3, w2):
         e = spec.num_experts
@@ -140,10 +147,11 @@ def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh, moe_buf
         rows_MxD, order, sizes_E = permute(x.astype(dtype), experts, e)
         m = rows_MxD.shape[0]
         b = buffer_rows(m, n_exp, moe_buffer)
+        b = padded_rows(b) if megablox else b
         forward, backward, local_sizes = exchange_plan(sizes_E, n_exp, b)
         recv_BxD = ragged_all_to_all(platform, rows_MxD, jnp.zeros((b, x.shape[1]), dtype), *forward,
                                      axis_name="expert")
-        y_BxD = grouped_swiglu(act, dtype, recv_BxD, w1, w3, w2, local_sizes)
+        y_BxD = grouped_swiglu(act, dtype, recv_BxD, w1, w3, w2, local_sizes, dot)
         if mlp_ok:
             y_BxD = jax.lax.psum(y_BxD, "model")
         back_MxD = ragged_all_to_all(platform, y_BxD, jnp.zeros_like(rows_MxD, y_BxD.dtype), *backward,
@@ -155,5 +163,5 @@ def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh, moe_buf
     aux_specs = {"lbl": P(), "z_loss": P(), "load": P(), "dropped": P()}
     fn = jax.shard_map(body, mesh=mesh,
                        in_specs=(P(batch, None), P(None, None), w13_spec, w13_spec, w2_spec),
-                       out_specs=(P(batch, None), aux_specs))
+                       out_specs=(P(batch, None), aux_specs), check_vma=not megablox)
     return fn(x_NxD, weights["router"], weights["w1"], weights["w3"], weights["w2"])

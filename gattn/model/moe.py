@@ -54,6 +54,7 @@ class MoE(nnx.Module):
         self.dtype = DTYPES[ex.dtype]
         self.impl = ex.moe_impl
         self.moe_buffer = ex.moe_buffer
+        self.grouped_matmul = ex.grouped_matmul
 
     def _w(self, p):
         return p[...].astype(self.dtype)
@@ -88,7 +89,7 @@ class MoE(nnx.Module):
         if self.impl == "ragged":  # dropless expert parallelism: ragged exchange, grouped matmuls
             mesh = dropless_ep.context_mesh(spec)
             return dropless_ep.moe_forward(self.weights(), spec, self.act, self.dtype, x_NxD, mesh,
-                                           self.moe_buffer)
+                                           self.moe_buffer, self.grouped_matmul)
         logits_NxE = dense(x_NxD, self.router, self.dtype, out_dtype=jnp.float32)
         weights_NxP, experts_NxP, probs_NxE = route(logits_NxE, spec)
         rows, order, sizes = permute(x_NxD, experts_NxP, spec.num_experts)

@@ -8,11 +8,16 @@ overflow exactly (on the first mesh). On CPU the ragged_all_to_all is the emulat
 none); the real collective is checked by the TPU AOT compiles (tests/test_dropless_ep.py,
 tests/test_aot.py).
 
-    python -m multidevice.dropless_ep_step [--meshes 1,4,2 2,2,2 1,8,1]
+    python -m multidevice.dropless_ep_step [--meshes 1,4,2 2,2,2 1,8,1] [--grouped-matmul megablox]
+
+With --grouped-matmul megablox the local experts run the megablox kernel (interpret mode on CPU)
+in a shard_map without check_vma, and the same equalities must hold.
 
 Prints "ok MESH" per mesh (tests/test_dropless_ep.py counts them)."""
 
 from __future__ import annotations
+
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +66,13 @@ def check_equal(got, want):
         np.testing.assert_allclose(a, b, atol=1e-5 * float(np.max(np.abs(b))) + 1e-9)
 
 
-def check_overflow(moe, spec, mesh, mesh_shape):
+def check_overflow(moe, spec, mesh, mesh_shape, grouped_matmul):
     """A buffer of the mean load (exec.moe_buffer=1) under the all-zero router (the MoE layer
     alone, forward): the shard(s) holding experts 0 and 1 of each data group take that many rows
     each; the rest overflow and every one of them is counted."""
     x_NxD = jax.random.normal(jax.random.key(1), (BATCH * SEQ, moe.router.shape[0]))
-    forward = jax.jit(lambda w, x: dropless_ep.moe_forward(w, spec, moe.act, jnp.float32, x, mesh, 1.0)[1])
+    forward = jax.jit(lambda w, x: dropless_ep.moe_forward(w, spec, moe.act, jnp.float32, x, mesh, 1.0,
+                                                          grouped_matmul)[1])
     dropped = int(forward(moe.weights(), x_NxD)["dropped"])
     data, n_exp, _ = mesh_shape
     group_tokens = BATCH * SEQ // data
@@ -78,10 +84,13 @@ def check_overflow(moe, spec, mesh, mesh_shape):
 
 
 def main(argv=None):
-    meshes = expert_meshes(__doc__, argv)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--grouped-matmul", default="ragged_dot")
+    known, rest = ap.parse_known_args(argv)
+    meshes = expert_meshes(__doc__, rest)
     spec = MoESpec(num_experts=8, top_k=2, expert_width=16, z_loss_coef=1e-3)  # dropless
     cfg = tiny_model(vocab_size=64, num_layers=1, moe=spec)  # one layer: compiles fast
-    ragged = ExecConfig(moe_impl="ragged")
+    ragged = ExecConfig(moe_impl="ragged", grouped_matmul=known.grouped_matmul)
     tokens = jax.random.randint(jax.random.key(0), (BATCH, SEQ + 1), 0, 64)  # SEQ predicted
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -100,8 +109,10 @@ def main(argv=None):
             for name, p in cases.items():
                 p = jax.device_put(p, sharding.param_shardings(p, mesh))
                 check_equal(step(p, t), want[name])
+            kernels = str(jax.make_jaxpr(step)(p, t)).count("pallas_call")  # megablox's gmm and tgmm
+            assert (kernels >= 3) == (known.grouped_matmul == "megablox"), kernels
             if mesh_shape == meshes[0]:  # the overflow count on one mesh (compile time)
-                check_overflow(skewed_moe, spec, mesh, mesh_shape)
+                check_overflow(skewed_moe, spec, mesh, mesh_shape, known.grouped_matmul)
         print("ok", mesh_shape, flush=True)
 
 
