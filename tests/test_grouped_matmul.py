@@ -61,6 +61,8 @@ def test_grouped_matmul_is_a_checked_execution_choice():
         ExecConfig(moe_impl="ragged", grouped_matmul="gmm")
     with pytest.raises(ConfigError, match="moe_impl='ragged'"):
         ExecConfig(grouped_matmul="megablox")
+    with pytest.raises(ValueError, match="TPU kernel .* for gpu"):  # not ~100x-slow interpret mode there
+        grouped_dot("megablox", "gpu")
 
 
 @pytest.mark.parametrize("meshes", [pytest.param(["2,2,2"], id="2,2,2"),

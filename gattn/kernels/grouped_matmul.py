@@ -60,5 +60,8 @@ def grouped_dot(kind: str, platform: str):
     if kind == "ragged_dot":
         return jax.lax.ragged_dot
     if kind == "megablox":
+        if platform not in ("tpu", "cpu"):  # interpret mode is for tests; on a GPU it would be ~100x slow
+            raise ValueError(f"exec.grouped_matmul = 'megablox' is a TPU kernel (this program is for {platform}): "
+                             "use 'ragged_dot'")
         return lambda x, w, sizes: megablox_dot(x, w, sizes, interpret=platform != "tpu")
     raise ValueError(f"grouped matmul {kind!r}: expected one of {', '.join(map(repr, GROUPED_MATMULS))}")
