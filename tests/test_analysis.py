@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gattn.config import ExecConfig, GateSpec, MoESpec
+from gattn.config import Config, ConfigError, ExecConfig, GateSpec, MoESpec
 from gattn.eval import analysis
-from gattn.model.transformer import Transformer
+from gattn.model.transformer import Transformer, with_exec
 
 from conftest import tiny_model
 
@@ -257,3 +257,42 @@ def test_window_perplexity_is_the_mean_next_token_loss_of_each_window():
     chunked = build(TINY, seed=2, attention_query_chunk=2)
     assert analysis.window_perplexity(chunked, stream, 8)["ppl"] == pytest.approx(got["ppl"], rel=1e-5)
     assert analysis.window_perplexity(model, stream[:8], 8) is None
+
+
+MOE = tiny_model(num_layers=1, moe=MoESpec(num_experts=4, top_k=2, expert_width=16))
+
+
+def moe_batch(rows, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, MOE.vocab_size, (rows, 13)).astype(np.int32)
+    return {"tokens": tokens, "segment_ids": np.ones_like(tokens), "positions": np.tile(np.arange(13), (rows, 1))}
+
+
+def test_an_expert_parallel_moe_is_measured_without_its_mesh():
+    """exec.moe_impl=ragged runs in shard_map over the mesh's expert axis, and the measurements
+    set no mesh: they run the partitioned MoE, the same dropless function (this used to raise)."""
+    ref = build(MOE)
+    ragged = with_exec(ref, dataclasses.replace(ref.ex, moe_impl="ragged"))
+    got, want = analysis.measure(ragged, [moe_batch(2)]), analysis.measure(ref, [moe_batch(2)])
+    for key in ("m_act", "m_act_per_token", "f_attn", "mean_abs_y"):
+        assert got["overall"][key] == pytest.approx(want["overall"][key], rel=1e-6)
+    stream = np.random.default_rng(1).integers(0, MOE.vocab_size, 20)
+    assert analysis.window_perplexity(ragged, stream, 8) == analysis.window_perplexity(ref, stream, 8)
+    assert analysis.moe_shards(Config(model=MOE)) == 1  # partitioned: the batch split does not matter
+
+
+def test_an_all_to_all_moe_is_measured_one_data_expert_shard_at_a_time():
+    """all_to_all counts capacity per data x expert shard; `moe_shards` runs the partitioned MoE on
+    one shard's rows per forward pass, so it drops what the run's mesh drops (the same logits on 8
+    devices: tests/multidevice/expert_parallel_step.py), not what the whole batch would."""
+    cap = dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, capacity_factor=0.5))
+    ref = build(cap)
+    a2a = with_exec(ref, dataclasses.replace(ref.ex, moe_impl="all_to_all"))
+    batch = moe_batch(4)
+    shards = analysis.measure(a2a, [batch], analysis.Options(moe_shards=2))["overall"]
+    halves = analysis.measure(ref, [batch], analysis.Options(batch_rows=2))["overall"]
+    whole = analysis.measure(ref, [batch])["overall"]
+    for key in ("m_act_per_token", "ffn_act", "mean_abs_y"):
+        assert shards[key] == pytest.approx(halves[key], rel=1e-6)
+    assert whole["ffn_act"] != pytest.approx(halves["ffn_act"], rel=0.01)  # the whole batch drops others
+    with pytest.raises(ConfigError, match="data.eval_batch_size"):
+        analysis.measure(a2a, [batch], analysis.Options(moe_shards=3))

@@ -88,6 +88,13 @@ def test_non_finite_step_is_skipped_and_reported():
     for a, b in zip(jax.tree.leaves(after["opt_state"]), jax.tree.leaves(before["opt_state"])):
         np.testing.assert_array_equal(a, b)   # nothing learned from the bad step
     np.testing.assert_array_equal(after["params"]["lm_head"][...], before["params"]["lm_head"][...])
+    # The schedule paused with the optimizer state: the next step applies, and logs, the LR of
+    # update 1 (optax's count), not of trainer step 2.
+    after["params"]["embed"][...] = after["params"]["embed"][...].at[1, 0].set(0.0)
+    after, m = step(after, batch)
+    lr = optim.schedule(cfg.train)
+    assert bool(m["finite"]) and int(after["step"]) == 3 and int(optim.schedule_count(after["opt_state"])) == 2
+    assert float(m["lr"]) == pytest.approx(float(lr(1))) and float(lr(1)) != pytest.approx(float(lr(2)))
 
 
 # Every kind of parameter the model can have, by its name: the matrices are decayed; biases, norm

@@ -73,7 +73,8 @@ class Config:
                                   "model.moe.capacity_factor set (fixed-size buffers); use 'partitioned'")
             if self.mesh.expert < 2 or moe.num_experts % self.mesh.expert:
                 raise ConfigError("exec.moe_impl", "all_to_all", f"it splits the {moe.num_experts} experts over "
-                                  f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them")
+                                  f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them, "
+                                  "or exec.moe_impl='partitioned' (runs on any mesh)")
         if self.exec.moe_impl == "ragged":
             moe = self.model.moe
             if moe is None or moe.capacity_factor is not None:
@@ -81,7 +82,8 @@ class Config:
                                   "with model.moe.capacity_factor None; use 'all_to_all' with a capacity")
             if self.mesh.expert < 2 or moe.num_experts % self.mesh.expert:
                 raise ConfigError("exec.moe_impl", "ragged", f"it splits the {moe.num_experts} experts over "
-                                  f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them")
+                                  f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them, "
+                                  "or exec.moe_impl='partitioned' (runs on any mesh)")
 
 
 # --------------------------------------------------------------------------- dicts (config.json)

@@ -33,6 +33,10 @@ Table 4's and Figures 2, 3, 5 and 6's quantities, per layer and overall:
 Tokens with segment id 0 (padding) are left out of every statistic. The first query of each
 document (which can only attend to itself) is left out of F-Attn.
 
+No mesh is set here: an expert-parallel MoE runs as the partitioned one (`for_analysis`), an
+all_to_all one on one data x expert shard's rows per forward pass (`moe_shards`), which drops
+exactly the tokens the run's mesh drops (docs/moe-and-mesh.md, "Without the mesh").
+
 `window_perplexity` is the long-context measure of eval.py --ruler: held-out perplexity of
 windows of a given length, overall and in the window's second half.
 """
@@ -49,7 +53,8 @@ from flax import nnx
 
 from gattn.config import ConfigError
 from gattn.model.capture import EVERYTHING
-from gattn.model.transformer import Transformer, with_exec
+from gattn.model import sharding
+from gattn.model.transformer import Transformer, off_mesh, with_exec
 from gattn.train.loss import token_nll
 
 # Histogram range of each gate activation's scores (values outside land in the edge bins).
@@ -100,9 +105,21 @@ def _collect(model, tokens_BxS, positions_BxS, segment_ids_BxS, map_layers, map_
 
 def for_analysis(model: Transformer) -> Transformer:
     """The same parameters as the measurements compute them: the xla attention (they need the
-    attention matrix, which the Pallas kernel never forms; both compute the same outputs) and
-    unscanned blocks (each layer's values are sown separately). Other settings are kept."""
-    return with_exec(model, dataclasses.replace(model.ex, attention_impl="xla", scan_layers=False))
+    attention matrix, which the Pallas kernel never forms; both compute the same outputs),
+    unscanned blocks (each layer's values are sown separately) and the partitioned MoE, which
+    runs without the run's mesh (`off_mesh`: for all_to_all, see `Options.moe_shards`). Other
+    settings are kept."""
+    ex = off_mesh(model.ex)
+    return with_exec(model, dataclasses.replace(ex, attention_impl="xla", scan_layers=False))
+
+
+def moe_shards(cfg) -> int:
+    """The data x expert shards of `cfg`'s mesh if its MoE is exec.moe_impl=all_to_all, whose
+    capacity is counted per shard (so the measurements run one shard's rows at a time); else 1."""
+    if cfg.exec.moe_impl != "all_to_all":
+        return 1
+    mesh = sharding.make_mesh(cfg.mesh)
+    return mesh.shape["data"] * mesh.shape["expert"]
 
 
 def collect(model, tokens_BxS, segment_ids_BxS=None, positions_BxS=None, *,
@@ -139,6 +156,10 @@ class Options:
     map_layers: tuple[int, ...] | None = None  # None: first, middle and last layer
     map_len: int = 64                    # attention maps cover positions [0, map_len)
     batch_rows: int | None = None        # rows per forward pass (None: each batch as it comes)
+    # > 1 (`moe_shards(cfg)` for an all_to_all MoE): each forward pass holds 1/moe_shards of a
+    # batch's rows, one data x expert shard's (batch_rows is then unused), so the capacity drops
+    # what the run's mesh drops.
+    moe_shards: int = 1
 
 
 class Measurements:
@@ -270,13 +291,16 @@ class Measurements:
 def measure(model, batches, options: Options | None = None) -> dict:
     """Runs `Measurements` over packed batches ({"tokens", "segment_ids", "positions"} with
     rows of S + 1 tokens, as the data pipeline makes them; the last token is dropped), in chunks
-    of `options.batch_rows` rows."""
+    of `options.batch_rows` rows (with `options.moe_shards` > 1: of one shard's rows)."""
     acc = Measurements(model.cfg, options)
-    rows = acc.opts.batch_rows
+    rows, shards = acc.opts.batch_rows, acc.opts.moe_shards
     model = for_analysis(model)  # once, not per batch (collect's own call is then a no-op)
     for batch in batches:
         tokens, seg, pos = (np.asarray(batch[k])[:, :-1] for k in ("tokens", "segment_ids", "positions"))
-        step = rows or len(tokens)
+        if shards > 1 and len(tokens) % shards:
+            raise ConfigError("data.eval_batch_size", len(tokens), f"a multiple of the {shards} data x expert "
+                              "shards over which exec.moe_impl='all_to_all' counts the MoE's capacity")
+        step = len(tokens) // shards if shards > 1 else rows or len(tokens)
         for r in range(0, len(tokens), step):
             sl = slice(r, r + step)
             acc.add_batch(model, tokens[sl], seg[sl], pos[sl])
@@ -309,7 +333,7 @@ def window_perplexity(model, stream, length: int) -> dict | None:
     n = (len(stream) - 1) // length
     if n < 1:
         return None
-    graphdef, state = nnx.split(model)
+    graphdef, state = nnx.split(with_exec(model, off_mesh(model.ex)))  # no mesh is set here
     nll = np.concatenate([np.asarray(_token_nll(graphdef, state, jnp.asarray(
         stream[i * length:(i + 1) * length + 1][None], jnp.int32))) for i in range(n)])  # [n, L]
 

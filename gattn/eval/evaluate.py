@@ -21,6 +21,7 @@ from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer
 from gattn.eval import analysis, plots, sinks
 from gattn.model import sharding
+from gattn.model.transformer import off_mesh, with_exec
 from gattn.train import checkpoint, rundir, trainer
 
 
@@ -47,6 +48,9 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     domains = sorted(batches)
     perplexity = {d: {"loss": val[f"val_loss/{d}"], "ppl": val[f"val_ppl/{d}"]} for d in domains}
     chosen = [b for d in domains for b in batches[d][:max_batches]]
+    # No mesh is set from here on: an expert-parallel MoE runs as the partitioned one (`off_mesh`),
+    # an all_to_all one on one data x expert shard's rows at a time, as the mesh counts capacity.
+    options = dataclasses.replace(options, moe_shards=analysis.moe_shards(cfg))
     measurements = analysis.measure(model, chosen, options)
     sink = sinks.measure(model, cfg, chosen)  # Gu et al.'s Sink_1^eps, T = 64 (docs/sinks.md)
     results = {"workdir": str(workdir), "step": step, "variant": cfg.variant, "overrides": list(overrides),
@@ -58,7 +62,8 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
         from gattn.eval import fewshot  # noqa: PLC0415
 
         # Prompts longer than the trained length lose tokens from their left end.
-        results["fewshot"] = {Path(t).stem: fewshot.evaluate_task(model, tokenizer, t, shots=shots, limit=limit,
+        one = with_exec(model, off_mesh(model.ex))
+        results["fewshot"] = {Path(t).stem: fewshot.evaluate_task(one, tokenizer, t, shots=shots, limit=limit,
                                                                   max_len=cfg.train.seq_len)
                               for t in tasks}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))

@@ -17,6 +17,7 @@ from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer
 from gattn.eval import analysis, plots, ruler
 from gattn.eval.evaluate import out_path
+from gattn.model.transformer import off_mesh, with_exec
 from gattn.train import checkpoint, rundir
 
 
@@ -46,8 +47,9 @@ def evaluate_ruler(workdir: str | Path, lengths: list[int], *, step: int | None 
             run_cfg.exec, attention_query_chunk=prefill_chunk))
     cfg, model, step = rundir.load(workdir, step, overrides, cfg=run_cfg)
     try:
-        res = ruler.run(model, tokenizer, lengths, tasks=tasks, num_samples=num_samples, seed=seed,
-                        batch_size=batch_size, prefill_chunk=prefill_chunk)
+        # No mesh is set here: an expert-parallel MoE runs as the partitioned one.
+        res = ruler.run(with_exec(model, off_mesh(model.ex)), tokenizer, lengths, tasks=tasks,
+                        num_samples=num_samples, seed=seed, batch_size=batch_size, prefill_chunk=prefill_chunk)
     except ruler.TooShort as e:
         raise ConfigError("--lengths", min(lengths), str(e)) from None
     # The same text at every length: per domain, up to 4 windows of the longest length.

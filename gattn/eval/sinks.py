@@ -80,14 +80,15 @@ class SinkStats:
             self.counts[name] = self.counts.get(name, 0.0) + float(mask.sum())
         rest = first.copy()
         rest[:, 0] = False
+        real_B = np.asarray(segment_ids_BxT)[:, 0] != 0  # padding rows (segment 0) have no first token
         for i, layer in enumerate(layers):
             h_BxTxD = layer["block_out"].reshape(b, t, -1)
             v_BxHxK = layer["sdpa_out"].reshape(b, t, *layer["sdpa_out"].shape[1:])[:, 0]
-            self.value_norm[i] += np.linalg.norm(v_BxHxK, axis=-1).sum(axis=0)
+            self.value_norm[i] += np.linalg.norm(v_BxHxK[real_B], axis=-1).sum(axis=0)
             norms_BxT = np.linalg.norm(h_BxTxD, axis=-1)
-            self.residual_first[i] += norms_BxT[:, 0].sum()
+            self.residual_first[i] += norms_BxT[real_B, 0].sum()
             self.residual_rest[i] += (norms_BxT * rest).sum()
-        self.rows += b
+        self.rows += int(real_B.sum())
         self.rest += int(rest.sum())
 
     def result(self, window: int) -> dict:

@@ -213,6 +213,18 @@ def unscanned(model: Transformer) -> Transformer:
     return with_exec(model, dataclasses.replace(model.ex, scan_layers=False))
 
 
+def off_mesh(ex: ExecConfig) -> ExecConfig:
+    """`ex` with an expert-parallel MoE (exec.moe_impl ragged or all_to_all: shard_map over the
+    mesh's expert axis, so they run only under a mesh that has one) replaced by the partitioned
+    MoE, one program that runs on any devices. Dropless, it is the same function as ragged
+    (which differs only where a small exec.moe_buffer overflowed). With a capacity, all_to_all
+    counts it per data x expert shard; partitioned counts it over each forward pass's tokens,
+    so the two agree when each forward pass holds one shard's rows (docs/moe-and-mesh.md)."""
+    if ex.moe_impl == "partitioned":
+        return ex
+    return dataclasses.replace(ex, moe_impl="partitioned", moe_buffer=None, grouped_matmul="ragged_dot")
+
+
 def relayout(tree, like: nnx.State):
     """Every nnx.State in `tree` (parameters, or optimizer moments shaped like them) in the block
     layout of `like` (an abstract state of the same model): blocks stacked under "blocks" with

@@ -17,6 +17,14 @@ def schedule(cfg: TrainConfig) -> optax.Schedule:
                                               decay_steps=cfg.steps, end_value=floor)
 
 
+def schedule_count(opt_state) -> jax.Array:
+    """The LR schedule's own step count in `opt_state`: the updates applied so far. A skipped step
+    (non-finite) keeps the optimizer state, so this lags the trainer's step after one, and the
+    schedule resumes where it paused: log `schedule(cfg)(schedule_count(...))`, the LR applied."""
+    is_count = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    return next(s.count for s in jax.tree.leaves(opt_state, is_leaf=is_count) if is_count(s))
+
+
 def decay_mask(params: nnx.State) -> nnx.State:
     """True for the parameters AdamW decays: those whose role (gattn.model.layers.ROLES, set
     where each parameter is created) is decayed; norm scales, biases and the input-independent

@@ -4,9 +4,13 @@ capacity that drops nothing (capacity_factor = E / k: every expert can take ever
 its loss, aux values and gradients equal the single-device model's (the default "partitioned"
 MoE, same parameters), which stays one program under the same mesh: the mesh never picks the path.
 
+With a capacity that drops tokens, the all_to_all model's logits on a mesh equal the
+partitioned model's run on one data x expert shard's rows at a time, the single-device path
+eval's measurements take (gattn.eval.analysis: `for_analysis`, `moe_shards`).
+
     python -m multidevice.expert_parallel_step [--meshes 1,4,2 2,2,2 1,8,1]
 
-Prints "ok MESH" per mesh (tests/test_expert_parallel.py counts them)."""
+Prints "ok MESH" per mesh and "shards ok MESH" once (tests/test_expert_parallel.py counts them)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import dataclasses
+
 from gattn.config import Config, ExecConfig, MeshConfig, MoESpec
+from gattn.eval import analysis
 from gattn.model import sharding
 from gattn.model.transformer import Transformer, with_exec
 from gattn.train.loss import aux_loss, lm_loss_and_aux
@@ -63,6 +70,30 @@ def main(argv=None):
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_grads)):
             np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))) + 1e-9)
         print("ok", mesh_shape, flush=True)
+    # Once (a compile each): on a mesh whose shards split both data and expert, if one is given.
+    shard_mesh = next((m for m in meshes if m[0] > 1), meshes[0])
+    check_shard_capacity(cfg, a2a, tokens, shard_mesh)
+    print("shards ok", shard_mesh, flush=True)
+
+
+def check_shard_capacity(cfg, a2a, tokens, mesh_shape):
+    """all_to_all counts capacity per data x expert shard; the partitioned MoE (which eval runs,
+    with no mesh) over each forward pass. With drops they agree when each pass is one shard's rows."""
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=0.5))
+    shards = analysis.moe_shards(Config(model=cfg, mesh=MeshConfig(*mesh_shape), exec=a2a))
+    assert shards == mesh_shape[0] * mesh_shape[1], shards
+    model = with_exec(Transformer(cfg, rngs=nnx.Rngs(1)), a2a)
+    graphdef, params = nnx.split(model)
+    mesh = sharding.make_mesh(MeshConfig(*mesh_shape))
+    with jax.set_mesh(mesh):
+        logits, aux = jax.jit(lambda p, t: nnx.merge(graphdef, p).forward(t))(params, tokens)
+    assert int(aux["dropped"].sum()) > 0, "the capacity drops nothing: the check would be empty"
+    off_graphdef, off_params = nnx.split(analysis.for_analysis(model))  # partitioned, no mesh
+    off = jax.jit(lambda t: nnx.merge(off_graphdef, off_params)(t))
+    rows = len(tokens) // shards
+    per_shard = np.concatenate([off(tokens[i:i + rows]) for i in range(0, len(tokens), rows)])
+    np.testing.assert_allclose(per_shard, logits, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(off(tokens)) - np.asarray(logits)).max() > 1e-3  # the whole batch drops others
 
 
 if __name__ == "__main__":

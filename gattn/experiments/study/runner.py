@@ -62,7 +62,7 @@ def _sink_curve(cfg: Config, workdir: Path, max_batches: int) -> list[dict]:
     out = []
     for step in sorted(set(checkpoint.saved_steps(workdir)) & set(planned_steps(cfg))):
         model = rundir.load(workdir, step).model
-        overall = analysis.measure(model, chosen)["overall"]
+        overall = analysis.measure(model, chosen, analysis.Options(moe_shards=analysis.moe_shards(cfg)))["overall"]
         sink = sinks.measure(model, cfg, chosen)["overall"]
         out.append({"step": step, "tokens": step * cfg.train.batch_size * cfg.train.seq_len,
                     "f_attn": overall["f_attn"], "m_act": overall["m_act"], "sink_share": sink["sink_share"],
