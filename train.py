@@ -5,6 +5,7 @@ Rerunning the same command in the same DIR resumes from the latest complete chec
 DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/ and DIR/summary.json. --init-from starts a
 new run from another run's parameters (continued training, e.g. configs/extend_tiny.py).
 --resume-step N resumes from an earlier saved step (a divergence stop names the one to use).
+A resume on changed data (DIR/data.json records it) is refused unless --allow-corpus-change.
 Errors are one line (exit 2: a usage error; exit 1: a runtime failure); --debug shows the traceback.
 """
 
@@ -24,6 +25,9 @@ def main(argv=None):
     ap.add_argument("--resume-step", type=int, metavar="N", help="resume from saved step N instead of "
                     "the latest (e.g. the checkpoint kept before a divergence); later checkpoints are "
                     "moved to DIR/checkpoints_set_aside/, not deleted")
+    ap.add_argument("--allow-corpus-change", action="store_true", help="resume although the data "
+                    "changed since the run was trained (files added to data.source, another Python's "
+                    "embedded corpus): continue on the new data with the run's tokenizer")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     cli.add_distributed_flags(ap)
     args, overrides = cli.parse_args(ap, argv, steps_set_train_steps=True)
@@ -35,7 +39,8 @@ def main(argv=None):
     from gattn.train import trainer  # noqa: PLC0415 (config errors come before any JAX import)
 
     # A diverged run, unreadable checkpoints or a failed save raise cli.Failure: one line, exit 1.
-    summary = trainer.train(cfg, args.workdir, progress=not args.quiet, resume_step=args.resume_step)
+    summary = trainer.train(cfg, args.workdir, progress=not args.quiet, resume_step=args.resume_step,
+                            allow_corpus_change=args.allow_corpus_change)
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     return 0
 

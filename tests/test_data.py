@@ -52,6 +52,18 @@ def test_user_folder_of_txt_and_jsonl(tmp_path):
         list(corpus.documents(str(tmp_path / "law" / "empty"), 0))
 
 
+def test_fingerprint_sees_a_relabelled_domain(tmp_path):
+    # The fingerprint names the TFDS build and the tokenizer cache: a .jsonl file whose documents
+    # moved to another domain must get a new one, or the old build (old domains) is reused.
+    lines = [{"text": f"document number {i} " * 5, "domain": "web"} for i in range(40)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    before = corpus.fingerprint(str(tmp_path), 0)
+    for r in lines[:20]:
+        r["domain"] = "code"
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert corpus.fingerprint(str(tmp_path), 0) != before
+
+
 def test_tokenizer_round_trips_code_and_unicode_and_is_cached(workdir, tokenizer):
     text = "def f(x):\n\treturn x  # über ≥ 漢字\n\n"
     assert tokenizer.decode(tokenizer.encode(text)) == text
@@ -116,7 +128,9 @@ def test_pipeline_is_deterministic_and_its_state_resumes_exactly(workdir, tokeni
 
 def test_packed_documents_do_not_attend_across_boundaries(workdir, tokenizer):
     """Logits of each document inside a packed row equal the logits of that document alone."""
-    model = Transformer(CFG.model, rngs=nnx.Rngs(0))
+    # Built and run under jit: one compile per row length, not ~200 op-by-op compiles (~5 s).
+    model = nnx.jit(lambda: Transformer(CFG.model, rngs=nnx.Rngs(0)))()
+    forward = nnx.jit(lambda model, tokens, **kw: model(tokens, **kw))
     it = pipeline.train_iterator(CFG, tokenizer, workdir)
     row = None
     while row is None:                                # find a row holding several documents
@@ -125,10 +139,10 @@ def test_packed_documents_do_not_attend_across_boundaries(workdir, tokenizer):
             if len(set(batch["segment_ids"][i]) - {0}) >= 2:
                 row = {k: v[i:i + 1, :-1] for k, v in batch.items()}
                 break
-    packed = model(row["tokens"], positions_BxS=row["positions"], segment_ids_BxS=row["segment_ids"])
+    packed = forward(model, row["tokens"], positions_BxS=row["positions"], segment_ids_BxS=row["segment_ids"])
     for seg_id in set(row["segment_ids"][0]) - {0}:
         idx = np.flatnonzero(row["segment_ids"][0] == seg_id)
-        alone = model(row["tokens"][:, idx], positions_BxS=row["positions"][:, idx])
+        alone = forward(model, row["tokens"][:, idx], positions_BxS=row["positions"][:, idx])
         np.testing.assert_allclose(packed[0, idx], alone[0], rtol=1e-4, atol=1e-4)
 
 

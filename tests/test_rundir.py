@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gattn import cli
-from gattn.config import ConfigError, to_dict
+from gattn.config import Config, ConfigError, ExecConfig, MeshConfig, ModelConfig, MoESpec, to_dict
 from gattn.train import metrics, rundir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +71,21 @@ def test_metrics_rows_after_the_resumed_step_are_set_aside_not_dropped(tmp_path,
     capsys.readouterr()
     metrics.MetricsLog(tmp_path, 2).close()
     assert capsys.readouterr().err == "" and len(aside.read_text().splitlines()) == 5
+
+
+@pytest.mark.parametrize("impl, capacity", [("ragged", None), ("all_to_all", 1.25)])
+def test_an_expert_parallel_run_loads_on_fewer_devices_with_the_partitioned_moe(impl, capacity, capsys):
+    """The run's mesh (expert=2) does not fit one device: every device goes on the data axis, and
+    the MoE, which needed the expert axis, runs as the partitioned one (this used to raise, asking
+    for mesh.expert > 1). The note says what changed."""
+    cfg = Config(model=ModelConfig(moe=MoESpec(num_experts=4, top_k=2, expert_width=8, capacity_factor=capacity)),
+                 mesh=MeshConfig(data=1, expert=2),
+                 exec=ExecConfig(moe_impl=impl, grouped_matmul="megablox" if impl == "ragged" else "ragged_dot"))
+    got = rundir.portable(cfg)
+    assert got.mesh == MeshConfig() and got.exec.moe_impl == "partitioned" and got.exec.grouped_matmul == "ragged_dot"
+    assert got.model == cfg.model
+    note = capsys.readouterr().err
+    assert note.count("\n") == 1 and f"exec.moe_impl '{impl}' -> 'partitioned'" in note
 
 
 def test_a_hugging_face_folder_is_named_as_one(tmp_path, capsys):

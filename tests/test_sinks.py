@@ -52,6 +52,24 @@ def test_backcopy_rows_are_deterministic_per_row_and_follow_the_rules():
     assert np.array_equal(val["backcopy"][1]["tokens"], pipeline.validation_batches(cfg, None, None)["backcopy"][1]["tokens"])
 
 
+@pytest.mark.parametrize("seed", [0, 1 << 30, 2**32 - 1])
+def test_held_out_rows_are_never_training_rows_whatever_the_seed(seed):
+    # Bigram-Backcopy and synthetic held-out rows were once seeded (2**30, i, r), exactly a training
+    # row's (train.seed, r, i) when train.seed = 2**30 (a valid seed): every held-out row leaked.
+    from gattn.data import synthetic
+
+    cfg = bb_config(seed=seed)
+    val = [v for b in pipeline.validation_batches(cfg, None, None)["backcopy"] for v in b["tokens"]]
+    train = pipeline.train_iterator(cfg, None, None)
+    seen = [t for _ in range(cfg.data.eval_batch_size) for t in next(train)["tokens"]]
+    assert not any((v == t).all() for v in val for t in seen)
+    syn = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, source="synthetic"))
+    val = [v for b in synthetic.validation_batches(syn)["synthetic"] for v in b["tokens"]]
+    train = synthetic.train_iterator(syn)
+    seen = [t for _ in range(cfg.data.eval_batch_size) for t in next(train)["tokens"]]
+    assert not any((v == t).all() for v in val for t in seen)
+
+
 def test_backcopy_tokenizer_is_the_task_s_characters(tmp_path):
     from gattn.data.tokenizer import load_tokenizer
 
@@ -97,6 +115,27 @@ def test_natural_text_bos_and_plain_windows():
     assert pipeline._layout(True)(packed)["positions"].tolist() == [0, 1, 0, 1, 2, 0]
     plain = pipeline._layout(False)(packed)
     assert plain["segment_ids"].tolist() == [1, 1, 1, 1, 1, 0] and plain["positions"].tolist() == list(range(6))
+
+
+def test_padding_rows_leave_the_first_token_norms_alone():
+    """validation_batches pads a small domain's last batch with segment-0 rows: they have no first
+    token, so the first token's value and residual norms average over the real rows only."""
+    b, h, t = 2, 2, 8
+    real = {"first_probs": np.full((b, h, t), 0.5), "sdpa_out": np.ones((b * t, h, 4)),
+            "block_out": np.ones((b * t, 5))}
+    real["sdpa_out"][0::t], real["block_out"][0::t] = 3.0, 2.0
+    padded = {k: np.concatenate([v, np.zeros_like(v)]) for k, v in real.items()}
+    seg = np.ones((b, t), np.int64)
+    results = []
+    for layer, ids in ((real, seg), (padded, np.concatenate([seg, 0 * seg]))):
+        stats = sinks.SinkStats(num_layers=1, heads=h)
+        stats.add([layer], ids, {})
+        results.append(stats.result(t))
+    (one,), (two,) = (r["per_layer"] for r in results)
+    for key in ("value_norm_first", "residual_norm_first", "residual_norm_rest"):
+        assert two[key] == pytest.approx(one[key])
+    assert one["value_norm_first"] == pytest.approx(6.0)
+    assert results[1]["overall"]["windows"] == b
 
 
 def test_sink_1_eps_on_constructed_attention():
@@ -246,6 +285,29 @@ def test_the_sink_lab_trains_and_eval_reports_sinks(tmp_path):
     assert len(res["sinks"]["per_layer"][0]["alpha_1_per_head"]) == 4
     assert "Sink_1^0.3" in (tmp_path / "eval" / "results.md").read_text()
     assert (tmp_path / "eval" / "sink_heads.png").is_file()
+
+
+def test_bos_is_the_tokenizer_s_own_or_refused(tmp_path):
+    # A tokenizer without a BOS token (Qwen's tokenizer.json: id 1 is '"') must not get id 1 as one.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from gattn.data.tokenizer import HFTokenizer
+
+    vocab = {"<|endoftext|>": 0, '"': 1, "hello": 2, "<s>": 3, "[UNK]": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>", "bos_token": null}')
+    hf = HFTokenizer(tmp_path / "tokenizer.json")
+    assert hf.bos_id() == -1 and pipeline._tokenize(hf)({"text": "hello"})["tokens"].tolist() == [2, 0]
+    with pytest.raises(ConfigError, match="'data.bos'.*no BOS token"):
+        pipeline._tokenize(hf, bos=True)
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>", "bos_token": {"content": "<s>"}}')
+    with_bos = pipeline._tokenize(HFTokenizer(tmp_path / "tokenizer.json"), bos=True)
+    assert with_bos({"text": "hello"})["tokens"].tolist() == [3, 2, 0]
+    no_bos = type("NoBos", (Chars,), {"bos_id": lambda self: -1})()  # a SentencePiece model with bos_id=-1
+    with pytest.raises(ConfigError, match="'data.bos'"):
+        pipeline._tokenize(no_bos, bos=True)
 
 
 @pytest.mark.slow

@@ -27,7 +27,17 @@ from gattn.config import ConfigError
 from gattn.data import corpus
 
 START = 0
-VALIDATION_SEED = 1 << 30  # the held-out sequences' generator seed (training seeds are far below it)
+HELD_OUT_KEY = 1 << 30  # the held-out sequences' spawn key (`held_out_seed`)
+
+
+def held_out_seed(i: int, r: int) -> np.random.SeedSequence:
+    """The seed of held-out row r of batch i. A training row's seed (train.seed, r, batch) is three
+    32-bit words; the spawn key makes this one five ((i, r) padded to numpy's pool of four, then
+    the key), so it is never a training row's, whatever train.seed (0..2**32-1). A plain tuple is
+    not enough: (2**30, i, r) was row r of batch i's own seed under train.seed = 2**30, and numpy
+    splits 2**32 into the words (0, 1) and pads short seeds with zeros, so (2**32, i, 0) is the
+    training seed (0, 1, i)."""
+    return np.random.SeedSequence((i, r), spawn_key=(HELD_OUT_KEY,))
 
 
 @dataclass(frozen=True)
@@ -152,7 +162,7 @@ class Rows:
 def validation_batches(cfg) -> dict[str, list[dict]]:
     """{"backcopy": `data.eval_batches` batches of `data.eval_batch_size` held-out sequences}."""
     t, d = task(cfg.data.backcopy), cfg.data
-    return {"backcopy": [_batch(sample(t, [(VALIDATION_SEED, i, r) for r in range(d.eval_batch_size)],
+    return {"backcopy": [_batch(sample(t, [held_out_seed(i, r) for r in range(d.eval_batch_size)],
                                        cfg.train.seq_len + 1)) for i in range(d.eval_batches)]}
 
 

@@ -157,14 +157,25 @@ def documents(source: str, code_max_bytes: int, decode_errors: str = "strict") -
 
 
 def fingerprint(source: str, code_max_bytes: int, decode_errors: str = "strict") -> str:
-    """A short hash of the corpus content: caches (tokenizer, TFDS files) are keyed by it. Also
-    where the corpus is checked as a whole (`check`)."""
-    h = hashlib.sha256()
+    """A short hash of the corpus content (each document's id, domain and text): caches (tokenizer,
+    TFDS files) are keyed by it, and a run records it (gattn/data/record.py). Also where the
+    corpus is checked as a whole (`check`)."""
+    return fingerprints(source, code_max_bytes, decode_errors)[0]
+
+
+def fingerprints(source: str, code_max_bytes: int, decode_errors: str = "strict") -> tuple[str, str]:
+    """(`fingerprint`, the legacy one): before the domain was hashed too (a relabelled .jsonl
+    domain kept its old TFDS build), the fingerprint saw ids and texts only; run directories
+    from then name their tokenizer with that one, and still find it by it (gattn/data/record.py)."""
+    h, legacy = hashlib.sha256(), hashlib.sha256()
     stats: dict[str, list[int]] = {}  # domain -> [train docs, held-out docs, characters]
     replaced = [0, 0]  # bytes, documents
     for doc in documents(source, code_max_bytes, decode_errors):
-        h.update(doc.id.encode())
-        h.update(hashlib.sha256(doc.text.encode()).digest())
+        text = hashlib.sha256(doc.text.encode()).digest()
+        legacy.update(doc.id.encode())
+        legacy.update(text)
+        h.update(hashlib.sha256(json.dumps([doc.id, doc.domain]).encode()).digest())  # fixed-length parts
+        h.update(text)
         counts = stats.setdefault(doc.domain, [0, 0, 0])
         counts[doc.split == "validation"] += 1
         counts[2] += len(doc.text)
@@ -172,7 +183,7 @@ def fingerprint(source: str, code_max_bytes: int, decode_errors: str = "strict")
         replaced[1] += doc.replaced_bytes > 0
     name = h.hexdigest()[:12]
     check(source, name, stats, replaced)
-    return name
+    return name, legacy.hexdigest()[:12]
 
 
 _reported: set[str] = set()  # corpora already reported on by this process

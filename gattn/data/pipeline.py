@@ -17,13 +17,19 @@ import numpy as np
 
 from gattn.config import BACKCOPY, ConfigError
 from gattn.data import backcopy, tfds_text
-from gattn.data.tokenizer import BOS, EOS
+from gattn.data.tokenizer import EOS
 
 
 def _tokenize(tokenizer, bos: bool = False):
-    """Text -> ids + [eos]; with `bos` (data.bos) a fixed BOS id opens each document."""
+    """Text -> ids + [eos]; with `bos` (data.bos) the tokenizer's BOS id opens each document (a
+    tokenizer without one is refused: any id put there would be an ordinary token's)."""
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else EOS  # a user's model may differ
-    start = [tokenizer.bos_id() if getattr(tokenizer, "bos_id", lambda: -1)() >= 0 else BOS] if bos else []
+    bos_id = getattr(tokenizer, "bos_id", lambda: -1)() if bos else -1
+    if bos and bos_id < 0:
+        raise ConfigError("data.bos", True, "this tokenizer has no BOS token (a Hugging Face "
+                          "tokenizer_config.json without bos_token, or a SentencePiece model with "
+                          "bos_id=-1): set data.bos=false")
+    start = [bos_id] if bos else []
     def fn(example) -> dict:
         ids = tokenizer.encode(example["text"].decode("utf-8") if isinstance(example["text"], bytes)
                                else example["text"])

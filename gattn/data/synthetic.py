@@ -12,13 +12,15 @@ from __future__ import annotations
 import numpy as np
 
 SOURCE = "synthetic"
-VALIDATION_SEED = 1 << 30  # the held-out batches' generator seed (far above any step count)
+HELD_OUT_KEY = 1 << 30  # held-out rows are seeded SeedSequence((i, r), spawn_key=(HELD_OUT_KEY,)): five
+# words, never a training row's three (train.seed, r, i), whatever train.seed (backcopy.held_out_seed)
 
 
-def _batch(cfg, rows: range, index: int, seed: int | None = None) -> dict:
+def _batch(cfg, rows: range, index: int, held_out: bool = False) -> dict:
     t = cfg.train
-    seed = t.seed if seed is None else seed
-    tokens = np.stack([np.random.default_rng((seed, r, index)).integers(
+    seed = (lambda r: np.random.SeedSequence((index, r), spawn_key=(HELD_OUT_KEY,))) if held_out else (
+        lambda r: (t.seed, r, index))
+    tokens = np.stack([np.random.default_rng(seed(r)).integers(
         0, cfg.model.vocab_size, t.seq_len + 1, dtype=np.int32) for r in rows])
     return {"tokens": tokens, "segment_ids": np.ones_like(tokens),
             "positions": np.broadcast_to(np.arange(t.seq_len + 1, dtype=np.int32), tokens.shape).copy()}
@@ -61,4 +63,4 @@ def validation_batches(cfg, tokenizer=None, workdir=None) -> dict[str, list[dict
     """One domain, "synthetic": data.eval_batches batches of data.eval_batch_size rows."""
     del tokenizer, workdir
     rows = range(cfg.data.eval_batch_size)
-    return {SOURCE: [_batch(cfg, rows, i, VALIDATION_SEED) for i in range(cfg.data.eval_batches)]}
+    return {SOURCE: [_batch(cfg, rows, i, held_out=True) for i in range(cfg.data.eval_batches)]}

@@ -10,7 +10,7 @@ from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import sentencepiece as spm
 
 from gattn.config import BACKCOPY, ConfigError
-from gattn.data import backcopy, corpus
+from gattn.data import backcopy, corpus, record
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 INIT_FROM_TOKENIZER = "init_from.model"  # a continued run's copy of its source's (gattn/init_from.py)
@@ -19,8 +19,8 @@ HF_TOKENIZER_DIR = "hf"  # WORKDIR/tokenizer/hf/: a converted model's tokenizer.
 
 class HFTokenizer:
     """A Hugging Face tokenizer.json behind the SentencePiece methods gattn calls: encode (no
-    special tokens added), decode, eos_id (-1 if none; from tokenizer_config.json beside it),
-    get_piece_size."""
+    special tokens added), decode, eos_id and bos_id (-1 if none; from tokenizer_config.json
+    beside it: Qwen's names no bos_token), get_piece_size."""
 
     def __init__(self, path: Path):
         from tokenizers import Tokenizer  # noqa: PLC0415
@@ -28,9 +28,13 @@ class HFTokenizer:
         self.path, self.tok = Path(path), Tokenizer.from_str(Path(path).read_text())
         tc_path = self.path.with_name("tokenizer_config.json")
         tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
-        eos = tc.get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        self._eos = tc.get("eos_token_id", self.tok.token_to_id(eos) if eos else None)
+
+        def special(name):  # "<s>", {"content": "<s>", ...} or null, or an explicit NAME_id
+            token = tc.get(name)
+            token = token.get("content") if isinstance(token, dict) else token
+            return tc.get(f"{name}_id", self.tok.token_to_id(token) if token else None)
+
+        self._eos, self._bos = special("eos_token"), special("bos_token")
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -40,6 +44,9 @@ class HFTokenizer:
 
     def eos_id(self) -> int:
         return -1 if self._eos is None else int(self._eos)
+
+    def bos_id(self) -> int:
+        return -1 if self._bos is None else int(self._bos)
 
     def get_piece_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
@@ -64,12 +71,14 @@ def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Pat
     return path
 
 
-def tokenizer_path(cfg, workdir: Path) -> Path:
+def tokenizer_path(cfg, workdir: Path, *, fresh: bool = False) -> Path:
     """The tokenizer file a run uses: the user's (data.tokenizer: a SentencePiece .model or a
     Hugging Face tokenizer.json); a converted model's (WORKDIR/tokenizer/hf/tokenizer.json, also
     what a run continued from one copies); for a continued run (train.init_from) the copy of its
-    source's in WORKDIR/tokenizer; or the one cached in WORKDIR/tokenizer for this corpus and
-    model.vocab_size (which may not exist yet)."""
+    source's in WORKDIR/tokenizer; or the cached one in WORKDIR/tokenizer: the one the run
+    recorded (gattn/data/record.py), whatever the corpus is now, else the one for this corpus and
+    model.vocab_size (which may not exist yet). `fresh`: a run that starts (it has no checkpoint),
+    which chooses its tokenizer anew."""
     data, vocab = cfg.data, cfg.model.vocab_size
     if data.tokenizer:
         path = Path(data.tokenizer).expanduser()
@@ -90,22 +99,37 @@ def tokenizer_path(cfg, workdir: Path) -> Path:
     if vocab < 260:
         raise ConfigError("model.vocab_size", vocab,
                           "expected >= 260 to train a tokenizer (256 byte pieces + 4 specials)")
-    return Path(workdir) / "tokenizer" / f"spm-{corpus.fingerprint(data.source, data.code_max_bytes, data.decode_errors)}-{vocab}.model"
+    rec = None if fresh else record.read(workdir)
+    if rec and rec.get("tokenizer"):
+        return record.recorded_tokenizer(workdir, rec)
+    names = corpus.fingerprints(data.source, data.code_max_bytes, data.decode_errors)
+    paths = [Path(workdir) / "tokenizer" / f"spm-{name}-{vocab}.model" for name in names]
+    if fresh:
+        return paths[0]
+    # A run from before the record: named by the fingerprint now, or by the one of before.
+    found = next((p for p in paths if p.is_file()), None) or record.legacy_tokenizer(workdir, paths, vocab)
+    return found or paths[0]
 
 
-def load_tokenizer(cfg, workdir: Path) -> spm.SentencePieceProcessor | HFTokenizer:
-    """The tokenizer of `tokenizer_path`: a SentencePiece processor, trained on first use when it
-    is the cached one, or a Hugging Face tokenizer.json (`HFTokenizer`)."""
-    path = tokenizer_path(cfg, workdir)
+def load_tokenizer(cfg, workdir: Path, *, fresh: bool = False,
+                   path: Path | None = None) -> spm.SentencePieceProcessor | HFTokenizer:
+    """The tokenizer of `tokenizer_path` (or `path`: the file process 0 chose): a SentencePiece
+    processor, trained on first use when it is the cached one, or a Hugging Face tokenizer.json
+    (`HFTokenizer`). Unless `fresh`, a file that is not the one the run recorded is refused
+    (`record.verify`)."""
+    path = tokenizer_path(cfg, workdir, fresh=fresh) if path is None else Path(path)
     if cfg.data.source == BACKCOPY:
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(backcopy.Tokenizer(backcopy.task(cfg.data.backcopy).chars).to_json())
-        sp = backcopy.Tokenizer.from_json(path.read_text())
     elif not path.is_file():
         train_tokenizer(cfg.data.source, cfg.data.code_max_bytes, cfg.model.vocab_size, path,
                         cfg.data.decode_errors)
-    if cfg.data.source != BACKCOPY:
+    if not fresh:
+        record.verify(cfg, workdir, path)
+    if cfg.data.source == BACKCOPY:
+        sp = backcopy.Tokenizer.from_json(path.read_text())
+    else:
         sp = HFTokenizer(path) if path.suffix == ".json" else spm.SentencePieceProcessor(model_proto=path.read_bytes())
     if sp.get_piece_size() > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,

@@ -159,18 +159,26 @@ def portable(cfg: Config) -> Config:
     """`cfg` runnable on the devices present: the run's mesh if they can hold it (else every
     device on the data axis), and the pallas kernel only on TPU, pallas_gpu and cudnn only on a
     GPU (elsewhere they run in interpret mode, ~100x slower, or not at all, and the xla attention
-    computes the same)."""
+    computes the same). Without the run's expert axis, an expert-parallel MoE (exec.moe_impl
+    ragged or all_to_all) runs as the partitioned one (`transformer.off_mesh`), and the note says
+    what that changes."""
     import jax  # noqa: PLC0415
 
     from gattn.config import MeshConfig  # noqa: PLC0415
     from gattn.model import sharding  # noqa: PLC0415
+    from gattn.model.transformer import off_mesh  # noqa: PLC0415
 
     try:
         sharding.make_mesh(cfg.mesh)
     except ConfigError as e:
-        print(f"note: {e}; using all {jax.device_count()} device(s) on the data axis instead "
+        ex = off_mesh(cfg.exec)
+        moe = {"ragged": "; exec.moe_impl 'ragged' -> 'partitioned' (the same dropless MoE on one program)",
+               "all_to_all": "; exec.moe_impl 'all_to_all' -> 'partitioned' (capacity then counted over each "
+                             "forward pass's tokens, not per data x expert shard: where tokens are dropped, "
+                             "outputs differ from the run's)"}.get(cfg.exec.moe_impl, "")
+        print(f"note: {e}; using all {jax.device_count()} device(s) on the data axis instead{moe} "
               "(set --config.mesh.* to choose)", file=sys.stderr)
-        cfg = dataclasses.replace(cfg, mesh=MeshConfig())
+        cfg = dataclasses.replace(cfg, mesh=MeshConfig(), exec=ex)
     home = {"pallas": ("tpu",), "pallas_gpu": ("gpu", "cuda", "rocm"), "cudnn": ("gpu", "cuda")}
     if cfg.exec.attention_impl in home and jax.default_backend() not in home[cfg.exec.attention_impl]:
         cfg = dataclasses.replace(cfg, exec=dataclasses.replace(cfg.exec, attention_impl="xla"))

@@ -26,7 +26,7 @@ from flax import nnx
 
 from gattn import cli
 from gattn.config import Config, ConfigError, from_dict
-from gattn.data import synthetic
+from gattn.data import record as data_record, synthetic
 from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 from gattn.model import sharding
 from gattn.model.transformer import Transformer, relayout
@@ -157,7 +157,8 @@ def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
         params, opt_state, ok = jax.lax.cond(ok, update, keep)
         new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
         report = {"loss": loss, "grad_norm": grad_norm, "finite": ok,
-                  "lr": lr(state["step"]), **aux_metrics(aux)}
+                  # what optax applied (its count, not state["step"]: skipped steps do not advance it)
+                  "lr": lr(optim.schedule_count(state["opt_state"])), **aux_metrics(aux)}
         return new_state, report
 
     if shardings is None:
@@ -245,31 +246,48 @@ def data_source(cfg: Config):
     return pipeline
 
 
-def prepare(cfg: Config, workdir: Path, source_step: int | None):
+def prepare(cfg: Config, workdir: Path, source_step: int | None, allow_corpus_change: bool = False):
     """The one-time preparation of a run (its tokenizer, the TFDS build, a continued run's
-    tokenizer copy), done by process 0 while the others wait; then every host has its copy,
-    whether the workdir is a shared filesystem or each host's own disk. Returns the tokenizer."""
+    tokenizer copy, WORKDIR/data.json), done by process 0 while the others wait; then every host
+    has its copy, whether the workdir is a shared filesystem or each host's own disk. A resume
+    keeps the run's recorded tokenizer and refuses changed data unless `allow_corpus_change`
+    (gattn/data/record.py). Returns (the tokenizer, its file, the earlier fingerprints): what
+    `data_record.write` keeps once the resume is accepted."""
     tokenizer, pipeline = None, data_source(cfg)
     if pipeline is synthetic:
         workdir.mkdir(parents=True, exist_ok=True)
-        return None
+        return None, None, []
+    fresh, earlier, path = not checkpoint.saved_steps(workdir), [], None  # a fresh run chooses its tokenizer
     if hosts.primary():
         workdir.mkdir(parents=True, exist_ok=True)
+        if not fresh and _same_data_config(cfg, workdir):  # (else `resume` names the changed data.* field)
+            earlier = data_record.check_resume(cfg, workdir, tokenizer_path(cfg, workdir), allow_corpus_change)
         if source_step is not None:
             init_from.copy_tokenizer(cfg, workdir)
-        tokenizer = load_tokenizer(cfg, workdir)  # (trained here on first use)
+        tokenizer = load_tokenizer(cfg, workdir, fresh=fresh)  # (trained here on first use)
+        path = tokenizer_path(cfg, workdir, fresh=fresh)
         pipeline.prepare(cfg, workdir)
     hosts.barrier("prepared")
     workdir.mkdir(parents=True, exist_ok=True)
-    hosts.share_file(tokenizer_path(cfg, workdir))
-    return tokenizer if tokenizer is not None else load_tokenizer(cfg, workdir)
+    path = Path(hosts.gather_json(str(path))[0])  # process 0's choice (it alone reads data.json)
+    hosts.share_file(path)
+    return tokenizer if tokenizer is not None else load_tokenizer(cfg, workdir, fresh=True, path=path), path, earlier
 
 
-def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None) -> dict:
+def _same_data_config(cfg: Config, workdir: Path) -> bool:
+    try:
+        return rundir.read_config(workdir).data == cfg.data
+    except ConfigError:  # no readable config.json: the fingerprint decides
+        return True
+
+
+def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None,
+          allow_corpus_change: bool = False) -> dict:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint; else starting from the
     parameters of `train.init_from` when set); returns the summary. With several processes (a pod
     slice), each reads its own rows of every batch and process 0 alone writes metrics and files.
-    `resume_step`: resume from that saved step instead of the latest (later ones are set aside)."""
+    `resume_step`: resume from that saved step instead of the latest (later ones are set aside).
+    `allow_corpus_change`: resume even if the data changed since the run was trained."""
     rundir.check_workdir(workdir)
     workdir = Path(workdir)
     # A continued run's source is checked before anything is written (and only until it has a
@@ -281,7 +299,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     if t.batch_size % shards:
         raise ConfigError("train.batch_size", t.batch_size,
                           f"a multiple of the {shards} data x expert shards of the mesh {dict(mesh.shape)}")
-    tokenizer, pipeline = prepare(cfg, workdir, source_step), data_source(cfg)
+    tokenizer, tokenizer_file, earlier = prepare(cfg, workdir, source_step, allow_corpus_change)
+    pipeline = data_source(cfg)
     batch_sharding = sharding.batch_sharding(mesh)
     data = pipeline.train_iterator(cfg, tokenizer, workdir, local_rows(batch_sharding, t.batch_size))
     val_batches = pipeline.validation_batches(cfg, tokenizer, workdir)
@@ -301,6 +320,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     elif source_step is not None:
         state = {**state, "params": init_from.params(cfg, state["params"], source_step)}
     start = int(state["step"])
+    if hosts.primary() and tokenizer_file is not None:  # the resume is accepted: what it trains on
+        data_record.write(cfg, workdir, tokenizer_file, earlier)
     if hosts.primary():  # (an earlier, different config.json goes to config_history.jsonl)
         rundir.record_config(workdir, cfg, start)
     log = metrics.MetricsLog(workdir, start)

@@ -1,0 +1,116 @@
+"""A run keeps the tokenizer it was trained with (WORKDIR/data.json, gattn/data/record.py): a
+changed corpus no longer swaps the tokenizer under a resume or an eval; a resume on changed data
+is refused (unless allowed); a run directory from before the record keeps working."""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gattn import cli
+from gattn.config import ConfigError
+from gattn.data import record
+from gattn.data.tokenizer import load_tokenizer, tokenizer_path
+from gattn.train import trainer
+
+TEXT = "the gated model trains a sink layer"
+
+
+def corpus_folder(folder: Path, docs: int = 40) -> Path:
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "train", "model", "token", "sink", "gate", "layer"]
+    folder.mkdir()
+    for i in range(docs):
+        (folder / f"{i}.txt").write_text(" ".join(rng.choice(words) + rng.choice(["", "s", "ing", "ed"])
+                                                  for _ in range(300)))
+    return folder
+
+
+def add_files(folder: Path) -> None:  # the user adds text: a tokenizer trained now would differ
+    for j in range(10):
+        (folder / f"new{j}.txt").write_text("zeta eta theta iota kappa lambda omicron " * 200)
+
+
+def started(cfg, work: Path):
+    """A run that started in `work` (as train.py does: prepare, then the record once accepted)."""
+    tok, path, earlier = trainer.prepare(cfg, work, None)
+    record.write(cfg, work, path, earlier)
+    return tok
+
+
+def test_the_run_keeps_its_tokenizer_and_a_resume_refuses_changed_data(tmp_path, monkeypatch, capsys):
+    data = corpus_folder(tmp_path / "data")
+    cfg = cli.load("tiny", [f"data.source={data}", "model.vocab_size=300"])
+    work = tmp_path / "run"
+    ids = started(cfg, work).encode(TEXT)
+    rec = json.loads((work / record.RECORD).read_text())
+    assert rec["tokenizer"].startswith("tokenizer/spm-") and len(rec["tokenizer_sha256"]) == 64
+    assert rec["fingerprint"] in rec["tokenizer"]
+
+    add_files(data)
+    assert load_tokenizer(cfg, work).encode(TEXT) == ids  # eval.py, studies: the run's own tokenizer
+    assert "is not the data" in capsys.readouterr().err   # ... with a note
+    monkeypatch.setattr(trainer.checkpoint, "saved_steps", lambda workdir: [6])  # the run has a checkpoint
+    with pytest.raises(ConfigError) as e:
+        trainer.prepare(cfg, work, None)
+    assert e.value.field == "data.source" and "--workdir" in str(e.value) and "\n" not in str(e.value)
+    assert rec["fingerprint"] in str(e.value) and record.fingerprint(cfg) in str(e.value)
+    assert json.loads((work / record.RECORD).read_text()) == rec  # a refused resume writes nothing
+    tok, path, earlier = trainer.prepare(cfg, work, None, allow_corpus_change=True)
+    assert tok.encode(TEXT) == ids and earlier == [rec["fingerprint"]]
+    assert len(list((work / "tokenizer").glob("spm-*.model"))) == 1  # none was trained for the new text
+
+    # The recorded file, changed, is refused; a run from before the record finds its only tokenizer.
+    own = work / rec["tokenizer"]
+    good = own.read_bytes()
+    own.write_bytes(good + b"\0")
+    with pytest.raises(ConfigError, match="not the file this run was trained with"):
+        load_tokenizer(cfg, work)
+    own.write_bytes(good)
+    (work / record.RECORD).unlink()
+    assert tokenizer_path(cfg, work) == own and load_tokenizer(cfg, work).encode(TEXT) == ids
+    assert "no data.json" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="data changed since this run was trained"):
+        trainer.prepare(cfg, work, None)  # (judged by the fingerprint in the tokenizer's name)
+    (work / "tokenizer" / "spm-0123456789ab-300.model").write_bytes(good)
+    with pytest.raises(ConfigError, match="holds 2 tokenizers of other corpora"):
+        load_tokenizer(cfg, work)
+
+
+def test_a_run_from_before_the_record_resumes_on_the_same_data(tmp_path, monkeypatch):
+    # Its tokenizer is named by the fingerprint of before (without domains): found, not retrained.
+    data = corpus_folder(tmp_path / "data", docs=20)
+    cfg = cli.load("tiny", [f"data.source={data}", "model.vocab_size=300"])
+    work = tmp_path / "run"
+    path = tokenizer_path(cfg, work, fresh=True)
+    load_tokenizer(cfg, work, fresh=True)
+    _, legacy = record.corpus.fingerprints(str(data), cfg.data.code_max_bytes)
+    old = path.with_name(f"spm-{legacy}-300.model")
+    path.rename(old)
+    monkeypatch.setattr(trainer.checkpoint, "saved_steps", lambda workdir: [6])
+    tok, found, earlier = trainer.prepare(cfg, work, None)
+    assert found == old and earlier == [] and not path.exists()
+
+
+@pytest.mark.slow
+def test_train_py_refuses_to_resume_on_changed_data(tmp_path):
+    from conftest import run_config_file
+
+    data = corpus_folder(tmp_path / "data")
+    config = tmp_path / "run.py"
+    text = run_config_file(steps=2, warmup_steps=1, eval_every=2, checkpoint_every=2)
+    config.write_text(text.replace("code_max_bytes=200_000", f"source={str(data)!r}")
+                      .replace("vocab_size=512", "vocab_size=300"))
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "--config", str(config),
+           "--workdir", str(tmp_path / "run"), "--quiet"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    add_files(data)
+    out = subprocess.run(cmd + ["--steps", "3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "data.source" in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run(cmd + ["--steps", "3", "--allow-corpus-change"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rec = json.loads((tmp_path / "run" / record.RECORD).read_text())
+    assert len(rec["earlier_fingerprints"]) == 1 and rec["fingerprint"] not in rec["earlier_fingerprints"]
