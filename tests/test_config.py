@@ -249,3 +249,16 @@ def test_every_name_of_the_config_package_is_importable_from_gattn_config():
     assert all(getattr(C, n) is not None for n in C.__all__)
     cfg = cli.apply_overrides(C.Config(), ["model.gate.position=G2", "data.backcopy.chars=9", "mesh.model=2"])
     assert C.from_dict(C.Config, C.to_dict(cfg)) == cfg
+
+
+def test_a_schedule_field_beside_an_lr_preset_is_refused():
+    """lr_preset sets the schedule: an explicit learning_rate, min_learning_rate or warmup_steps
+    beside it would be ignored, so it is refused (naming the preset); with lr_preset='' it is used."""
+    for field, value in (("learning_rate", 8e-3), ("min_learning_rate", 1e-6), ("warmup_steps", 10)):
+        _raises(lambda: C.TrainConfig(steps=2000, lr_preset="dense_400b", **{field: value}), field, value,
+                "lr_preset='dense_400b'")
+    dense = C.Config(train=C.TrainConfig(steps=2000, lr_preset="dense_400b"))
+    _raises(lambda: cli.apply_overrides(dense, ["--config.train.learning_rate=8e-3"]), "train.learning_rate",
+            8e-3, "lr_preset=''")
+    own = cli.apply_overrides(dense, ["train.learning_rate=8e-3", "train.lr_preset="])
+    assert own.train.schedule == (8e-3, 3e-5, 20)

@@ -160,3 +160,19 @@ def test_validation_batches_per_domain(workdir, tokenizer):
         assert tokens == expected          # nothing dropped, nothing from another domain
     few = pipeline.validation_batches(CFG, tokenizer, workdir)
     assert all(len(b) == 2 for b in few.values())
+
+
+def test_a_tokenizer_without_eos_is_refused_not_given_id_2(tmp_path):
+    """Documents end with the tokenizer's own EOS; one without an EOS (a tokenizer.json whose
+    tokenizer_config.json names none, or is missing) is refused: id 2 would be an ordinary token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from gattn.data.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "</s>": 3}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tokenizer.json").write_text(tok.to_str())
+    with pytest.raises(ConfigError, match="'data.tokenizer'.*no EOS token"):
+        pipeline._tokenize(HFTokenizer(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    assert pipeline._tokenize(HFTokenizer(tmp_path / "tokenizer.json"))({"text": "a b"})["tokens"].tolist() == [1, 2, 3]

@@ -131,3 +131,24 @@ def test_generation_exact_match_with_stop_strings(model, tmp_path):
     res = fewshot.evaluate_task(model, tok, path, max_new_tokens=6)
     assert [e["correct"] for e in res["examples"]] == [True, True, False]
     assert res["exact_match"] == pytest.approx(2 / 3) and "exact_match_number" not in res
+
+
+def test_a_bos_trained_model_gets_bos_before_every_prompt(model, monkeypatch):
+    """With data.bos every training document opens with BOS: few-shot prompts do too (split_tokens
+    before its prefix match, generation's prompt ids), and a prompt cut to max_len keeps it."""
+    tok, bos = CharTokenizer(), 1
+    ctx, cont = fewshot.split_tokens(tok, "xa", "bc", bos=bos)
+    assert ctx == [bos, ord("x"), ord("a")] and cont == [ord("b"), ord("c")]
+    examples, dev = fewshot.load_task(TASKS / "python_mc.jsonl")
+    ex, p = examples[0], fewshot.prompt(examples[0], dev, 0, 0)
+    res = fewshot.multiple_choice(model, tok, [ex], [p], bos=bos)
+    want = [direct_loglik(model, [bos] + tok.encode(p), tok.encode(c)) for c in ex["choices"]]
+    np.testing.assert_allclose(res["examples"][0]["loglik"], want, rtol=1e-4, atol=1e-4)
+    long_ctx, short = [bos] + list(range(10, 50)), [7, 8]
+    assert fewshot.loglikelihood(model, [(long_ctx, short)], max_len=20, bos=bos)[0] == pytest.approx(
+        direct_loglik(model, [bos] + long_ctx[-17:], short), abs=1e-4)
+    seen = []
+    monkeypatch.setattr(fewshot.decode, "generate", lambda m, ids, **kw: seen.extend(ids) or [[] for _ in ids])
+    fewshot.generation(model, tok, [{"context": "Q: 1?", "answer": "1"}] * 2, ["Q: 1?", "x" * 90],
+                       max_new_tokens=4, max_len=64, bos=bos)
+    assert seen[0] == [bos] + tok.encode("Q: 1?") and seen[1] == [bos] + tok.encode("x" * 59)

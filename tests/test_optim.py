@@ -29,15 +29,15 @@ def test_schedule_warmup_midpoint_and_end():
 
 def test_paper_presets():
     assert LR_PRESETS["moe_15a2b"] == (2e-3, 3e-5, 1000)        # Sec. 3.2.1
-    t = dataclasses.replace(TRAIN, lr_preset="moe_15a2b", steps=100_000)
+    t = TrainConfig(lr_preset="moe_15a2b", steps=100_000)
     lr = optim.schedule(t)
     assert float(lr(1000)) == pytest.approx(2e-3) and float(lr(100_000)) == pytest.approx(3e-5)
     assert {p[0] for p in LR_PRESETS.values()} >= {4e-3, 4.5e-3, 5.3e-3, 8e-3}
     with pytest.raises(ConfigError) as e:
-        dataclasses.replace(TRAIN, lr_preset="moe_15a2b")       # 1000 warmup >= 1000 steps
+        TrainConfig(lr_preset="moe_15a2b", steps=1000)          # 1000 warmup >= 1000 steps
     assert e.value.field == "warmup_steps"
     with pytest.raises(ConfigError):
-        dataclasses.replace(TRAIN, lr_preset="dense_9000")
+        TrainConfig(lr_preset="dense_9000")
 
 
 def _params(gate=None):

@@ -94,3 +94,26 @@ def test_a_length_too_short_for_the_task_is_refused():
     assert set(need) == set(ruler.TASKS) and need["niah_single"] < need["niah_multiquery"]
     with pytest.raises(ValueError, match="not one of"):
         ruler.generate("qa", 1024, 1, count)
+
+
+def test_ruler_prompts_open_with_bos_within_their_length(monkeypatch):
+    """A data.bos run's RULER prompts open with BOS, and the BOS counts in each length's budget."""
+    from gattn.eval import decode
+
+    class Words:  # `count`'s tokens as ids
+        def encode(self, text):
+            return [5 + len(w) for w in re.findall(r"\w+|[^\w\s]", text)]
+
+        def decode(self, ids):
+            return ""
+
+        def eos_id(self):
+            return 2
+
+    seen = []
+    monkeypatch.setattr(decode, "generate", lambda m, ids, max_new_tokens, max_len, **kw:
+                        seen.extend((i, max_new_tokens, max_len) for i in ids) or [[] for _ in ids])
+    ruler.run(None, Words(), [512], tasks=("niah_single", "common_words"), num_samples=2, bos=1)
+    assert len(seen) == 4
+    for ids, new, length in seen:
+        assert ids[0] == 1 and 1 not in ids[1:] and len(ids) + new <= length

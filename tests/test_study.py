@@ -231,3 +231,46 @@ def test_a_preset_loads_by_name():
     assert study.load("configs/study/lr_stability_tiny.py").lrs == (3e-3, 3e-2, 3e-1)
     with pytest.raises(ConfigError, match="table4_tiny"):
         study.load("no_such_study")
+
+
+def test_a_study_on_an_lr_preset_trains_each_cell_at_its_own_lr():
+    """A base with train.lr_preset (dense_1p7b.py's dense_400b: 4e-3 -> 4e-5, 1k warmup): each cell
+    trains at its own peak LR with the preset's warmup and floor ratio, and an LR-less study is
+    labelled with the LR it trains at (the preset's, not learning_rate's default)."""
+    from gattn.config import Config, TrainConfig
+
+    base = Config(train=TrainConfig(steps=2000, lr_preset="dense_400b"))
+    s = study.Study(base=base, seeds=(0,), learning_rates=(1e-3, 8e-3))
+    for cell in study.cells(s):
+        t = study.cell_config(s, cell).train
+        assert t.schedule == pytest.approx((cell.lr, cell.lr / 100, 1000)) and t.lr_preset == ""
+    plain = study.Study(base=base, seeds=(0,))
+    assert plain.lrs == (4e-3,) and plain.reference_lr == 4e-3
+    assert {study.cell_config(plain, c).train.schedule for c in study.cells(plain)} == {(4e-3, 4e-5, 1000)}
+
+
+def test_diverged_seeds_leave_the_final_loss_and_the_lr_claim_inconclusive():
+    """A diverged seed's last finite loss is not a final loss: the group's final_loss averages the
+    finished seeds (the per-seed list keeps them all); with seeds lost at the highest LR on either
+    side, the final losses there cannot decide the LR claim."""
+    from gattn.config import Config, ModelConfig, TrainConfig
+
+    base = Config(model=ModelConfig(vocab_size=64, d_model=16, num_layers=1, q_heads=2, kv_heads=1, head_dim=8,
+                                    d_ff=32), train=TrainConfig(steps=10, warmup_steps=2))
+    s = study.Study(base=base, seeds=(0, 1, 2), learning_rates=(1e-3, 1e-2))
+
+    def rec(v, lr, seed, final, diverged=None):
+        r = {"variant": v, "lr": lr, "seed": seed, "clip": s.clips[0], "diverged": diverged, "final_loss": final,
+             "loss_spikes": 0}
+        return r if diverged else {**r, "perplexity": {"d": 20.0}, "sinks": {}, "sink_curve": [],
+                                   "measurements": {"overall": {"f_attn": 0.1, "m_act": 1.0}, "per_layer": []}}
+
+    records = [rec(v, lr, seed, loss + 0.01 * seed) for lr in (1e-3, 1e-2) for seed in (0, 1)
+               for v, loss in (("baseline", 3.05), ("sdpa_elementwise", 3.0))]
+    records += [rec("baseline", 1e-3, 2, 3.07), rec("sdpa_elementwise", 1e-3, 2, 3.02),  # seed 2 diverged at 1e-2
+                rec("baseline", 1e-2, 2, 3.2, "stopped"), rec("sdpa_elementwise", 1e-2, 2, 9.9, "stopped")]
+    top = {g["variant"]: g for g in study.aggregate(s, records) if g["lr"] == 1e-2}
+    assert top["sdpa_elementwise"]["final_loss"] == pytest.approx({"mean": 3.005, "std": 0.00707, "n": 2}, rel=1e-3)
+    assert top["sdpa_elementwise"]["final_loss_per_seed"] == [3.0, 3.01, 9.9]
+    lr_claim = verdicts(study.aggregate(s, records))["gating_tolerates_higher_lr"]
+    assert lr_claim["verdict"] == "inconclusive" and "lost seeds at the highest LR" in lr_claim["text"]

@@ -3,6 +3,7 @@ and the paper's learning-rate presets."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from gattn.config.checks import ConfigError, _choice, _integer, _positive
@@ -17,6 +18,7 @@ LR_PRESETS = {
     "dense_1t": (5.3e-3, 5.3e-5, 1000),       # Table 2 rows 11, 13 (bsz 4096)
     "dense_high_lr": (8e-3, 8e-5, 1000),      # Table 2 rows 6-7, 10, 12, 14: the baseline diverges
 }
+_SCHEDULE = ("learning_rate", "min_learning_rate", "warmup_steps")  # the order of a preset's values
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class TrainConfig:
     learning_rate: float = 3e-3     # max LR, after linear warmup
     min_learning_rate: float = 3e-5  # cosine floor at the last step
     warmup_steps: int = 20
-    lr_preset: str = ""             # a key of LR_PRESETS; sets the three values above
+    lr_preset: str = ""             # a key of LR_PRESETS; sets the three values above (leave them default)
     weight_decay: float = 0.01      # AdamW's defaults otherwise (the paper keeps them)
     grad_clip: float = 1.0          # global-norm clipping (0 = off)
     log_every: int = 10
@@ -66,6 +68,13 @@ class TrainConfig:
                 raise ConfigError("init_step", self.init_step, "only with init_from (a run directory)")
         if self.lr_preset:
             _choice("lr_preset", self.lr_preset, tuple(LR_PRESETS))
+            # The preset sets the schedule: a value given beside it would be ignored silently.
+            defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+            for name in ("learning_rate", "min_learning_rate", "warmup_steps"):
+                if getattr(self, name) != defaults[name]:
+                    raise ConfigError(name, getattr(self, name), f"set by lr_preset={self.lr_preset!r} "
+                                      f"({name} {LR_PRESETS[self.lr_preset][_SCHEDULE.index(name)]}); "
+                                      "use lr_preset='' to choose your own")
         peak, floor, warmup = self.schedule
         if floor > peak:
             raise ConfigError("min_learning_rate", floor, f"expected <= the max LR ({peak})")

@@ -17,13 +17,18 @@ import numpy as np
 
 from gattn.config import BACKCOPY, ConfigError
 from gattn.data import backcopy, tfds_text
-from gattn.data.tokenizer import EOS
 
 
 def _tokenize(tokenizer, bos: bool = False):
     """Text -> ids + [eos]; with `bos` (data.bos) the tokenizer's BOS id opens each document (a
-    tokenizer without one is refused: any id put there would be an ordinary token's)."""
-    eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else EOS  # a user's model may differ
+    tokenizer without one is refused: any id put there would be an ordinary token's); so is one
+    without an EOS, which ends every document."""
+    eos = tokenizer.eos_id()
+    if eos < 0:
+        raise ConfigError("data.tokenizer", str(getattr(tokenizer, "path", "")) or None,
+                          "this tokenizer has no EOS token (a Hugging Face tokenizer.json needs a "
+                          "tokenizer_config.json beside it naming eos_token; a SentencePiece model "
+                          "needs an eos_id): any id used instead would be an ordinary token's")
     bos_id = getattr(tokenizer, "bos_id", lambda: -1)() if bos else -1
     if bos and bos_id < 0:
         raise ConfigError("data.bos", True, "this tokenizer has no BOS token (a Hugging Face "

@@ -34,6 +34,7 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     measurements (default: all of `data.eval_batches`); perplexity always uses all of them."""
     workdir = Path(workdir)
     options = options or analysis.Options()
+    asked = measured_with(options, max_batches)
     run_cfg = rundir.load_config(workdir, overrides)  # an architecture change is refused here
     # Checked before anything is restored, named as eval.py's flag.
     analysis.check_map_layers(options.map_layers or (), run_cfg.model.num_layers, "--map-layers")
@@ -57,20 +58,32 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
                "gate": dataclasses.asdict(cfg.model.gate) if cfg.model.gate else None,
                "perplexity": perplexity, "measurements": measurements, "sinks": sink,
                "measured_on": {"batches": len(chosen), "rows": sum(len(b["tokens"]) for b in chosen),
-                               "seq_len": cfg.train.seq_len}}
+                               "seq_len": cfg.train.seq_len},
+               "measured_with": asked}
     if tasks:
         from gattn.eval import fewshot  # noqa: PLC0415
 
         # Prompts longer than the trained length lose tokens from their left end.
         one = with_exec(model, off_mesh(model.ex))
+        bos = tokenizer.bos_id() if cfg.data.bos else None  # as every training document opens
         results["fewshot"] = {Path(t).stem: fewshot.evaluate_task(one, tokenizer, t, shots=shots, limit=limit,
-                                                                  max_len=cfg.train.seq_len)
+                                                                  max_len=cfg.train.seq_len, bos=bos)
                               for t in tasks}
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(report(results))
     if figures:
         results["figures"] = [str(p) for p in write_figures(results, out_dir) if p]
     return results
+
+
+def measured_with(options: analysis.Options | None, max_batches: int | None) -> dict:
+    """The settings that change the measurements (as JSON holds them): results.json records them,
+    and `compare` reuses a result only if they are the ones asked for. batch_rows and moe_shards
+    only split the work, so they are left out."""
+    o = options or analysis.Options()
+    return json.loads(json.dumps({"max_batches": max_batches, "sink_threshold": o.sink_threshold,
+                                  "sparsity_thresholds": o.sparsity_thresholds, "gate_bins": o.gate_bins,
+                                  "map_layers": o.map_layers, "map_len": o.map_len}))
 
 
 def out_path(workdir: str | Path, out_dir: str | Path | None = None) -> Path:
@@ -134,13 +147,16 @@ def report(results: dict) -> str:
 def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, overrides: list[str] = (),
             **eval_kwargs) -> str:
     """Table 4 across runs: PPL per domain, gate score, M-Act, F-Attn, sink heads; overlays their
-    per-layer curves in one figure. A run without WORKDIR/eval/results.json is evaluated first."""
+    per-layer curves in one figure. A run is evaluated first unless its WORKDIR/eval/results.json
+    is of its latest checkpoint, measured with these overrides, --max-batches and options."""
     runs = {}
+    asked = measured_with(eval_kwargs.get("options"), eval_kwargs.get("max_batches"))
     for w in workdirs:
         path = Path(w) / "eval" / "results.json"
         res = json.loads(path.read_text()) if path.is_file() else None
         if (res is None or res["step"] != max(checkpoint.saved_steps(w), default=None)  # missing, older,
-                or res.get("overrides", []) != list(overrides)):  # or measured with other settings
+                or res.get("overrides", []) != list(overrides)  # or measured with other settings
+                or res.get("measured_with") != asked):  # (M-Act grows with the batches measured)
             res = evaluate(w, overrides=overrides, **eval_kwargs)
         runs[_label(Path(w), res, runs)] = res
     out_dir = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(w).absolute() for w in workdirs])) / "compare"

@@ -94,12 +94,14 @@ def prompt(ex: dict, dev: list[dict], shots: int, seed: int, separator: str = "\
     return "".join(dev[i]["context"] + gold(dev[i]) + separator for i in picks) + ex["context"]
 
 
-def split_tokens(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+def split_tokens(tokenizer, context: str, continuation: str, bos: int | None = None) -> tuple[list[int], list[int]]:
     """(context tokens, continuation tokens) whose concatenation is the tokenization of the whole
     text (as lm-evaluation-harness does: tokens that merge across the boundary go to the
-    continuation)."""
-    whole = tokenizer.encode(context + continuation)
-    ctx = tokenizer.encode(context)
+    continuation). `bos` (a data.bos run's BOS id) opens the context, as it opens every training
+    document."""
+    start = [] if bos is None else [bos]
+    whole = start + tokenizer.encode(context + continuation)
+    ctx = start + tokenizer.encode(context)
     n = len(ctx)
     while n and whole[:n] != ctx[:n]:
         n -= 1
@@ -116,11 +118,18 @@ def _token_logprobs(graphdef, state, tokens_BxL, segment_ids_BxL):
     return jnp.take_along_axis(logp, tokens_BxL[:, 1:, None], axis=-1)[..., 0]
 
 
+def _last(ids: list[int], n: int, bos: int | None) -> list[int]:
+    """The last `n` of `ids`, keeping a leading `bos` when it has to cut."""
+    if len(ids) <= n:
+        return list(ids)
+    return [bos] + list(ids[len(ids) - n + 1:]) if bos is not None and ids and ids[0] == bos else list(ids[-n:])
+
+
 def loglikelihood(model, requests: list[tuple[list[int], list[int]]], *, batch_size: int = 8,
-                  max_len: int | None = None) -> list[float]:
+                  max_len: int | None = None, bos: int | None = None) -> list[float]:
     """Sum of log p(continuation tokens | context tokens) for each (context, continuation) pair,
     batched (rows right-padded to a multiple of 32 tokens, padding has segment id 0). A pair longer
-    than `max_len` loses tokens from the left of its context."""
+    than `max_len` loses tokens from the left of its context (after its leading `bos`, if any)."""
     graphdef, state = nnx.split(model)
     out = []
     for start in range(0, len(requests), batch_size):
@@ -131,7 +140,7 @@ def loglikelihood(model, requests: list[tuple[list[int], list[int]]], *, batch_s
                 raise ValueError("loglikelihood: an empty continuation has no tokens to score")
             seq = list(ctx) + list(cont)
             if max_len is not None:
-                seq = seq[-max_len:]
+                seq = _last(seq, max_len, bos)
             seqs.append((seq, min(len(cont), len(seq) - 1)))
         length = decode.round_up(max(len(s) for s, _ in seqs), 32)
         tokens = np.zeros((batch_size, length), np.int32)
@@ -144,13 +153,13 @@ def loglikelihood(model, requests: list[tuple[list[int], list[int]]], *, batch_s
     return out
 
 
-def multiple_choice(model, tokenizer, examples, prompts, *, batch_size=8, max_len=None) -> dict:
+def multiple_choice(model, tokenizer, examples, prompts, *, batch_size=8, max_len=None, bos=None) -> dict:
     requests, owners = [], []
     for i, (ex, p) in enumerate(zip(examples, prompts)):
         for choice in ex["choices"]:
-            requests.append(split_tokens(tokenizer, p, choice))
+            requests.append(split_tokens(tokenizer, p, choice, bos))
             owners.append(i)
-    scores = loglikelihood(model, requests, batch_size=batch_size, max_len=max_len)
+    scores = loglikelihood(model, requests, batch_size=batch_size, max_len=max_len, bos=bos)
     per_example = [[] for _ in examples]
     for i, s in zip(owners, scores):
         per_example[i].append(s)
@@ -168,8 +177,9 @@ def _cut(text: str, stops: list[str]) -> str:
 
 
 def generation(model, tokenizer, examples, prompts, *, max_new_tokens=64, batch_size=8,
-               max_len=None) -> dict:
-    """Greedy decoding with the kv cache (gattn.eval.decode), stopped at eos or the first stop string."""
+               max_len=None, bos=None) -> dict:
+    """Greedy decoding with the kv cache (gattn.eval.decode), stopped at eos or the first stop
+    string; `bos` opens each prompt."""
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
     # Rows of one batch share a stop rule: batch the examples by their stop strings.
     groups: dict[tuple, list[int]] = {}
@@ -180,9 +190,9 @@ def generation(model, tokenizer, examples, prompts, *, max_new_tokens=64, batch_
         stop = (lambda toks, stops=stops: any(s in tokenizer.decode(toks) for s in stops)) if stops else None
         for start in range(0, len(members), batch_size):
             rows = members[start:start + batch_size]
-            ids = [tokenizer.encode(prompts[i]) for i in rows]
+            ids = [([] if bos is None else [bos]) + tokenizer.encode(prompts[i]) for i in rows]
             if max_len is not None:
-                ids = [x[-(max_len - max_new_tokens):] for x in ids]
+                ids = [_last(x, max_len - max_new_tokens, bos) for x in ids]
             for i, toks in zip(rows, decode.generate(model, ids, max_new_tokens=max_new_tokens,
                                                      eos_id=eos, stop=stop)):
                 outputs[i] = _cut(tokenizer.decode(toks), list(stops))
@@ -202,14 +212,16 @@ def _number(text: str) -> float:
 
 def evaluate_task(model, tokenizer, path: str | Path, *, shots: int = 0, seed: int = 0,
                   limit: int | None = None, batch_size: int = 8, max_len: int | None = None,
-                  max_new_tokens: int = 64) -> dict:
-    """Scores the examples of the task file `path` (the first `limit`) with `shots`-shot prompts."""
+                  max_new_tokens: int = 64, bos: int | None = None) -> dict:
+    """Scores the examples of the task file `path` (the first `limit`) with `shots`-shot prompts,
+    each opened by `bos` (the BOS id of a data.bos run, which trained on documents that open with it)."""
     examples, dev = load_task(path)
     examples = examples[:limit]
     prompts = [prompt(ex, dev, shots, seed + i) for i, ex in enumerate(examples)]
     if "choices" in examples[0]:
-        res = multiple_choice(model, tokenizer, examples, prompts, batch_size=batch_size, max_len=max_len)
+        res = multiple_choice(model, tokenizer, examples, prompts, batch_size=batch_size, max_len=max_len,
+                              bos=bos)
     else:
         res = generation(model, tokenizer, examples, prompts, max_new_tokens=max_new_tokens,
-                         batch_size=batch_size, max_len=max_len)
+                         batch_size=batch_size, max_len=max_len, bos=bos)
     return {"task": str(path), "shots": shots, **res}

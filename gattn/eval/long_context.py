@@ -33,9 +33,10 @@ def evaluate_ruler(workdir: str | Path, lengths: list[int], *, step: int | None 
     workdir = Path(workdir).absolute()
     run_cfg = rundir.load_config(workdir, overrides)
     tokenizer = load_tokenizer(run_cfg, workdir)
+    bos = tokenizer.bos_id() if run_cfg.data.bos else None  # its training documents open with BOS
 
     def count(text):
-        return len(tokenizer.encode(text))
+        return (bos is not None) + len(tokenizer.encode(text))
 
     # Checked before anything is restored (other samples' keys and numbers take a few more tokens).
     short = {t: n + 16 for t, n in ruler.shortest(tasks, count, seed).items() if n + 16 > min(lengths)}
@@ -49,7 +50,8 @@ def evaluate_ruler(workdir: str | Path, lengths: list[int], *, step: int | None 
     try:
         # No mesh is set here: an expert-parallel MoE runs as the partitioned one.
         res = ruler.run(with_exec(model, off_mesh(model.ex)), tokenizer, lengths, tasks=tasks,
-                        num_samples=num_samples, seed=seed, batch_size=batch_size, prefill_chunk=prefill_chunk)
+                        num_samples=num_samples, seed=seed, batch_size=batch_size, prefill_chunk=prefill_chunk,
+                        bos=bos)
     except ruler.TooShort as e:
         raise ConfigError("--lengths", min(lengths), str(e)) from None
     # The same text at every length: per domain, up to 4 windows of the longest length.

@@ -273,14 +273,18 @@ def peak_rss_mb() -> float:
 
 
 def run(model, tokenizer, lengths: Sequence[int], *, tasks: Sequence[str] = TASKS, num_samples: int = 8,
-        seed: int = 0, batch_size: int = 4, prefill_chunk: int = 512, keep_outputs: int = 2) -> dict:
+        seed: int = 0, batch_size: int = 4, prefill_chunk: int = 512, keep_outputs: int = 2,
+        bos: int | None = None) -> dict:
     """Scores `model` on every task at every length (greedy, kv cache of `length` slots, prefill
     `prefill_chunk` tokens at a time). Per length: per-task exact / partial scores, their mean,
-    seconds and the process's peak memory after it (lengths run from short to long)."""
+    seconds and the process's peak memory after it (lengths run from short to long). `bos` (a
+    data.bos run's BOS id) opens each prompt and counts in its length."""
     from gattn.eval import decode  # noqa: PLC0415 (the generator above needs no JAX)
 
+    start = [] if bos is None else [bos]
+
     def count(text):
-        return len(tokenizer.encode(text))
+        return len(start) + len(tokenizer.encode(text))
 
     eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
     out = {"tasks": list(tasks), "lengths": sorted(lengths), "num_samples": num_samples, "seed": seed,
@@ -292,7 +296,7 @@ def run(model, tokenizer, lengths: Sequence[int], *, tasks: Sequence[str] = TASK
             outputs = []
             for i in range(0, len(samples), batch_size):
                 batch = samples[i:i + batch_size]
-                tokens = decode.generate(model, [tokenizer.encode(s.prompt) for s in batch],
+                tokens = decode.generate(model, [start + tokenizer.encode(s.prompt) for s in batch],
                                          max_new_tokens=batch[0].max_new_tokens, eos_id=eos, max_len=length,
                                          prefill_chunk=min(prefill_chunk, length))
                 outputs += [tokenizer.decode(t) for t in tokens]

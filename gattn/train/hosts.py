@@ -36,10 +36,13 @@ def _broadcast_bytes(data: bytes | None) -> bytes:
     return np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8).tobytes()
 
 
-def share_file(path: Path) -> None:
+def share_file(path: Path, *, optional: bool = False) -> None:
     """Process 0's file `path` on every host: a no-op on a shared filesystem, a copy where each
-    host has its own disk (written atomically, only where it is missing)."""
+    host has its own disk (written atomically, only where it is missing). `optional`: a file
+    process 0 may lack; then none is written anywhere."""
     if count() == 1:
+        return
+    if optional and _broadcast_bytes(b"1" if primary() and path.exists() else b"0") != b"1":
         return
     data = _broadcast_bytes(path.read_bytes() if primary() else None)
     if not path.exists():

@@ -270,8 +270,17 @@ def prepare(cfg: Config, workdir: Path, source_step: int | None, allow_corpus_ch
     hosts.barrier("prepared")
     workdir.mkdir(parents=True, exist_ok=True)
     path = Path(hosts.gather_json(str(path))[0])  # process 0's choice (it alone reads data.json)
-    hosts.share_file(path)
+    share_tokenizer(path)
     return tokenizer if tokenizer is not None else load_tokenizer(cfg, workdir, fresh=True, path=path), path, earlier
+
+
+def share_tokenizer(path: Path) -> None:
+    """Process 0's tokenizer file on every host; for a Hugging Face tokenizer.json also the
+    tokenizer_config.json beside it, where `HFTokenizer` reads its EOS and BOS (without it another
+    host would end its documents with another id)."""
+    hosts.share_file(path)
+    if path.suffix == ".json":
+        hosts.share_file(path.with_name("tokenizer_config.json"), optional=True)
 
 
 def _same_data_config(cfg: Config, workdir: Path) -> bool:

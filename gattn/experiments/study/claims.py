@@ -203,11 +203,12 @@ def _lr_claim(claim: Claim, gated: str, reference: str, groups: list[dict]) -> d
         base_better = [r["lr"] for r in rows if r["gated_diverged"] > r["baseline_diverged"]]
         top = rows[-1]  # when divergence does not separate them: the final losses at the highest LR
         loss = compare(top["gated_final_loss"], top["baseline_final_loss"], "final_loss")
+        lost = top["baseline_diverged"] or top["gated_diverged"]  # (then those losses cannot decide)
         if gated_better and not base_better:
             verdict = "supported"
         elif base_better and not gated_better:
             verdict = "contradicted"
-        elif not gated_better and not base_better and loss["verdict"] in ("supported", "contradicted"):
+        elif not gated_better and not base_better and not lost and loss["verdict"] in ("supported", "contradicted"):
             verdict = "partly supported" if loss["verdict"] == "supported" else "contradicted"
         else:
             verdict = "inconclusive"
@@ -218,7 +219,12 @@ def _lr_claim(claim: Claim, gated: str, reference: str, groups: list[dict]) -> d
         if not gated_better and not base_better:
             details += (" — no learning rate separates them by divergence" if any(r["baseline_diverged"] for r in rows)
                         else " — nothing diverged at these learning rates")
-            if loss["verdict"] != "untested":
+            if lost:
+                details += (f"; both lost seeds at the highest LR ({top['lr']:g}), so its final losses (of the "
+                            "finished seeds) cannot decide" if top["baseline_diverged"] and top["gated_diverged"]
+                            else f"; {reference if top['baseline_diverged'] else gated} lost seeds at the "
+                            f"highest LR ({top['lr']:g}), so its final losses cannot decide")
+            elif loss["verdict"] != "untested":
                 details += "; at the highest LR, " + _pair_text(loss, gated, reference, "final loss", 3)
     return {"claim": claim.key, "title": claim.title, "verdict": verdict, "rows": rows,
             "text": f"**{claim.title}.** {WORDS[verdict]}: {details}."}

@@ -27,7 +27,7 @@ class Study:
     base: Config
     variants: tuple[str, ...] = ("baseline", "sdpa_elementwise")
     seeds: tuple[int, ...] = (0, 1, 2)
-    learning_rates: tuple[float, ...] = ()  # () = base.train.learning_rate only
+    learning_rates: tuple[float, ...] = ()  # () = the base's max LR only (its lr_preset's, if any)
     grad_clips: tuple[float, ...] = ()      # train.grad_clip settings (0 = off); () = base's only
     # A run diverged if training stopped on non-finite losses, or if its final training loss is
     # above this (0: ln(vocab_size), the loss of a uniform guess; inf: only a stop counts).
@@ -87,7 +87,7 @@ class Study:
 
     @property
     def lrs(self) -> tuple[float, ...]:
-        return tuple(float(x) for x in self.learning_rates) or (self.base.train.learning_rate,)
+        return tuple(float(x) for x in self.learning_rates) or (self.base.train.schedule[0],)
 
     @property
     def clips(self) -> tuple[float, ...]:
@@ -96,8 +96,9 @@ class Study:
     @property
     def reference_lr(self) -> float:
         """The learning rate of the tables and the per-variant claims: the base config's when it
-        is in the sweep, else the sweep's first."""
-        return self.base.train.learning_rate if self.base.train.learning_rate in self.lrs else self.lrs[0]
+        is in the sweep (its lr_preset's, if it names one), else the sweep's first."""
+        peak = self.base.train.schedule[0]
+        return peak if peak in self.lrs else self.lrs[0]
 
     @property
     def divergence_threshold(self) -> float:
@@ -167,8 +168,12 @@ def cell_config(study: Study, cell: Cell) -> Config:
     base = study.base
     t = base.train
     every = max(1, t.steps // max(study.sink_points, 1))
+    # The cell's own schedule: the base's (or its lr_preset's) warmup and floor / peak ratio at the
+    # cell's peak LR; the preset is unpacked, as it would set the schedule instead.
+    peak, floor, warmup = t.schedule
     train = dataclasses.replace(
-        t, seed=cell.seed, learning_rate=cell.lr, grad_clip=t.grad_clip if cell.clip is None else cell.clip, min_learning_rate=t.min_learning_rate * cell.lr / t.learning_rate,
+        t, seed=cell.seed, lr_preset="", learning_rate=cell.lr, min_learning_rate=floor * cell.lr / peak,
+        warmup_steps=warmup, grad_clip=t.grad_clip if cell.clip is None else cell.clip,
         log_every=1, checkpoint_every=every, keep_checkpoints=study.sink_points + 6,  # (+ SIGTERM saves)
         eval_every=t.steps)  # (validated once at the end; the cell's measurements follow)
     cfg = dataclasses.replace(base, model=variants.apply(cell.variant, base.model), train=train, variant=cell.variant)

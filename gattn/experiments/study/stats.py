@@ -69,7 +69,8 @@ def aggregate(study, records: list[dict]) -> list[dict]:
             domains = sorted({d for r in ok for d in r["perplexity"]})
             g = {"variant": v, "lr": lr, "clip": clip, "seeds": len(rs), "diverged": sum(bool(r["diverged"]) for r in rs),
                  "added_params": count_params(variants.apply(v, study.base.model)) - base_params,
-                 "final_loss": _stat(r["final_loss"] for r in rs),
+                 # (a diverged seed's last finite loss is no final loss; the per-seed list keeps it)
+                 "final_loss": _stat(r["final_loss"] for r in ok),
                  "final_loss_per_seed": [r["final_loss"] for r in rs],
                  "loss_spikes": _stat(r.get("loss_spikes") for r in rs),
                  "ppl": {d: _stat(r["perplexity"][d] for r in ok) for d in domains},
