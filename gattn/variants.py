@@ -134,9 +134,19 @@ def apply(name: str, base: ModelConfig) -> ModelConfig:
 
 
 def applicable(base: ModelConfig) -> list[str]:
-    """The variants that apply to `base`: all of them for a MoE model, all but the MoE-only ones
-    for a dense model."""
-    return [n for n, v in REGISTRY.items() if base.moe is not None or not v.needs_moe]
+    """The variants that apply to `base`: those whose change of `base` is a valid config. Some
+    never build on some baselines: the MoE-only ones on a dense model, the FFN-matched ones on a
+    MoE model (they narrow the dense FFN), more_q_heads / more_kv_heads where the changed q_heads
+    is no longer a multiple of kv_heads (e.g. q_heads = kv_heads, or q_heads / kv_heads odd)."""
+    return [n for n, v in REGISTRY.items() if _builds(v, base)]
+
+
+def _builds(v: Variant, base: ModelConfig) -> bool:
+    try:
+        v.change(base)
+    except ConfigError:
+        return False
+    return True
 
 
 def table(name: str) -> dict:

@@ -90,6 +90,25 @@ def test_cached_logits_equal_the_full_forward(cfg):
     assert_matches_full_forward(build(cfg), ROWS)
 
 
+def test_a_capacity_moe_decodes_dropless_and_each_row_as_it_would_alone():
+    """Capacity pools a forward pass's tokens, so rows (and left padding) would compete for expert
+    slots: decoding runs the MoE dropless. The cached logits equal the dropless forward's (the same
+    parameters), a row decodes as it would alone, and a per-micro-batch LBL (lbl_scope="micro",
+    its groups need whole rows) does not stop a 1-row, 5-token prefill."""
+    spec = dataclasses.replace(MOE.moe, capacity_factor=1.0, lbl_scope="micro", micro_batches=2)
+    model = build(dataclasses.replace(MOE, moe=spec))
+    dropless = nnx.merge(nnx.split(nnx.eval_shape(lambda: build(MOE)))[0], nnx.state(model))
+    tokens, valid_right = padded(ROWS, left=False)
+    capped = full_forward(*nnx.split(model), tokens, valid_right.astype(jnp.int32))
+    full = full_forward(*nnx.split(dropless), tokens, valid_right.astype(jnp.int32))
+    assert float(jnp.abs(capped - full).max()) > 1e-2  # the training forward does drop here
+    logits, valid = cached_logits(model, ROWS, 5)
+    alone, _ = cached_logits(model, ROWS[1:], 5)
+    for i, r in enumerate(ROWS):
+        np.testing.assert_allclose(logits[i][valid[i]], full[i, :len(r)], rtol=1e-5, atol=1e-5, err_msg=f"row {i}")
+    np.testing.assert_allclose(alone[0], logits[1][valid[1]], rtol=1e-5, atol=1e-5)
+
+
 def test_cached_logits_equal_the_full_forward_with_attention_biases():
     """Random (non-zero) biases on W_Q, W_K, W_V, W_O and the gate, as converted checkpoints have."""
     model = build(dataclasses.replace(variants.apply("sdpa_elementwise", TINY), attention_bias=True, qk_norm=True))

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from gattn import variants
-from gattn.config import ConfigError, ExecConfig, MoESpec
+from gattn.config import Config, ConfigError, ExecConfig, MoESpec, TrainConfig
 from gattn.model import params
 from gattn.model.moe import MoE
 from gattn.model.moe_ops import load_balancing_loss, route, router_z_loss
@@ -150,3 +150,26 @@ def test_global_batch_lbl_on_a_data_mesh_equals_single_device_and_not_micro():
     value on the whole batch; on a skewed batch it differs from the mean of per-shard LBLs
     (tests/multidevice/global_lbl.py, on 8 simulated devices)."""
     assert multidevice.run("global_lbl", "--shards", 4).splitlines()[-1] == "ok"
+
+
+def test_micro_lbl_groups_whole_rows_and_is_nan_when_the_rows_do_not_split():
+    """lbl_scope="micro": micro_batches groups of whole rows (what config checks for the trainer's
+    batch, train.batch_size); a batch of other rows (validation, analysis: aux unused) gets NaN,
+    never a silent split of a row or a crash."""
+    spec = dataclasses.replace(SPEC, lbl_scope="micro", micro_batches=2)
+    moe = nnx.jit(lambda: MoE(tiny_model(moe=spec), rngs=nnx.Rngs(0)))()  # jitted: eager ops are slow
+
+    @nnx.jit
+    def run(moe, x_NxD):  # 4 rows of 3 tokens; their first 3 rows
+        _, experts, probs = route(x_NxD @ moe.router[...], spec)
+        halves = [load_balancing_loss(probs[i:i + 6], experts[i:i + 6]) for i in (0, 6)]  # rows 0-1, 2-3
+        return moe(x_NxD, 4)[1]["lbl"], jnp.mean(jnp.stack(halves)), load_balancing_loss(probs, experts), \
+            moe(x_NxD[:9], 3)[1]["lbl"], moe(x_NxD[:9], 3, decoding=True)
+
+    lbl, want, whole, lbl_3_rows, (out, aux) = run(moe, jax.random.normal(jax.random.key(3), (4 * 3, 32)))
+    np.testing.assert_allclose(lbl, want, rtol=1e-6)
+    assert abs(float(want) - float(whole)) > 1e-3  # the groups matter here
+    assert np.isnan(lbl_3_rows)  # 3 rows: no two equal groups of whole rows
+    assert aux == {} and out.shape == (9, 32)  # cached decoding: no aux at all
+    with pytest.raises(ConfigError, match="'train.batch_size' = 6.*micro_batches \\(4\\)"):
+        Config(model=tiny_model(moe=dataclasses.replace(spec, micro_batches=4)), train=TrainConfig(batch_size=6))

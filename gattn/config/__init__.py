@@ -66,6 +66,13 @@ class Config:
                            ("mesh", MeshConfig), ("exec", ExecConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ConfigError(name, type(getattr(self, name)).__name__, f"expected a {kind.__name__}")
+        moe = self.model.moe
+        if moe is not None and moe.lbl_scope == "micro" and self.train.batch_size % moe.micro_batches:
+            # each micro-batch is whole rows (on a data mesh, micro_batches a multiple of the shard
+            # count keeps each group on one shard); validation batches may be any size (aux unused)
+            raise ConfigError("train.batch_size", self.train.batch_size,
+                              f"a multiple of model.moe.micro_batches ({moe.micro_batches}): the per-micro-batch "
+                              "LBL (lbl_scope='micro') splits the batch into groups of whole rows")
         if self.exec.moe_impl == "all_to_all":
             moe = self.model.moe
             if moe is None or moe.capacity_factor is None:

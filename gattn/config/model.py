@@ -86,9 +86,11 @@ class MoESpec:
                         each expert takes at most ceil(c * tokens * top_k / num_experts) tokens (the
                         first in token order), the rest are dropped (expert output 0) and counted.
                         With experts split over a mesh, "tokens" are each data x expert shard's.
+                        Cached decoding ignores it (dropless: a row never competes with the others).
     lbl_coef, lbl_scope: load-balancing loss weight, and whether expert frequencies are counted
                         over the global batch ("global", Qiu et al. 2025b) or per micro-batch
-                        ("micro": the batch split into `micro_batches` groups, averaged).
+                        ("micro": the batch's rows split into `micro_batches` groups of whole
+                        rows, averaged; train.batch_size must be a multiple of it).
     z_loss_coef:        router z-loss weight (mean squared log-sum-exp of router logits).
     """
 

@@ -6,7 +6,10 @@
     unpermute  scatter the rows back and sum each token's k outputs, weighted by the router
 
 With a capacity factor each expert keeps at most C rows (the first C in token order) and the
-others are dropped: their expert output is zero and they are counted. That path computes on a
+others are dropped: their expert output is zero and they are counted. Capacity is a
+training-throughput device counted over each forward pass's tokens (validation loss keeps it,
+as the run trained); cached decoding (`decoding=True`) is always dropless, so that a row's
+generation never depends on the other rows of its batch or their padding. That path computes on a
 fixed [E, C, D] buffer with batched matmuls, so its cost is capacity_factor x the activated
 compute for any E. The dropless path uses `jax.lax.ragged_dot`, a grouped matmul on TPU; XLA's
 CPU lowering of it computes every expert for every row (cost grows with E: see
@@ -18,9 +21,10 @@ The auxiliary losses are returned as named values, never folded into the LM loss
     lbl      E * sum_e f_e * p_e, f_e = share of the N*k assignments routed to e, p_e = mean router
              probability of e. With scope "global" f and p are counted over the whole (global)
              batch (Qiu et al. 2025, "Demons in the detail"); under jit on a mesh the sums over a
-             data-sharded batch are global by construction. "micro" splits the tokens into
-             `micro_batches` groups (a data-parallel shard each), computes the loss per group and
-             averages, the usual per-micro-batch LBL.
+             data-sharded batch are global by construction. "micro" splits the batch's rows into
+             `micro_batches` groups of whole rows (a data-parallel shard each when micro_batches
+             is the number of shards), computes the loss per group and averages, the usual
+             per-micro-batch LBL (config checks train.batch_size % micro_batches == 0).
     z_loss   mean over tokens of logsumexp(router logits)^2 (ST-MoE).
     load     tokens routed to each expert [E]; dropped: assignments over capacity.
 """
@@ -80,20 +84,24 @@ class MoE(nnx.Module):
                              self._w(self.w3), self._w(self.w2))
         return combine(out.reshape(e * cap, -1), slot, keep), keep
 
-    def __call__(self, x_NxD: jax.Array):
-        """(out [N, D], aux {lbl, z_loss, load [E], dropped})."""
+    def __call__(self, x_NxD: jax.Array, num_rows: int | None = None, *, decoding: bool = False):
+        """(out [N, D], aux {lbl, z_loss, load [E], dropped}) of the N = num_rows * S tokens of
+        num_rows sequences (None: each token its own row). `decoding` (cached decoding, where a
+        batch holds unrelated prompts and their left padding): every token computes what it would
+        alone, so dropless whatever the capacity factor (capacity pools the batch's tokens, and rows
+        would compete for expert slots), and aux is {} (the auxiliary losses are training terms)."""
         spec = self.spec
-        if self.impl == "all_to_all":  # exec.moe_impl: the explicit exchange over the expert axis
+        if self.impl == "all_to_all" and not decoding:  # exec.moe_impl: the explicit exchange over the expert axis
             mesh = expert_parallel.context_mesh(spec)
             return expert_parallel.moe_forward(self.weights(), spec, self.act, self.dtype, x_NxD, mesh)
-        if self.impl == "ragged":  # dropless expert parallelism: ragged exchange, grouped matmuls
+        if self.impl == "ragged" and not decoding:  # dropless expert parallelism: ragged exchange, grouped matmuls
             mesh = dropless_ep.context_mesh(spec)
             return dropless_ep.moe_forward(self.weights(), spec, self.act, self.dtype, x_NxD, mesh,
                                            self.moe_buffer, self.grouped_matmul)
         logits_NxE = dense(x_NxD, self.router, self.dtype, out_dtype=jnp.float32)
         weights_NxP, experts_NxP, probs_NxE = route(logits_NxE, spec)
         rows, order, sizes = permute(x_NxD, experts_NxP, spec.num_experts)
-        if spec.capacity_factor is None:
+        if spec.capacity_factor is None or decoding:
             out_rows, dropped = self.experts(rows, sizes), jnp.zeros((), jnp.int32)
         else:
             expert_of_row = jnp.take(experts_NxP.reshape(-1), order)
@@ -101,7 +109,20 @@ class MoE(nnx.Module):
                                                         capacity(spec, x_NxD.shape[0]))
             dropped = jnp.sum(~keep).astype(jnp.int32)
         out = unpermute(out_rows, order, weights_NxP)
-        groups = spec.micro_batches if spec.lbl_scope == "micro" else 1
-        aux = {"lbl": load_balancing_loss(probs_NxE, experts_NxP, groups),
+        if decoding:
+            return out, {}
+        aux = {"lbl": self._lbl(probs_NxE, experts_NxP, x_NxD.shape[0] if num_rows is None else num_rows),
                "z_loss": router_z_loss(logits_NxE), "load": sizes, "dropped": dropped}
         return out, aux
+
+    def _lbl(self, probs_NxE, experts_NxP, num_rows: int):
+        """The global-batch LBL, or with scope "micro" the mean over micro_batches groups of whole
+        rows (tokens are row-major, so equal token-order groups are whole rows when micro_batches
+        divides num_rows). A batch that does not split so has no per-micro-batch LBL: NaN, loud if
+        a loss is built on it. The trainer's batch is checked (train.batch_size); other forwards
+        (validation, analysis: any batch size) throw aux["lbl"] away."""
+        if self.spec.lbl_scope != "micro":
+            return load_balancing_loss(probs_NxE, experts_NxP)
+        if num_rows % self.spec.micro_batches:
+            return jnp.full((), jnp.nan, jnp.float32)
+        return load_balancing_loss(probs_NxE, experts_NxP, self.spec.micro_batches)

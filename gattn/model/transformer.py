@@ -49,8 +49,8 @@ class Block(nnx.Module):
             h = jnp.clip(h, -self.clip, self.clip)
         return h
 
-    def _ffn_residual(self, x_NxD, capture: Capture = NOTHING):
-        h, aux = (self.ffn(self.ffn_norm(x_NxD)) if isinstance(self.ffn, MoE)
+    def _ffn_residual(self, x_NxD, rows: int, capture: Capture = NOTHING, decoding: bool = False):
+        h, aux = (self.ffn(self.ffn_norm(x_NxD), rows, decoding=decoding) if isinstance(self.ffn, MoE)
                   else (self.ffn(self.ffn_norm(x_NxD)), {}))
         h = self._branch_out(h, getattr(self, "ffn_post_norm", None))
         if capture.ffn_out:  # what the FFN adds to the residual stream (Fig. 6, Appendix A.3)
@@ -61,17 +61,18 @@ class Block(nnx.Module):
         """(x, aux): aux holds the MoE's auxiliary values ({} for a dense FFN)."""
         h = self.attn(self.attn_norm(x_NxD), positions_N, segment_ids_BxS, batch, capture)
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
-        x_NxD, aux = self._ffn_residual(x_NxD, capture)
+        x_NxD, aux = self._ffn_residual(x_NxD, batch[0], capture)
         if capture.block_out:
             self.sow(nnx.Intermediate, "block_out", x_NxD)
         return x_NxD, aux
 
     def decode(self, x_NxD, positions_N, k_BxHxTxK, v_BxHxTxK, mask_BxSxT, index):
-        """The block on S new tokens per row with this layer's kv cache: (x, k cache, v cache)."""
+        """The block on S new tokens per row with this layer's kv cache: (x, k cache, v cache).
+        Each row computes what it would alone: a MoE runs dropless (gattn/model/moe.py)."""
         h, k_BxHxTxK, v_BxHxTxK = self.attn.decode(self.attn_norm(x_NxD), positions_N, k_BxHxTxK,
                                                    v_BxHxTxK, mask_BxSxT, index)
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
-        return self._ffn_residual(x_NxD)[0], k_BxHxTxK, v_BxHxTxK
+        return self._ffn_residual(x_NxD, mask_BxSxT.shape[0], decoding=True)[0], k_BxHxTxK, v_BxHxTxK
 
 
 class Transformer(nnx.Module):
