@@ -73,22 +73,16 @@ class Config:
             raise ConfigError("train.batch_size", self.train.batch_size,
                               f"a multiple of model.moe.micro_batches ({moe.micro_batches}): the per-micro-batch "
                               "LBL (lbl_scope='micro') splits the batch into groups of whole rows")
-        if self.exec.moe_impl == "all_to_all":
-            moe = self.model.moe
-            if moe is None or moe.capacity_factor is None:
-                raise ConfigError("exec.moe_impl", "all_to_all", "the explicit all-to-all needs a MoE model with "
+        impl = self.exec.moe_impl
+        if impl in ("all_to_all", "ragged"):
+            if impl == "all_to_all" and (moe is None or moe.capacity_factor is None):
+                raise ConfigError("exec.moe_impl", impl, "the explicit all-to-all needs a MoE model with "
                                   "model.moe.capacity_factor set (fixed-size buffers); use 'partitioned'")
-            if self.mesh.expert < 2 or moe.num_experts % self.mesh.expert:
-                raise ConfigError("exec.moe_impl", "all_to_all", f"it splits the {moe.num_experts} experts over "
-                                  f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them, "
-                                  "or exec.moe_impl='partitioned' (runs on any mesh)")
-        if self.exec.moe_impl == "ragged":
-            moe = self.model.moe
-            if moe is None or moe.capacity_factor is not None:
-                raise ConfigError("exec.moe_impl", "ragged", "dropless expert parallelism needs a MoE model "
+            if impl == "ragged" and (moe is None or moe.capacity_factor is not None):
+                raise ConfigError("exec.moe_impl", impl, "dropless expert parallelism needs a MoE model "
                                   "with model.moe.capacity_factor None; use 'all_to_all' with a capacity")
             if self.mesh.expert < 2 or moe.num_experts % self.mesh.expert:
-                raise ConfigError("exec.moe_impl", "ragged", f"it splits the {moe.num_experts} experts over "
+                raise ConfigError("exec.moe_impl", impl, f"it splits the {moe.num_experts} experts over "
                                   f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them, "
                                   "or exec.moe_impl='partitioned' (runs on any mesh)")
 
