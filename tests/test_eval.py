@@ -1,5 +1,6 @@
 """eval.py end to end on tiny checkpoints trained here: every field, figures, --step, --compare."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -7,6 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from gattn import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = textwrap.dedent("""
@@ -46,6 +49,18 @@ def run_eval(*args, env=None):
                           capture_output=True, text=True, timeout=300, env=env)
 
 
+def refused(capsys, *args):
+    """(exit code, stderr) of eval.py's main() called in this process: for the refusals, which
+    stop before restoring anything, so starting an interpreter for each would cost more than the
+    check (the successful runs above stay real subprocesses)."""
+    spec = importlib.util.spec_from_file_location("entry_eval", ROOT / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    code = cli.run_cli(module.main, list(map(str, args)))
+    return code, capsys.readouterr().err
+
+
 def test_eval_writes_every_field_and_figure(runs):
     tasks = ROOT / "tests" / "data" / "tasks"
     out = run_eval("--workdir", runs["sdpa_elementwise"], "--map-layers", "0,2", "--tasks",
@@ -83,7 +98,7 @@ def test_eval_writes_every_field_and_figure(runs):
     assert res["perplexity"]["docs"]["ppl"] == pytest.approx(summary["val_ppl/docs"], rel=1e-5)
 
 
-def test_ungated_runs_report_gate_fields_as_absent_and_step_selects_a_checkpoint(runs):
+def test_ungated_runs_report_gate_fields_as_absent_and_step_selects_a_checkpoint(runs, capsys):
     out = run_eval("--workdir", runs["baseline"], "--step", 3, "--no-figures", "--max-batches", 1)
     assert out.returncode == 0, out.stderr
     res = json.loads((runs["baseline"] / "eval" / "results.json").read_text())
@@ -91,20 +106,20 @@ def test_ungated_runs_report_gate_fields_as_absent_and_step_selects_a_checkpoint
     assert "gate_score" not in res["measurements"]["overall"] and "gate_histogram" not in res["measurements"]
     assert all("gate_score" not in r and set(r["sparsity"]) == {"sdpa_out"} for r in res["measurements"]["per_layer"])
     assert res["measured_on"]["batches"] == 2  # one per domain
-    bad = run_eval("--workdir", runs["baseline"], "--map-layers", "0,3")
-    assert bad.returncode == 2 and "--map-layers" in bad.stderr and "0..2" in bad.stderr
-    bad = run_eval("--workdir", runs["baseline"], "--step", 5)
-    assert bad.returncode == 2 and "--step" in bad.stderr and "saved steps [" in bad.stderr and "Traceback" not in bad.stderr
+    code, err = refused(capsys, "--workdir", runs["baseline"], "--map-layers", "0,3")
+    assert code == 2 and "--map-layers" in err and "0..2" in err
+    code, err = refused(capsys, "--workdir", runs["baseline"], "--step", 5)
+    assert code == 2 and "--step" in err and "saved steps [" in err and "Traceback" not in err
 
 
-def test_eval_refuses_an_architecture_change_and_keeps_the_results(runs):
+def test_eval_refuses_an_architecture_change_and_keeps_the_results(runs, capsys):
     """A checkpoint is evaluated with its own architecture: a changed model field is refused by
     name before anything is written; execution settings may change."""
     results = runs["baseline"] / "eval" / "results.json"
     before = results.read_bytes() if results.exists() else None
-    out = run_eval("--workdir", runs["baseline"], "--config.model.num_layers=2", "--no-figures")
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "'model.num_layers' = 2" in out.stderr and "a model with 3" in out.stderr, out.stderr
+    code, err = refused(capsys, "--workdir", runs["baseline"], "--config.model.num_layers=2", "--no-figures")
+    assert code == 2 and "Traceback" not in err
+    assert "'model.num_layers' = 2" in err and "a model with 3" in err, err
     assert (results.read_bytes() if results.exists() else None) == before
     out = run_eval("--workdir", runs["baseline"], "--config.exec.scan_layers=false", "--config.exec.remat=full",
                    "--no-figures", "--max-batches", 1)
@@ -149,7 +164,7 @@ def test_eval_restores_onto_another_device_count(runs, tmp_path):
         assert b["measurements"]["overall"][key] == pytest.approx(a["measurements"]["overall"][key], rel=1e-4)
 
 
-def test_ruler_with_yarn_and_a_table_5_comparison(runs, tmp_path):
+def test_ruler_with_yarn_and_a_table_5_comparison(runs, tmp_path, capsys):
     """eval.py --ruler at two lengths with YaRN switched on at eval time (its original length is
     the run's own seq_len), then --compare of the plain run against that result: a Table-5 row each,
     the YaRN row with its change against the plain one; bad lengths are refused before restoring."""
@@ -199,5 +214,5 @@ def test_ruler_with_yarn_and_a_table_5_comparison(runs, tmp_path):
         evaluate.compare_ruler([tmp_path / "yarn" / "ruler.json", run], [512], tasks=tasks.split(","), num_samples=8)
     assert e.value.field == "--compare" and "num_samples = 2" in e.value.allowed
 
-    short = run_eval("--workdir", run, "--ruler", "--lengths", "64,512")
-    assert short.returncode == 2 and "--lengths" in short.stderr and "niah_single needs" in short.stderr
+    code, err = refused(capsys, "--workdir", run, "--ruler", "--lengths", "64,512")
+    assert code == 2 and "--lengths" in err and "niah_single needs" in err

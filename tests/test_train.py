@@ -26,6 +26,19 @@ def config_file(tmp_path):
     return path
 
 
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory):
+    """A finished 6-step run of CONFIG, trained once for the tests that resume or continue from
+    one (each works on its own copy)."""
+    from gattn import cli
+    from gattn.train import trainer
+
+    root = tmp_path_factory.mktemp("six_steps")
+    (root / "small.py").write_text(CONFIG)
+    trainer.train(cli.load(root / "small.py", ["train.steps=6"]), root / "run", progress=False)
+    return root / "run"
+
+
 def train_cmd(config_file, workdir, *extra):
     return [sys.executable, str(ROOT / "train.py"), "--config", str(config_file), "--workdir",
             str(workdir), "--quiet", *extra]
@@ -104,15 +117,13 @@ def test_divergence_stops_with_a_clear_message_and_finite_checkpoints(config_fil
     assert losses(workdir)[1][1]["skipped_steps"] == 1
     assert "No checkpoint was saved before the trouble began" in out.stderr
     assert max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) >= 2
-    code = textwrap.dedent(f"""
-        import jax, numpy as np
-        from gattn.train import rundir
-        model = rundir.load({str(workdir)!r}).model
-        from flax import nnx
-        print(all(bool(np.isfinite(x).all()) for x in jax.tree.leaves(nnx.state(model))))
-        """)
-    check = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert check.stdout.strip().endswith("True"), check.stderr
+    import jax
+    from flax import nnx
+
+    from gattn.train import rundir
+
+    model = rundir.load(workdir).model  # (in this process: another interpreter would only cost time)
+    assert all(bool(np.isfinite(x).all()) for x in jax.tree.leaves(nnx.state(model)))
 
 
 def test_restore_onto_a_different_mesh(tmp_path):
@@ -153,15 +164,25 @@ def test_restore_onto_a_different_mesh(tmp_path):
     assert "P(None, 'model')" in out.stdout and "{'k': 1} {'m': 2}" in out.stdout
 
 
-def test_resume_refuses_another_model_and_continues_under_other_execution_settings(config_file, tmp_path):
+def test_resume_refuses_another_model_and_continues_under_other_execution_settings(config_file, tmp_path,
+                                                                                   capsys, six_steps):
+    import importlib.util
+
+    from gattn import cli
+
     workdir = tmp_path / "run"
-    subprocess.run(train_cmd(config_file, workdir, "--steps", "6"), check=True, capture_output=True,
-                   timeout=300)
+    shutil.copytree(six_steps, workdir)  # trained with --steps 6 (the config says 24)
     before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
-    out = subprocess.run(train_cmd(config_file, workdir, "--config.model.d_ff=96"),
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "'model.d_ff' = 96" in out.stderr and "trained with 64" in out.stderr
+    # The refusal comes from train.py's main() in this process (an interpreter start costs more
+    # than the check; the runs below are real subprocesses).
+    spec = importlib.util.spec_from_file_location("entry_train", ROOT / "train.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    capsys.readouterr()
+    assert cli.run_cli(entry.main, train_cmd(config_file, workdir, "--config.model.d_ff=96")[2:]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "'model.d_ff' = 96" in err and "trained with 64" in err
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
     assert json.loads((workdir / "config.json").read_text())["model"]["d_ff"] == 64
     assert not (workdir / "config_history.jsonl").exists()  # a refused resume writes nothing
@@ -210,7 +231,7 @@ def test_moe_run_logs_its_auxiliary_losses(config_file, tmp_path):
         assert np.isfinite(row["loss"])
 
 
-def test_continued_training_starts_from_another_runs_parameters(config_file, tmp_path):
+def test_continued_training_starts_from_another_runs_parameters(config_file, tmp_path, six_steps):
     """The context-extension protocol: a new run with a new RoPE base and sequence length starts
     from a trained run's checkpoint, with its tokenizer; another architecture or a step that was
     never saved is refused before anything is written."""
@@ -222,7 +243,7 @@ def test_continued_training_starts_from_another_runs_parameters(config_file, tmp
     from gattn.train import init_from, rundir, trainer
 
     base, ext = tmp_path / "base", tmp_path / "ext"
-    trainer.train(cli.load(config_file, ["train.steps=6"]), base, progress=False)
+    shutil.copytree(six_steps, base)  # CONFIG trained for 6 steps
     for extra, field, names in ((["model.d_ff=96"], "model.d_ff", ("has 64",)),
                                 (["model.ffn_activation=gelu"], "model.ffn_activation", ("'silu'",)),
                                 (["train.init_step=4"], "train.init_step", ("6]",))):
