@@ -47,3 +47,14 @@ def run_config_file(**train) -> str:
         f"        train=TrainConfig({fields}),\n"
         "        data=DataConfig(code_max_bytes=200_000, eval_batches=1, eval_batch_size=2))\n")
 
+
+def entry_point(name: str):
+    """train.py / eval.py as a module, to call its main() in the test's process (for checks that
+    stop before any work, where an interpreter start would cost more than the check)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(f"entry_{name}", Path(__file__).resolve().parents[1] / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

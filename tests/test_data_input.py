@@ -121,14 +121,11 @@ def test_the_option_reaches_the_dataset_and_the_tokenizer_cache(tmp_path):
 
 
 def test_train_py_prints_a_data_error_as_one_line_and_exits_2(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
-
     from gattn import cli
 
-    spec = importlib.util.spec_from_file_location("entry_train", Path(__file__).resolve().parents[1] / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
+    from conftest import entry_point
+
+    train = entry_point("train")
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.jsonl").write_text('{"text": "ok"}\n{"text": ["not", "a", "string"]}\n')
     for source, expected in [(tmp_path / "nope", "data.source='{}': no such folder"),

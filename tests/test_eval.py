@@ -1,6 +1,5 @@
 """eval.py end to end on tiny checkpoints trained here: every field, figures, --step, --compare."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from gattn import cli
+
+from conftest import entry_point
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = textwrap.dedent("""
@@ -53,11 +54,9 @@ def refused(capsys, *args):
     """(exit code, stderr) of eval.py's main() called in this process: for the refusals, which
     stop before restoring anything, so starting an interpreter for each would cost more than the
     check (the successful runs above stay real subprocesses)."""
-    spec = importlib.util.spec_from_file_location("entry_eval", ROOT / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    main = entry_point("eval").main
     capsys.readouterr()
-    code = cli.run_cli(module.main, list(map(str, args)))
+    code = cli.run_cli(main, list(map(str, args)))
     return code, capsys.readouterr().err
 
 

@@ -4,7 +4,6 @@ for a usage error and 1 for a runtime failure, --debug for the traceback, and no
 from before a divergence outlives the rotation)."""
 
 import errno
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -19,20 +18,9 @@ from gattn import cli
 from gattn.config import ConfigError, TrainConfig
 from gattn.train import checkpoint, rundir
 
-from conftest import run_config_file
+from conftest import entry_point, run_config_file
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def entry_point(name):
-    """train.py / eval.py as a module, to call its main() in this process."""
-    spec = importlib.util.spec_from_file_location(f"entry_{name}", ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# --------------------------------------------------------------------------- entry points
 
 
 def test_a_config_file_that_fails_is_named_with_its_line(tmp_path):

@@ -2,7 +2,6 @@
 config.json, metrics rows past the resumed step are set aside (not dropped), a Hugging Face folder
 is named as one, and a loss blow-up in the first steps counts as a spike."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,14 +12,9 @@ from gattn import cli
 from gattn.config import Config, ConfigError, ExecConfig, MeshConfig, ModelConfig, MoESpec, to_dict
 from gattn.train import metrics, rundir
 
+from conftest import entry_point
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def entry_point(name):
-    spec = importlib.util.spec_from_file_location(f"entry_{name}", ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_a_changed_config_is_kept_in_the_history_and_an_unchanged_one_writes_nothing(tmp_path, capsys):

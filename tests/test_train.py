@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_config_file
+from conftest import entry_point, run_config_file
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = run_config_file(steps=24, warmup_steps=3, eval_every=12, checkpoint_every=6, keep_checkpoints=2)
@@ -166,8 +166,6 @@ def test_restore_onto_a_different_mesh(tmp_path):
 
 def test_resume_refuses_another_model_and_continues_under_other_execution_settings(config_file, tmp_path,
                                                                                    capsys, six_steps):
-    import importlib.util
-
     from gattn import cli
 
     workdir = tmp_path / "run"
@@ -175,9 +173,7 @@ def test_resume_refuses_another_model_and_continues_under_other_execution_settin
     before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
     # The refusal comes from train.py's main() in this process (an interpreter start costs more
     # than the check; the runs below are real subprocesses).
-    spec = importlib.util.spec_from_file_location("entry_train", ROOT / "train.py")
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
+    entry = entry_point("train")
     capsys.readouterr()
     assert cli.run_cli(entry.main, train_cmd(config_file, workdir, "--config.model.d_ff=96")[2:]) == 2
     err = capsys.readouterr().err
