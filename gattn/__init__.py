@@ -10,6 +10,6 @@ tests/test_layers.py enforces it):
     eval                    measurements, perplexity, decoding, few-shot, long context, figures
     interop, experiments    Hugging Face conversion; studies, the main job, the demo
 
-The modules `gattn.convert`, `gattn.study`, `gattn.main_job`, `gattn.demo` and `gattn.params`
+The modules `gattn.convert`, `gattn.study`, `gattn.main_job`, `gattn.demo`, `gattn.params` and `gattn.rehearse`
 are the `python -m` entry points; each only calls into its layer.
 """

@@ -55,3 +55,37 @@ def test_presets_have_the_papers_sizes():
     assert dataclasses.replace(ext.model, rope_base=dense.model.rope_base) == dense.model  # init_from accepts it
     assert ext.train.seq_len == 32_768
     assert 75e9 < ext.train.batch_size * ext.train.seq_len * ext.train.steps < 85e9  # ~80B tokens
+
+
+_fit_spec = importlib.util.spec_from_file_location(
+    "fit_presets", Path(__file__).resolve().parents[1] / "bench" / "fit_presets.py")
+fit = importlib.util.module_from_spec(_fit_spec)
+_fit_spec.loader.exec_module(fit)
+
+
+def test_fit_compiles_train_and_eval_steps_at_the_real_global_batch():
+    """bench/fit_presets.py on one small case: the preset's real batch of 1024 rows (not one per
+    device), with microbatches and the chunked loss, and the eval step as validation runs it."""
+    out = fit.run_row("dense_1p7b", "v5p:2x2x1", (2, 1, 2),
+                      ["model.num_layers=1", "model.vocab_size=4096", "train.seq_len=128",
+                       "train.microbatches=2", "exec.loss_chunk=64", "data.eval_batch_size=3"])
+    assert out["global_batch"] == 1024 and out["seq_len"] == 128 and out["chips"] == 4
+    assert (out["microbatches"], out["loss_chunk"], out["rows_per_shard_per_microbatch"]) == (2, 64, 256)
+    assert out["train"]["fits"] and out["eval"]["fits"] and out["fits"], out
+    assert out["train"]["arguments_gib"] > 0 and out["train"]["xla_tflops_per_chip"] > 0
+    assert out["eval"]["rows"] == 4  # 3 held-out rows padded to the 2 data shards, as trainer.validate pads
+    assert out["eval"]["resident_gib"] > out["eval"]["total_gib"]  # the AdamW moments stay in HBM
+
+
+def test_fit_refuses_a_batch_the_shards_and_microbatches_do_not_divide():
+    with pytest.raises(fit.ConfigError, match="microbatches"):
+        fit.run_row("dense_1p7b", "v5p:2x2x1", (4, 1, 1), ["model.num_layers=1", "train.microbatches=512"])
+
+
+@pytest.mark.slow  # full depth at the real batch: minutes of compiling each
+@pytest.mark.parametrize("part, preset, topology, mesh, overrides",
+                         [(part, *row) for part, rows in fit.ROWS.items() for row in rows])
+def test_preset_fits_its_slice_at_the_real_batch(part, preset, topology, mesh, overrides):
+    out = fit.run_row(preset, topology, mesh, overrides)
+    assert out["global_batch"] == cli.load(preset).train.batch_size
+    assert out["train"]["fits"] and out["eval"]["fits"], out

@@ -126,6 +126,23 @@ def test_pipeline_is_deterministic_and_its_state_resumes_exactly(workdir, tokeni
     assert not all(np.array_equal(x, next(d)["tokens"]) for x in first)
 
 
+def test_each_stream_shuffles_its_own_rows_at_any_batch_size(workdir, tokenizer):
+    """data.shuffle_window is rows per stream: at a batch (8) larger than the window (4), each
+    row's stream still returns every window of 4 packed rows in a shuffled order."""
+    def stream_rows(window):
+        cfg = Config(model=CFG.model, train=TrainConfig(batch_size=8, seq_len=32, steps=10, warmup_steps=1),
+                     data=DataConfig(eval_batches=2, eval_batch_size=2, code_max_bytes=300_000,
+                                     shuffle_window=window))
+        it = pipeline.train_iterator(cfg, tokenizer, workdir)
+        batches = [next(it)["tokens"] for _ in range(8)]            # two windows of every stream
+        return [[tuple(b[r]) for b in batches] for r in range(8)]    # [stream][row]
+    packed, shuffled = stream_rows(1), stream_rows(4)                # 1: packing order
+    for rows, order in zip(shuffled, packed):
+        for w in (0, 4):
+            assert sorted(rows[w:w + 4]) == sorted(order[w:w + 4])  # the same rows, in its window
+    assert sum(rows != order for rows, order in zip(shuffled, packed)) >= 6
+
+
 def test_packed_documents_do_not_attend_across_boundaries(workdir, tokenizer):
     """Logits of each document inside a packed row equal the logits of that document alone."""
     # Built and run under jit: one compile per row length, not ~200 op-by-op compiles (~5 s).

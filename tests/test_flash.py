@@ -206,3 +206,47 @@ def test_dense_segment_ids_give_the_kernel_the_reference_answer():
     big = jnp.asarray([[MAX_SEGMENT_ID] * 8 + [MAX_SEGMENT_ID + 1] * 6 + [0] * 2], jnp.int32)
     y = gated_flash_attention(q, k, v, segment_ids=dense_segment_ids(big), block_sizes=BLOCKS, interpret=True)
     np.testing.assert_allclose(y, attention_xla(q, k, v, segment_ids=big), atol=1e-5)
+
+
+def _grids(f, *args):
+    """name -> grid of every pallas_call in the trace of `f` (sub-jaxprs included)."""
+    found = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found[eqn.params["name"]] = tuple(eqn.params["grid_mapping"].grid)
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else [value]:
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(f)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("s, nq, nk, dkv", [(640, 2, 2, (2, 2)), (2560, 5, 5, (5, 2))])
+def test_queries_and_keys_pad_to_their_own_block_at_most_one_block(s, nq, nk, dkv):
+    """The default 512 / 512 blocks (dK/dV 512 x 2048): S = 640 pads to 1024 (a 2 x 2 grid), not
+    to the blocks' least common multiple (2560: 5 x 5); S = 2560 is not padded at all. The dK/dV
+    key block shrinks to a length that tiles the padded keys (1280 at 2560). Traced only."""
+    q = jax.ShapeDtypeStruct((1, s, 2, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, s, 1, 128), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(gated_flash_attention(q, k, v, interpret=True).astype(jnp.float32))
+    grids = _grids(jax.grad(loss, (0, 1, 2)), q, k, k)
+    assert grids["flash_fwd"] == (1, 1, nq, nk) and grids["flash_bwd_dq"] == (1, 1, nq, nk)
+    assert grids["flash_bwd_dkv"] == (1, 1, dkv[1], dkv[0])  # (key blocks, query blocks)
+
+
+def test_unequal_query_and_key_padding_matches_reference():
+    """Blocks 16 (queries) / 8 (keys) at S = 20 with segment ids: queries pad to 32, keys to 24,
+    each side's segment ids to its own length; values and gradients equal the reference."""
+    blocks = BlockSizes(block_q=16, block_k=8, block_q_dkv=8, block_k_dkv=16)
+    b, s = 2, 20
+    q, k, v, g = _inputs(12, b, s, 2, 1, 16, "elementwise")
+    seg = _segments(b, s)
+    grids = _grids(lambda *a: gated_flash_attention(*a, segment_ids=seg, block_sizes=blocks, interpret=True),
+                   q, k, v, g)
+    assert grids["gated_flash_fwd"] == (b, 1, 2, 3)
+    _compare(q, k, v, g, causal=True, seg=seg, atol=1e-5, blocks=blocks)

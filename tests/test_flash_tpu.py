@@ -69,3 +69,12 @@ def test_forward_alone_compiles_without_gate_at_default_blocks():
     compiled = jax.jit(lambda q, k, v: attn(q, k, v, interpret=False)).lower(*args).compile()
     text = compiled.as_text()
     assert "flash_fwd" in text and "flash_bwd" not in text
+
+
+def test_a_length_the_default_blocks_do_not_tile_compiles():
+    """S = 2560 with the default 512 / 512 blocks: no padding, and the dK/dV key block (2048 asked)
+    shrinks to 1280, which tiles it; segment ids padded per side."""
+    mesh = _mesh("v5e:2x2", (1, 4), ("data", "model"))
+    compiled = _compile_grad(mesh, batch=2, seq=2560, q_heads=8, kv_heads=4, head_dim=64,
+                             gate="elementwise", segments=True, batch_axes=("data",))
+    assert compiled.as_text().count("tpu_custom_call") >= 3

@@ -57,6 +57,20 @@ def test_renormalized_top_k_weights_sum_to_one():
     assert e.shape == (10, 3) and np.allclose(p.sum(-1), 1.0)
 
 
+def test_router_computes_in_float32_under_bfloat16():
+    """exec.dtype bfloat16 (experts in bf16): the router's logits still come from float32 inputs
+    and weights, so the routing is the float32 one: the same experts for every token and the
+    z-loss of the float32 logits (a bf16 router rounds the weights by ~2**-9: z-loss off by ~1e-3)."""
+    moe = MoE(CFG, ExecConfig(dtype="bfloat16"), rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(3), (512, 32)).astype(jnp.bfloat16)  # the residual stream
+    _, aux = moe(x)
+    logits = np.asarray(x, np.float64) @ np.asarray(moe.router[...], np.float64)
+    experts = np.argsort(-logits, axis=1)[:, :SPEC.top_k]
+    np.testing.assert_array_equal(aux["load"], np.bincount(experts.reshape(-1), minlength=8))
+    lse = np.log(np.sum(np.exp(logits - logits.max(1, keepdims=True)), 1)) + logits.max(1)
+    assert float(aux["z_loss"]) == pytest.approx(np.mean(lse ** 2), rel=1e-5)
+
+
 def test_load_balancing_loss_equals_the_formula_on_hand_made_routing():
     # 4 tokens, 2 experts, top-1: tokens 0-2 pick expert 0, token 3 picks expert 1.
     probs = jnp.asarray([[0.9, 0.1], [0.8, 0.2], [0.6, 0.4], [0.3, 0.7]])

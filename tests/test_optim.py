@@ -18,20 +18,34 @@ TRAIN = TrainConfig(steps=1000, learning_rate=4e-3, min_learning_rate=4e-5, warm
 
 
 def test_schedule_warmup_midpoint_and_end():
+    """schedule(count) is the LR of update count + 1 (optax counts the updates applied before)."""
     lr = optim.schedule(TRAIN)
-    assert float(lr(0)) == 0.0
-    assert float(lr(50)) == pytest.approx(2e-3)                  # linear warmup
-    assert float(lr(100)) == pytest.approx(4e-3)                 # max LR at the end of warmup
-    assert float(lr(550)) == pytest.approx((4e-3 + 4e-5) / 2)    # cosine midpoint
-    assert float(lr(1000)) == pytest.approx(4e-5)                # the floor
-    assert all(float(lr(s)) >= float(lr(s + 10)) for s in range(100, 990, 10))
+    update = lambda k: float(lr(k - 1))  # noqa: E731
+    assert update(1) == pytest.approx(4e-3 / 100, rel=1e-5)    # the first update moves the weights
+    assert update(50) == pytest.approx(2e-3)                   # linear warmup: peak * k / warmup
+    assert update(100) == pytest.approx(4e-3)                  # max LR at the end of warmup
+    assert update(550) == pytest.approx((4e-3 + 4e-5) / 2)     # cosine midpoint
+    assert update(1000) == pytest.approx(4e-5)                 # the floor, at the last update
+    assert all(update(s) >= update(s + 10) for s in range(100, 990, 10))
+
+
+def test_the_first_update_moves_the_weights_at_peak_over_warmup():
+    params = _params()
+    tx = optim.optimizer(dataclasses.replace(TRAIN, weight_decay=0.0, grad_clip=0.0))
+    state = tx.init(params)
+    assert float(optim.schedule(TRAIN)(optim.schedule_count(state))) == pytest.approx(4e-3 / 100, rel=1e-5)
+    updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    # Adam's first step is lr * g / (|g| + eps): every weight moves by the LR applied
+    for u in jax.tree.leaves(updates):
+        np.testing.assert_allclose(u, -4e-3 / 100, rtol=1e-4)
+    assert int(optim.schedule_count(state)) == 1
 
 
 def test_paper_presets():
     assert LR_PRESETS["moe_15a2b"] == (2e-3, 3e-5, 1000)        # Sec. 3.2.1
     t = TrainConfig(lr_preset="moe_15a2b", steps=100_000)
     lr = optim.schedule(t)
-    assert float(lr(1000)) == pytest.approx(2e-3) and float(lr(100_000)) == pytest.approx(3e-5)
+    assert float(lr(999)) == pytest.approx(2e-3) and float(lr(99_999)) == pytest.approx(3e-5)  # updates 1k, 100k
     assert {p[0] for p in LR_PRESETS.values()} >= {4e-3, 4.5e-3, 5.3e-3, 8e-3}
     with pytest.raises(ConfigError) as e:
         TrainConfig(lr_preset="moe_15a2b", steps=1000)          # 1000 warmup >= 1000 steps

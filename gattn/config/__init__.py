@@ -73,6 +73,11 @@ class Config:
             raise ConfigError("train.batch_size", self.train.batch_size,
                               f"a multiple of model.moe.micro_batches ({moe.micro_batches}): the per-micro-batch "
                               "LBL (lbl_scope='micro') splits the batch into groups of whole rows")
+        if moe is not None and moe.lbl_scope == "micro" and (self.train.batch_size // self.train.microbatches) \
+                % moe.micro_batches:
+            raise ConfigError("train.microbatches", self.train.microbatches,
+                              f"a count that leaves each microbatch ({self.train.batch_size} / microbatches rows) a "
+                              f"multiple of model.moe.micro_batches ({moe.micro_batches})")
         impl = self.exec.moe_impl
         if impl in ("all_to_all", "ragged"):
             if impl == "all_to_all" and (moe is None or moe.capacity_factor is None):

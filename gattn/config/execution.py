@@ -47,6 +47,11 @@ class ExecConfig:
     grouped_matmul:   ragged only: the local experts' grouped matmul, ragged_dot (jax.lax.ragged_dot)
                       or megablox (the Pallas TPU kernel jax ships, gmm forward and gmm + tgmm
                       backward; interpret mode on CPU, slow). docs/moe-and-mesh.md.
+    loss_chunk:       > 0: the training loss and validation compute the LM head's logits this many
+                      sequence positions of every row at a time, each chunk recomputed in the
+                      backward pass, so the [rows, S, V] float32 logits never exist (memory
+                      rows x loss_chunk x V per chunk); 0 = all at once. Same values.
+                      docs/performance.md.
     """
 
     dtype: str = "float32"
@@ -60,6 +65,7 @@ class ExecConfig:
     moe_impl: str = "partitioned"
     moe_buffer: float | None = None
     grouped_matmul: str = "ragged_dot"
+    loss_chunk: int = 0
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -77,6 +83,7 @@ class ExecConfig:
                               f"set moe_impl='ragged' (now {self.moe_impl!r}) or keep 'ragged_dot'")
         _integer("attention_block_q", self.attention_block_q, zero_ok=True)
         _integer("attention_query_chunk", self.attention_query_chunk, zero_ok=True)
+        _integer("loss_chunk", self.loss_chunk, zero_ok=True)
         for name in ("flash_block_q", "flash_block_k"):
             _integer(name, getattr(self, name))
             if getattr(self, name) % 8:

@@ -27,6 +27,7 @@ class TrainConfig:
 
     seed: int = 0
     batch_size: int = 8             # global batch (sequences)
+    microbatches: int = 1           # gradient accumulation: the batch runs in this many sequential parts
     seq_len: int = 128
     steps: int = 200                # total training steps
     learning_rate: float = 3e-3     # max LR, after linear warmup
@@ -52,10 +53,13 @@ class TrainConfig:
         _integer("seed", self.seed, zero_ok=True)
         if self.seed > 2**32 - 1:  # the data pipeline's and NumPy's seeds are unsigned 32-bit
             raise ConfigError("seed", self.seed, f"expected an integer in 0..{2**32 - 1}")
-        for name in ("batch_size", "seq_len", "steps", "log_every", "eval_every", "checkpoint_every",
+        for name in ("batch_size", "microbatches", "seq_len", "steps", "log_every", "eval_every", "checkpoint_every",
                      "keep_checkpoints", "max_bad_steps", "spike_window"):
             _integer(name, getattr(self, name))
         _integer("warmup_steps", self.warmup_steps, zero_ok=True)
+        if self.batch_size % self.microbatches:
+            raise ConfigError("microbatches", self.microbatches,
+                              f"a divisor of batch_size ({self.batch_size}): each microbatch is whole rows")
         for name in ("learning_rate", "spike_margin"):
             _positive(name, getattr(self, name))
         for name in ("min_learning_rate", "weight_decay", "grad_clip"):

@@ -1,5 +1,6 @@
 """The Grain pipeline: shuffle documents (seeded) -> one stream per batch row -> tokenize -> pack
--> shuffle packed rows in a window -> batch (a process reads only its own rows' streams).
+-> shuffle each stream's packed rows in a window -> batch (a process reads only its own rows'
+streams).
 
 Batches are dicts of int32 numpy arrays of shape [batch, seq_len + 1] (inputs and shifted targets
 come from one row): "tokens", "segment_ids" (1, 2, ... per document in the row, 0 = padding) and
@@ -70,27 +71,37 @@ def _pad_rows(batch: dict, rows: int) -> dict:
     return {k: np.pad(v, ((0, missing), (0, 0))) for k, v in batch.items()} if missing else batch
 
 
+# Each row stream reads its documents on the caller's thread, with no read-ahead: Grain's default
+# (16 threads and 500 documents per iterator) taken by each of a host's streams tokenised 500
+# documents per row before the first batch (8 minutes for 64 rows of the embedded corpus; 10 s
+# without) and started 16 threads per row. The trainer prepares the next batch on a thread of its
+# own (gattn/train/prefetch.py), so reads still overlap the step.
+STREAM_READS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
 class Rows:
     """Training batches made of independent row streams: row r of every global batch comes from
     stream r alone (documents r, r + B, r + 2B, ... of the seeded shuffle, packed into rows of
-    seq_len + 1 tokens, window-shuffled). A process reads only the streams of its own rows, so the
-    global batches are the same for any number of processes, and so are the losses. The state is
-    one Grain iterator state per row: a checkpoint written by P processes resumes on any other P."""
+    seq_len + 1 tokens, shuffled in windows of data.shuffle_window consecutive rows of the stream,
+    so a long document's rows are spread over that many steps whatever the batch size). A process
+    reads only the streams of its own rows, so the global batches are the same for any number of
+    processes, and so are the losses. The state is one Grain iterator state per row: a checkpoint
+    written by P processes resumes on any other P. Memory: a process holds up to shuffle_window
+    packed rows per stream it reads (rows x window x (seq_len + 1) x 12 bytes)."""
 
     def __init__(self, cfg, tokenizer, workdir: Path, rows: range):
         t, b = cfg.train, cfg.train.batch_size
         source = tfds_text.data_source(cfg.data, workdir, "train")
         docs = grain.MapDataset.source(source).shuffle(seed=t.seed).repeat()
-        window = max(1, cfg.data.shuffle_window // b)  # rows held for shuffling: shuffle_window in all
         self.rows = rows
         self.streams = {}
         for r in rows:
             ds = grain.experimental.ConcatThenSplitIterDataset(
-                docs[r::b].map(_tokenize(tokenizer, cfg.data.bos)).to_iter_dataset(),
+                docs[r::b].map(_tokenize(tokenizer, cfg.data.bos)).to_iter_dataset(STREAM_READS),
                 length_struct={"tokens": t.seq_len + 1})
             ds = ds.map(_layout(cfg.data.document_resets))
             seed = (t.seed * b + r) % 2**31  # Grain refuses seeds past ~2^32 (train.seed may be 2^32-1)
-            ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=window, seed=seed)
+            ds = grain.experimental.WindowShuffleIterDataset(ds, window_size=cfg.data.shuffle_window, seed=seed)
             self.streams[r] = iter(ds)
 
     def __iter__(self):

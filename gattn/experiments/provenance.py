@@ -100,7 +100,7 @@ def source(path: str, value, default, provenance: dict) -> str | None:
     if path in provenance:
         return provenance[path]
     part, name = path.split(".")[0], path.split(".")[-1]
-    if part in ("exec", "mesh"):
+    if part in ("exec", "mesh") or path == "train.microbatches":  # (accumulation: the same update)
         return _EXECUTION
     if part == "train" and name in BOOKKEEPING:
         return _BOOKKEEPING

@@ -16,8 +16,9 @@ Layout. The public arrays are q, gate [B, S, Hq, K] and k, v [B, T, Hk, K]. When
 multiple of 128 they are viewed as [B, S, H*K] and a block is (rows, K) at lane offset h*K: the
 layout the model's projections produce, so XLA folds the reshapes away; otherwise the wrapper transposes them to [B, H*S, K] (one HBM round trip each
 way). Row vectors (log-sum-exp, the row term D, headwise gates) are lane-dense [B, H, 1, S] and
-segment ids [B, 1, S]; a kernel turns a row piece into a column with a 2-D transpose where it
-needs one (segment ids pass through float32 there, exact below 2**24: `MAX_SEGMENT_ID`).
+segment ids [B, 1, S] (one copy padded to the queries' length, one to the keys'); a kernel turns
+a row piece into a column with a 2-D transpose where it needs one (segment ids pass through
+float32 there, exact below 2**24: `MAX_SEGMENT_ID`).
 Concrete segment ids are checked against that bound; traced ones (under jit) cannot be without a
 device-to-host copy per call, so the bound is the caller's: ids from gattn's pipeline are at most
 seq_len + 1 (one per document in a row), and `dense_segment_ids` renumbers any others in-graph.
@@ -33,7 +34,6 @@ row is 0 rather than NaN or a uniform average.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +109,7 @@ def _forward(st: fb.Static, q, k, v, seg, g, gate, shape, kv_shape):
     args = [q, k, v]
     if st.segments:
         in_specs += [fb.seg_spec(st.bq, q_index), fb.seg_spec(st.bk, k_index)]
-        args += [seg, seg]
+        args += list(seg)  # (query ids, key ids)
     if gate:
         in_specs.append(fb.q_spec(st, d, q_index) if gate == "elementwise" else fb.rows_spec(st, q_index))
         args.append(g)
@@ -243,7 +243,7 @@ def _bwd_inputs(st: fb.Static, d, q_of, k_of, q, k, v, seg, do, lse, dd):
     args = [q, k, v]
     if st.segments:
         in_specs += [fb.seg_spec(st.bq, q_of), fb.seg_spec(st.bk, k_of)]
-        args += [seg, seg]
+        args += list(seg)  # (query ids, key ids)
     in_specs += [fb.q_spec(st, d, q_of), fb.rows_spec(st, q_of), fb.rows_spec(st, q_of)]
     return in_specs, args + [do, lse, dd]
 
@@ -356,21 +356,18 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
     q [B, S, Hq, K]; k, v [B, T, Hk, K] (GQA: query head h reads kv head h // (Hq // Hk));
     gate: None (plain attention), logits [B, S, Hq, K] (elementwise) or [B, S, Hq] /
     [B, S, Hq, 1] (headwise). segment_ids [B, S] int, self-attention only: 0 = padding (attends
-    to nothing, outputs 0). Sequences are padded to the block size internally. sm_scale defaults
-    to K ** -0.5. `interpret` defaults to True off TPU (the platform of the context mesh, if one
-    is set). Differentiable in q, k, v and gate.
+    to nothing, outputs 0). Queries are padded to a multiple of the query block and keys to one of
+    the key block internally (`flash_blocks.layout`). sm_scale defaults to K ** -0.5. `interpret`
+    defaults to True off TPU (the platform of the context mesh, if one is set). Differentiable in
+    q, k, v and gate.
     Returns [B, S, Hq, K] in q's dtype.
     """
     kind = _check(q, k, v, segment_ids, gate, causal)
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
     bs = block_sizes or BlockSizes()
-    fit = lambda block, n: min(block, fb.round_up(n, 128))
-    bq, bk = fit(bs.block_q, s), fit(bs.block_k, t)
-    bq2, bk2 = fit(bs.block_q_dkv, s), fit(bs.block_k_dkv, t)
-    sp, tp = fb.round_up(s, math.lcm(bq, bq2)), fb.round_up(t, math.lcm(bk, bk2))
-    if segment_ids is not None:  # one id array serves queries and keys: one padded length
-        sp = tp = fb.round_up(s, math.lcm(bq, bq2, bk, bk2))
+    lay = fb.layout(s, t, bs)
+    bq, bk, bq2, bk2, sp, tp = lay.bq, lay.bk, lay.bq_dkv, lay.bk_dkv, lay.sp, lay.tp
     st = fb.Static(causal=causal, scale=float(d ** -0.5 if sm_scale is None else sm_scale),
                  bq=bq, bk=bk, nq=sp // bq, nk=tp // bk, groups=hq // hk, offset=t - s, kv_len=t,
                  padded_kv=tp != t, segments=segment_ids is not None, lanes=d % 128 == 0,
@@ -384,7 +381,8 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
     shape, kv_shape = (b, sp, hq, d), (b, tp, hk, d)
     seg = g = None
     if segment_ids is not None:
-        seg = pad(segment_ids.astype(jnp.int32), sp)[:, None, :]
+        ids = segment_ids.astype(jnp.int32)  # padded per side: queries to sp, keys to tp
+        seg = (pad(ids, sp)[:, None, :], pad(ids, tp)[:, None, :])
     if kind == "elementwise":
         g = fb.tiles(pad(gate, sp), st.lanes)
     elif kind == "headwise":

@@ -7,6 +7,7 @@ XLA schedules the kernels by. Pure helpers: the kernels and their `custom_vjp` a
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ class BlockSizes:
     """Query and key block lengths (rows per kernel step) of the forward and dQ kernels, and of
     the dK/dV kernel, which streams the whole GQA group's q and dO past each key block and so
     wants longer key blocks. TPU wants multiples of 128; a block longer than the (128-rounded)
-    sequence is shortened to it."""
+    sequence is shortened to it, and a dK/dV block to one that tiles the padded length (`layout`)."""
     block_q: int = 512
     block_k: int = 512
     block_q_dkv: int = 512
@@ -73,6 +74,36 @@ def on_tpu() -> bool:
 
 def round_up(n, m):
     return -(-n // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The blocks one call runs with and the lengths it pads to: queries to a multiple of bq,
+    keys to a multiple of bk, so at most one block of padding each (never to a common multiple
+    of all the blocks). The dK/dV blocks are the longest that tile those lengths."""
+    bq: int
+    bk: int
+    bq_dkv: int
+    bk_dkv: int
+    sp: int   # padded query length
+    tp: int   # padded key length
+
+
+def _tiling(block: int, base: int, n: int) -> int:
+    """The longest block <= `block` that tiles n (a multiple of `base`): a multiple of
+    gcd(block, base, 128), so blocks that were TPU-sized (x 128) stay so; `base` itself qualifies."""
+    unit = math.gcd(block, base, 128)
+    return max(m for m in range(unit, min(block, n) + 1, unit) if n % m == 0)
+
+
+def layout(s: int, t: int, bs: BlockSizes) -> Layout:
+    """Blocks and padded lengths for s queries and t keys; a block longer than its (128-rounded)
+    sequence is shortened to it."""
+    fit = lambda block, n: min(block, round_up(n, 128))
+    bq, bk = fit(bs.block_q, s), fit(bs.block_k, t)
+    sp, tp = round_up(s, bq), round_up(t, bk)
+    return Layout(bq, bk, _tiling(fit(bs.block_q_dkv, s), bq, sp), _tiling(fit(bs.block_k_dkv, t), bk, tp),
+                  sp, tp)
 
 
 # ---------------------------------------------------------------- layout helpers

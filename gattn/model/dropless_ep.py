@@ -39,8 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from gattn.kernels.grouped_matmul import grouped_dot, padded_rows
 from gattn.model.expert_parallel import BATCH_AXES, micro_groups_per_shard, shard_aux
-from gattn.model.layers import dense
-from gattn.model.moe_ops import permute, route, unpermute
+from gattn.model.moe_ops import permute, route, router_logits, unpermute
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -142,7 +141,7 @@ def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh, moe_buf
 
     def body(x, router, w1, w3, w2):
         e = spec.num_experts
-        logits = dense(x, router, dtype, out_dtype=jnp.float32)
+        logits = router_logits(x, router)
         weights, experts, probs = route(logits, spec)
         rows_MxD, order, sizes_E = permute(x.astype(dtype), experts, e)
         m = rows_MxD.shape[0]

@@ -27,9 +27,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from gattn.config import ConfigError
-from gattn.model.layers import dense
 from gattn.model.moe_ops import (balance, batched_swiglu, capacity, combine, dispatch, load_balancing_loss,
-                                 permute, route, router_z_loss, unpermute)
+                                 permute, route, router_logits, router_z_loss, unpermute)
 
 BATCH_AXES = ("data", "expert")
 
@@ -88,7 +87,7 @@ def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh):
 
     def body(x, router, w1, w3, w2):
         n_local, e = x.shape[0], spec.num_experts
-        logits = dense(x, router, dtype, out_dtype=jnp.float32)
+        logits = router_logits(x, router)
         weights, experts, probs = route(logits, spec)
         rows, order, counts = permute(x, experts, e)
         cap = capacity(spec, n_local)

@@ -1,6 +1,7 @@
 """A fine-grained mixture-of-experts FFN: route, permute, grouped matmul, unpermute.
 
-    route      softmax router over E experts, keep the top-k per token (optionally renormalised)
+    route      softmax router over E experts (float32 logits from float32 inputs and weights, under
+               any compute dtype), keep the top-k per token (optionally renormalised)
     permute    sort the N * k (token, expert) assignments by expert: [N*P, D] and group sizes [E]
     grouped    each expert's SwiGLU on its contiguous rows (`jax.lax.ragged_dot`, dropless)
     unpermute  scatter the rows back and sum each token's k outputs, weighted by the router
@@ -37,9 +38,9 @@ from flax import nnx
 
 from gattn.config import ExecConfig, ModelConfig
 from gattn.model import dropless_ep, expert_parallel
-from gattn.model.layers import DTYPES, FFN_ACTIVATIONS, dense, param
+from gattn.model.layers import DTYPES, FFN_ACTIVATIONS, param
 from gattn.model.moe_ops import (batched_swiglu, capacity, combine, dispatch, load_balancing_loss, permute,
-                                 route, router_z_loss, unpermute)
+                                 route, router_logits, router_z_loss, unpermute)
 
 
 class MoE(nnx.Module):
@@ -98,7 +99,7 @@ class MoE(nnx.Module):
             mesh = dropless_ep.context_mesh(spec)
             return dropless_ep.moe_forward(self.weights(), spec, self.act, self.dtype, x_NxD, mesh,
                                            self.moe_buffer, self.grouped_matmul)
-        logits_NxE = dense(x_NxD, self.router, self.dtype, out_dtype=jnp.float32)
+        logits_NxE = router_logits(x_NxD, self.router[...])
         weights_NxP, experts_NxP, probs_NxE = route(logits_NxE, spec)
         rows, order, sizes = permute(x_NxD, experts_NxP, spec.num_experts)
         if spec.capacity_factor is None or decoding:

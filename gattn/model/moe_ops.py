@@ -1,4 +1,4 @@
-"""The MoE verbs as pure functions on arrays: route, permute, grouped (or capacity-bounded)
+"""The MoE verbs as pure functions on arrays: router logits (float32), route, permute, grouped (or capacity-bounded)
 expert compute, unpermute, and the auxiliary losses. The layer (gattn/model/moe.py) and the
 expert-parallel path (gattn/model/expert_parallel.py) are both built from these.
 """
@@ -11,6 +11,14 @@ import jax
 import jax.numpy as jnp
 
 from gattn.config import MoESpec
+
+
+def router_logits(x_NxD: jax.Array, router_DxE: jax.Array) -> jax.Array:
+    """[N, E] router logits from float32 inputs and weights at full float32 precision, whatever the
+    compute dtype (as MaxText and Megatron route): bf16 would round the weights by ~2**-9 and flip
+    the top-k choice of near ties. The matmul is D x E per token: small beside the experts'."""
+    return jnp.dot(x_NxD.astype(jnp.float32), router_DxE.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def route(logits_NxE: jax.Array, spec: MoESpec):

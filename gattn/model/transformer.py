@@ -108,6 +108,15 @@ class Transformer(nnx.Module):
                 segment_ids_BxS: jax.Array | None = None, capture: Capture = NOTHING) -> tuple[jax.Array, dict]:
         """(logits, aux): aux maps each MoE auxiliary value to its per-layer stack ([L, ...]);
         empty for a dense model. `capture` sows intermediates for analysis (gattn.model.capture)."""
+        b, s = tokens_BxS.shape
+        x_NxD, aux = self.hidden(tokens_BxS, positions_BxS, segment_ids_BxS, capture)
+        return head_logits(x_NxD, self.head_weight(), self.dtype).reshape(b, s, self.cfg.vocab_size), aux
+
+    def hidden(self, tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None,
+               segment_ids_BxS: jax.Array | None = None, capture: Capture = NOTHING) -> tuple[jax.Array, dict]:
+        """(x_NxD, aux): the final hidden state (after the final norm, in the compute dtype) that
+        `head_logits(x_NxD, self.head_weight(), self.dtype)` turns into logits; a loss can do that
+        a chunk at a time (gattn/train/loss.py, exec.loss_chunk)."""
         ex = self.ex
         b, s = tokens_BxS.shape
         if positions_BxS is None:
@@ -132,16 +141,14 @@ class Transformer(nnx.Module):
                 x_NxD, layer_aux = run(block, x_NxD)
                 per_layer.append(layer_aux)
             aux = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
-        return self._logits(x_NxD, b, s), aux
+        return self.final_norm(x_NxD), aux
+
+    def head_weight(self) -> jax.Array:
+        """The LM head [D, V]: the tied embedding transposed, or lm_head."""
+        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
     def _embed(self, tokens_BxS):
         return jnp.take(self.embed[...], tokens_BxS.reshape(-1), axis=0).astype(self.dtype)
-
-    def _logits(self, x_NxD, b: int, s: int):
-        x_NxD = self.final_norm(x_NxD)
-        head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-        logits_NxV = dense(x_NxD, head, self.dtype, out_dtype=jnp.float32)
-        return logits_NxV.reshape(b, s, self.cfg.vocab_size)
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         """An empty kv cache: k and v per layer, [B, Hk, T, K] in the compute dtype (what SDPA
@@ -196,7 +203,14 @@ class Transformer(nnx.Module):
                 vs.append(v)
             k_L, v_L = tuple(ks), tuple(vs)
         cache = {"k": k_L, "v": v_L, "valid": valid_BxT, "index": index + s}
-        return self._logits(x_NxD, b, s), cache
+        logits_NxV = head_logits(self.final_norm(x_NxD), self.head_weight(), self.dtype)
+        return logits_NxV.reshape(b, s, self.cfg.vocab_size), cache
+
+
+def head_logits(x_NxD: jax.Array, head_DxV: jax.Array, dtype) -> jax.Array:
+    """float32 logits [N, V] of final hidden states: the LM head's one matmul, inputs in the
+    compute dtype, the result in float32 so bf16 logits are not rounded."""
+    return dense(x_NxD, head_DxV, dtype, out_dtype=jnp.float32)
 
 
 def with_exec(model: Transformer, ex: ExecConfig) -> Transformer:

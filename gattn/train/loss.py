@@ -1,9 +1,12 @@
-"""Next-token cross-entropy on 2-D logits."""
+"""Next-token cross-entropy on 2-D logits, all at once or a chunk of the sequence at a time
+(exec.loss_chunk), and the MoE auxiliary losses."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from gattn.model.transformer import head_logits
 
 
 def token_nll(logits_BxSxV: jax.Array, targets_BxS: jax.Array) -> jax.Array:
@@ -16,42 +19,79 @@ def token_nll(logits_BxSxV: jax.Array, targets_BxS: jax.Array) -> jax.Array:
     return (logz_N - picked_N).reshape(targets_BxS.shape)
 
 
-def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
-                  weights_BxS: jax.Array | None = None) -> jax.Array:
-    """Mean token cross-entropy (float32); `weights` (e.g. 0 for padding) weight each token."""
-    nll_N = token_nll(logits_BxSxV, targets_BxS).reshape(-1)
+def chunked_token_nll(x_BxSxD: jax.Array, head_DxV: jax.Array, targets_BxS: jax.Array, dtype,
+                      chunk: int) -> jax.Array:
+    """`token_nll` of the logits `head_logits(x, head, dtype)` without ever forming all of them:
+    the sequence is cut into M chunks of C = `chunk` positions (the last one padded) and a loop
+    computes one chunk's logits [B, C, V] at a time, recomputing them in the backward pass
+    (jax.checkpoint) instead of keeping them. Chunks cut the sequence, not the batch: every
+    chunk holds some positions of every row, so with rows sharded over the data axes each chunk
+    is split over all devices as the whole batch is (chunks of the token axis would each sit on
+    one device). The head's gradient is summed over the loop; XLA for TPU all-reduces it once,
+    after the loop (docs/performance.md)."""
+    b, s, d = x_BxSxD.shape
+    c = min(chunk, s)
+    m = -(-s // c)
+    pad = ((0, 0), (0, m * c - s))
+    x_MxBxCxD = jnp.pad(x_BxSxD, pad + ((0, 0),)).reshape(b, m, c, d).swapaxes(0, 1)
+    targets_MxBxC = jnp.pad(targets_BxS, pad).reshape(b, m, c).swapaxes(0, 1)
+
+    def one_chunk(head, x_BxCxD, targets_BxC):
+        logits_NxV = head_logits(x_BxCxD.reshape(b * c, d), head, dtype)
+        return token_nll(logits_NxV.reshape(b, c, -1), targets_BxC)
+
+    one_chunk = jax.checkpoint(one_chunk, prevent_cse=False)  # (in a loop, CSE cannot undo the remat)
+    nll_MxBxC = jax.lax.map(lambda xt: one_chunk(head_DxV, *xt), (x_MxBxCxD, targets_MxBxC))
+    return nll_MxBxC.swapaxes(0, 1).reshape(b, m * c)[:, :s]  # padded positions dropped
+
+
+def _weighted_mean(nll_BxS: jax.Array, weights_BxS: jax.Array | None) -> jax.Array:
+    nll_N = nll_BxS.reshape(-1)
     if weights_BxS is None:
         return jnp.mean(nll_N)
     w_N = weights_BxS.reshape(-1).astype(jnp.float32)
     return jnp.sum(nll_N * w_N) / jnp.maximum(jnp.sum(w_N), 1.0)
 
 
-def _next_token(model, tokens_BxS, segment_ids_BxS, positions_BxS):
-    """(logits, targets, weights) for predicting tokens[:, 1:] from tokens[:, :-1]. With packed
+def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
+                  weights_BxS: jax.Array | None = None) -> jax.Array:
+    """Mean token cross-entropy (float32); `weights` (e.g. 0 for padding) weight each token."""
+    return _weighted_mean(token_nll(logits_BxSxV, targets_BxS), weights_BxS)
+
+
+def _next_token_nll(model, tokens_BxS, segment_ids_BxS, positions_BxS):
+    """(nll [B, S-1], weights, aux) for predicting tokens[:, 1:] from tokens[:, :-1]. With packed
     documents (segment ids, 0 = padding; positions restarting at each document) a target counts
     only if it is in the same document as its input token, so no document is predicted from the
-    one before it and padding is ignored. Weights are None without segment ids."""
+    one before it and padding is ignored. Weights are None without segment ids. The logits are
+    formed all at once, or exec.loss_chunk positions per row at a time (`chunked_token_nll`)."""
     inputs, targets = tokens_BxS[:, :-1], tokens_BxS[:, 1:]
     pos = None if positions_BxS is None else positions_BxS[:, :-1]
-    if segment_ids_BxS is None:
-        logits, aux = model.forward(inputs, positions_BxS=pos)
-        return logits, targets, None, aux
-    seg_in, seg_out = segment_ids_BxS[:, :-1], segment_ids_BxS[:, 1:]
-    logits, aux = model.forward(inputs, positions_BxS=pos, segment_ids_BxS=seg_in)
-    return logits, targets, (seg_out != 0) & (seg_out == seg_in), aux
+    seg_in = weights = None
+    if segment_ids_BxS is not None:
+        seg_in, seg_out = segment_ids_BxS[:, :-1], segment_ids_BxS[:, 1:]
+        weights = (seg_out != 0) & (seg_out == seg_in)
+    x_NxD, aux = model.hidden(inputs, positions_BxS=pos, segment_ids_BxS=seg_in)
+    b, s = inputs.shape
+    if model.ex.loss_chunk:
+        nll = chunked_token_nll(x_NxD.reshape(b, s, -1), model.head_weight(), targets, model.dtype,
+                                model.ex.loss_chunk)
+    else:
+        nll = token_nll(head_logits(x_NxD, model.head_weight(), model.dtype).reshape(b, s, -1), targets)
+    return nll, weights, aux
 
 
 def lm_loss(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None,
             positions_BxS: jax.Array | None = None) -> jax.Array:
-    """Mean next-token loss over the targets that count (see `_next_token`)."""
+    """Mean next-token loss over the targets that count (see `_next_token_nll`)."""
     return lm_loss_and_aux(model, tokens_BxS, segment_ids_BxS, positions_BxS)[0]
 
 
 def lm_loss_and_aux(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None,
                     positions_BxS: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """(mean next-token loss, the model's auxiliary values per layer); see `aux_loss`."""
-    logits, targets, weights, aux = _next_token(model, tokens_BxS, segment_ids_BxS, positions_BxS)
-    return cross_entropy(logits, targets, weights), aux
+    nll, weights, aux = _next_token_nll(model, tokens_BxS, segment_ids_BxS, positions_BxS)
+    return _weighted_mean(nll, weights), aux
 
 
 def aux_loss(moe, aux: dict) -> jax.Array:
@@ -77,6 +117,6 @@ def lm_nll_sum(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array,
                positions_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(summed next-token loss, number of targets) of packed rows, for exact averages over many
     batches (validation)."""
-    logits, targets, weights, _ = _next_token(model, tokens_BxS, segment_ids_BxS, positions_BxS)
+    nll, weights, _ = _next_token_nll(model, tokens_BxS, segment_ids_BxS, positions_BxS)
     count = jnp.sum(weights)
-    return cross_entropy(logits, targets, weights) * count, count
+    return _weighted_mean(nll, weights) * count, count

@@ -12,9 +12,13 @@ from gattn.model.layers import ROLES
 
 
 def schedule(cfg: TrainConfig) -> optax.Schedule:
+    """The LR of each update, by optax's count of the updates applied before it: update k = count
+    + 1 gets peak * k / warmup during warmup (the first update moves the weights, update `warmup`
+    has the peak), then a cosine reaches the floor at update `steps`."""
     peak, floor, warmup = cfg.schedule
-    return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=warmup,
-                                              decay_steps=cfg.steps, end_value=floor)
+    curve = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=warmup,
+                                               decay_steps=cfg.steps, end_value=floor)
+    return lambda count: curve(count + 1)
 
 
 def schedule_count(opt_state) -> jax.Array:

@@ -30,13 +30,9 @@ from gattn.data import record as data_record, synthetic
 from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 from gattn.model import sharding
 from gattn.model.transformer import Transformer, relayout
-from gattn.train import checkpoint, hosts, init_from, metrics, optim, rundir
+from gattn.train import checkpoint, hosts, init_from, optim, prefetch, rundir
+from gattn.train.reports import Reports, TrainingStopped  # noqa: F401 (TrainingStopped: trainer's API)
 from gattn.train.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum
-
-
-class TrainingStopped(cli.Failure):
-    """Too many consecutive non-finite steps: the run stops, naming the checkpoint kept from before
-    the trouble (checkpoint.BeforeTrouble)."""
 
 
 def state_shardings(tx, abstract_params, mesh):
@@ -127,6 +123,66 @@ def resume(cfg: Config, workdir: Path, mngr, state, mesh, step: int | None):
     return found[1]
 
 
+def target_count(segment_ids_BxS: jax.Array) -> jax.Array:
+    """How many next-token targets of packed rows count (as in gattn/train/loss.py: the target is
+    in the same document as its input, padding excluded)."""
+    seg_in, seg_out = segment_ids_BxS[:, :-1], segment_ids_BxS[:, 1:]
+    return jnp.sum((seg_out != 0) & (seg_out == seg_in))
+
+
+_SUMMED_AUX = ("load", "dropped")  # counts add up over microbatches; the MoE losses average
+
+
+def split_microbatches(batch: dict, m: int, mesh=None) -> dict:
+    """[B, S] -> [m, B/m, S]: microbatch i holds rows i, i + m, i + 2m, ..., so that with rows split
+    over the data x expert shards in contiguous blocks each shard holds B / (m x shards) rows of
+    every microbatch: the microbatches run one after the other on all devices, with no
+    communication (the trainer checks that B / shards is a multiple of m)."""
+    def split(x):
+        x = jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+        if mesh is not None:
+            batch_axes = sharding.batch_sharding(mesh).spec[0]
+            x = jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+                None, batch_axes)))
+        return x
+    return {k: split(v) for k, v in batch.items()}
+
+
+def loss_and_grads(cfg: Config, graphdef, params, batch: dict, mesh=None):
+    """((loss, aux), grads) of one global batch. With train.microbatches = m > 1 the batch runs as
+    m sequential microbatches in one scan (gradient accumulation, float32 sums): each microbatch's
+    summed token losses over the whole batch's target count, so the loss and gradient are the
+    big step's. MoE auxiliary losses are the mean of the microbatches' (a global-batch LBL counts
+    expert loads per microbatch); loads and drops are summed."""
+    m = cfg.train.microbatches
+
+    def objective(params, b, scale):
+        model = nnx.merge(graphdef, params)
+        ce, aux = lm_loss_and_aux(model, b["tokens"], b["segment_ids"], b["positions"])
+        if scale is None:
+            return ce + aux_loss(cfg.model.moe, aux), (ce, aux)
+        ce_part = ce * target_count(b["segment_ids"]) / scale
+        return ce_part + aux_loss(cfg.model.moe, aux) / m, (ce_part, aux)
+
+    if m == 1:
+        (_, (loss, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, batch, None)
+        return (loss, aux), grads
+    total = jnp.maximum(target_count(batch["segment_ids"]), 1).astype(jnp.float32)
+
+    def one(carry, b):
+        grads_acc, loss_acc = carry
+        (_, (part, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, b, total)
+        grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+        return (grads_acc, loss_acc + part), aux
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (grads, loss), aux_M = jax.lax.scan(one, (zeros, jnp.zeros((), jnp.float32)),
+                                        split_microbatches(batch, m, mesh))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    aux = {k: v.sum(0) if k in _SUMMED_AUX else v.mean(0) for k, v in aux_M.items()}
+    return (loss, aux), grads
+
+
 def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
     """A jitted step. A non-finite loss or gradient leaves params and optimizer state unchanged
     (the step is skipped and reported), so it never reaches a checkpoint. With `shardings` (of
@@ -135,12 +191,7 @@ def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
     tx, lr = optim.optimizer(cfg.train), optim.schedule(cfg.train)
 
     def step(state, batch):
-        def loss_fn(params):
-            model = nnx.merge(graphdef, params)
-            ce, aux = lm_loss_and_aux(model, batch["tokens"], batch["segment_ids"], batch["positions"])
-            return ce + aux_loss(cfg.model.moe, aux), (ce, aux)
-
-        (_, (loss, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+        (loss, aux), grads = loss_and_grads(cfg, graphdef, state["params"], batch, mesh)
         grad_norm = optax.global_norm(grads)  # the clip computes it too (shared)
         keep = lambda: (state["params"], state["opt_state"], jnp.asarray(False))  # noqa: E731
 
@@ -181,19 +232,28 @@ def make_eval_step(graphdef):
 def validate(eval_step, params, batches: dict[str, list], mesh=None) -> dict[str, float]:
     """Held-out loss and perplexity per domain (under `mesh`, as the train step runs, so the
     Pallas attention and the expert-parallel MoE take the same path). Every process holds all
-    the held-out batches; they enter the step replicated."""
+    the held-out batches; each enters the step split over the data x expert shards like a
+    training batch, padded with empty rows (segment id 0: they count for nothing) to a multiple
+    of the shards, so any data.eval_batch_size runs on any mesh."""
     out = {}
     for domain, domain_batches in batches.items():
         total = count = 0.0
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             for b in domain_batches:
                 if mesh is not None:
-                    b = {k: global_array(v, sharding.replicated(mesh)) for k, v in b.items()}
+                    b = {k: global_array(v, sharding.batch_sharding(mesh))
+                         for k, v in pad_rows(b, mesh.shape["data"] * mesh.shape["expert"]).items()}
                 s, c = eval_step(params, b)
                 total, count = total + float(s), count + float(c)
         out[f"val_loss/{domain}"] = total / count
         out[f"val_ppl/{domain}"] = math.exp(min(total / count, 50.0))
     return out
+
+
+def pad_rows(batch: dict, multiple: int) -> dict:
+    """`batch` with empty rows (all zeros: segment id 0 is padding) up to a multiple of `multiple` rows."""
+    missing = -batch["tokens"].shape[0] % multiple
+    return {k: np.pad(v, ((0, missing), (0, 0))) for k, v in batch.items()} if missing else batch
 
 
 def global_array(x: np.ndarray, where):
@@ -305,9 +365,11 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     t = cfg.train
     mesh = sharding.make_mesh(cfg.mesh)
     shards = mesh.shape["data"] * mesh.shape["expert"]
-    if t.batch_size % shards:
+    if t.batch_size % (shards * t.microbatches):
         raise ConfigError("train.batch_size", t.batch_size,
-                          f"a multiple of the {shards} data x expert shards of the mesh {dict(mesh.shape)}")
+                          f"a multiple of the {shards} data x expert shards of the mesh {dict(mesh.shape)}"
+                          + (f" times train.microbatches ({t.microbatches}): every shard holds rows of each "
+                             "microbatch" if t.microbatches > 1 else ""))
     tokenizer, tokenizer_file, earlier = prepare(cfg, workdir, source_step, allow_corpus_change)
     pipeline = data_source(cfg)
     batch_sharding = sharding.batch_sharding(mesh)
@@ -333,79 +395,50 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
         data_record.write(cfg, workdir, tokenizer_file, earlier)
     if hosts.primary():  # (an earlier, different config.json goes to config_history.jsonl)
         rundir.record_config(workdir, cfg, start)
-    log = metrics.MetricsLog(workdir, start)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     train_step, eval_step = make_train_step(cfg, graphdef, shardings, mesh), make_eval_step(graphdef)
-    spikes = metrics.SpikeCounter(t.spike_window, t.spike_margin)
-    spikes.count = meta["loss_spikes"]
-    spikes.recent.extend(meta["recent_losses"])  # the spike window continues across a resume
-
-    before_trouble = checkpoint.BeforeTrouble(keep_also, meta, clean=t.spike_window)
+    reports = Reports(cfg, workdir, meta, start, mngr, keep_also, progress)
     saves = checkpoint.Saves(mngr, start if restored is not None else None)
     stop = Stopper()
-    bar = metrics.Progress(progress and hosts.primary(), start, t.steps)
-    bad_in_a_row, skipped, val, loss = 0, meta["skipped_steps"], {}, meta["final_loss"]
-    tokens_per_step, clock, timed_steps, eval_seconds = t.batch_size * t.seq_len, time.perf_counter(), 0, 0.0
-
-    def tokens_per_sec():  # training throughput: compilation and validation time left out
-        return tokens_per_step * timed_steps / max(time.perf_counter() - clock - eval_seconds, 1e-9)
-
+    batches = prefetch.Prefetcher(data, feed) if start < t.steps else None
     try:
         for step in range(start + 1, t.steps + 1):
             with jax.set_mesh(mesh):
-                state, m = train_step(state, feed(next(data)))
-            loss, finite = float(m["loss"]), bool(m["finite"])
-            bad_in_a_row = 0 if finite else bad_in_a_row + 1
-            skipped += not finite
-            if not finite or spikes(loss):  # trouble: keep the last checkpoint from before it
-                before_trouble(step, mngr.latest_step())
-            if bad_in_a_row >= t.max_bad_steps:
-                kept = before_trouble.step
-                raise TrainingStopped(
-                    f"{bad_in_a_row} consecutive steps had a non-finite loss or gradient (last: step "
-                    f"{step}, loss {loss}); stopping. " + (
-                        f"The last checkpoint saved before the trouble began, step {kept}, is kept: lower "
-                        f"train.learning_rate or check the data, then rerun with --resume-step {kept}."
-                        if kept is not None else "No checkpoint was saved before the trouble began: lower "
-                        "train.learning_rate or check the data, then start again in a new --workdir."))
+                state, m = train_step(state, next(batches))
+            # The step runs while the previous step's scalars are read (one step late, so reading
+            # them never keeps the next step from being dispatched) and the next batch is prepared.
+            reports.read_previous()
+            reports.pending(step, m)
             saves.check()  # a failed asynchronous save stops the run here
-            timed_steps += step > start + 1  # the first step includes compilation
-            if step == start + 1:
-                clock = time.perf_counter()
-            if step % t.eval_every == 0 or step == t.steps:
-                t0 = time.perf_counter()
-                val = validate(eval_step, state["params"], val_batches, mesh)
-                eval_seconds += time.perf_counter() - t0
-            if step % t.log_every == 0 or step % t.eval_every == 0 or step == t.steps:
-                record = {"loss": loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
-                          "tokens_per_sec": tokens_per_sec() if timed_steps else 0.0,
-                          "skipped_steps": skipped, "loss_spikes": spikes.count,
-                          **{k: float(v) for k, v in m.items() if k.startswith("moe/")}}
-                if step % t.eval_every == 0 or step == t.steps:
-                    record.update(val)
-                log.write(step, record)
-            bar.update(step, loss, tokens_per_sec())
+            evaluating = step % t.eval_every == 0 or step == t.steps
             stopping = stop(step)
-            if step == t.steps or stopping or mngr.should_save(step):  # build the args only then
-                meta = rundir.meta(cfg, skipped_steps=skipped, loss_spikes=spikes.count,
-                                   recent_losses=list(spikes.recent), final_loss=loss if finite else None,
-                                   **before_trouble.meta())
-                data_state = {k: v for part in hosts.gather_json(data.get_state()) for k, v in part.items()}
-                saves.save(step, state, data_state, meta)
+            saving = step == t.steps or stopping or mngr.should_save(step)
+            if evaluating or saving or step % t.log_every == 0:
+                reports.read_previous()  # this step's scalars are needed now
+            if evaluating:
+                t0 = time.perf_counter()
+                reports.val = validate(eval_step, state["params"], val_batches, mesh)
+                reports.eval_seconds += time.perf_counter() - t0
+                reports.log(step, m)
+            if saving:
+                data_state = {k: v for part in hosts.gather_json(batches.get_state()) for k, v in part.items()}
+                saves.save(step, state, data_state, reports.meta())
             if stopping:
                 saves.check(wait=True)
                 if hosts.primary():
                     print(f"\nSIGTERM: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
                 break
+        reports.read_previous()
     finally:
-        log.close()
-        bar.close()
+        if batches is not None:
+            batches.close()
+        reports.close()
         stop.close()
         saves.close()  # waits for the last save; a failure raises CheckpointFailure
-    if not val:  # nothing left to train (a finished run rerun): validate what is there
-        val = validate(eval_step, state["params"], val_batches, mesh)
+    val = reports.val or validate(eval_step, state["params"], val_batches, mesh)  # (a finished run rerun)
     summary = {"step": int(state["step"]), "completed": int(state["step"]) >= t.steps,
-               "final_loss": loss, "skipped_steps": skipped, "loss_spikes": spikes.count, **val}
+               "final_loss": reports.loss, "skipped_steps": reports.skipped, "loss_spikes": reports.spikes.count,
+               **val}
     if hosts.primary():
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -1,0 +1,214 @@
+"""Fits a paper preset to a TPU slice: the trainer's real train step AND its eval step, compiled
+ahead of time by libtpu on this CPU machine at the preset's real global batch (train.batch_size
+rows of train.seq_len + 1 tokens), with its exec settings, train.microbatches and exec.loss_chunk.
+
+    python bench/fit_presets.py --preset dense_1p7b --topology v5p:4x4x2 [--mesh 8,1,4]
+        [--variant sdpa_elementwise] [--config.train.microbatches=4 --config.exec.loss_chunk=1024 ...]
+    python bench/fit_presets.py --all [--rows smallest] [--jsonl out.jsonl]   # the table (ROWS below)
+
+Prints JSON per chip: the train step's and the eval step's bytes (memory_analysis: arguments,
+outputs, aliased, temporaries, their total, in GiB) against the chip's HBM, FLOPs (XLA's
+cost_analysis: a scan's body counts once, so with scanned layers or microbatches it is a lower
+bound; `model_tflops_per_chip` is the 6 N T + attention count), and compile seconds.
+
+The eval step is `trainer.make_eval_step` under the mesh, on data.eval_batch_size rows padded to a
+multiple of the data x expert shards (as `trainer.validate` pads them). During validation the
+optimizer state stays in HBM beside the eval step's own buffers, so the eval step's fit counts
+it too (`eval.resident_gib`: the eval step's total + the AdamW moments per chip).
+
+--mesh is (data, expert, model) and must multiply to the topology's chip count; without it the
+preset's own mesh (data = -1 takes what expert x model leave). Note gcloud's accelerator types
+count TensorCores for v5p (2 per chip): v5p-32 is 16 chips (v5p:2x2x4 / 4x4x1), v5p-64 is 32
+chips (v5p:4x4x2), v5p-128 is 64 chips (v5p:4x4x4); v5e / v6e count chips (v5litepod-16 = v5e:4x4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # libtpu is only a compiler here
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import AxisType, Mesh
+
+from gattn import cli
+from gattn.config import ConfigError, MeshConfig
+from gattn.model import params as param_counts
+from gattn.model import sharding
+from gattn.model.transformer import Transformer
+from gattn.train import optim, trainer
+
+_spec = importlib.util.spec_from_file_location("aot_train_step", Path(__file__).with_name("aot_train_step.py"))
+aot = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(aot)
+
+GIB = 2**30
+
+# The measured table (docs/presets.md "Which slice each preset fits"): (preset, topology, mesh,
+# overrides, what the row shows). "configured": the preset as shipped; "smallest": the smallest
+# slice it fits at all (with the overrides it needs there).
+ROWS = {
+    "configured": [
+        ("dense_1p7b", "v5p:4x4x2", (8, 1, 4), ("train.microbatches=4", "exec.loss_chunk=512")),
+        ("moe_15a2b", "v5p:4x4x2", (1, 8, 4), ("train.microbatches=8", "exec.loss_chunk=512")),
+        ("extend_1p7b_32k", "v5p:4x4x2", (8, 1, 4), ("train.microbatches=2", "exec.loss_chunk=1024")),
+        ("dense_1p7b_48l", "v5p:4x4x2", (8, 1, 4), ("train.microbatches=4", "exec.loss_chunk=512")),
+    ],
+    "smallest": [],
+}
+
+
+def topology_devices(topology: str):
+    return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+
+
+def resolve_mesh(cfg, n: int, mesh_shape=None) -> tuple[int, int, int]:
+    """(data, expert, model) on `n` chips: `mesh_shape` if given, else the preset's mesh."""
+    shape = tuple(mesh_shape) if mesh_shape else sharding.mesh_shape(cfg.mesh, n)
+    if math.prod(shape) != n:
+        raise ConfigError("mesh", shape, f"the mesh must multiply to the topology's {n} chips")
+    return shape
+
+
+def _bytes(tree) -> int:
+    """Per-chip bytes of a tree of sharded ShapeDtypeStructs (the largest shard of each array)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape)
+        total += math.prod(shard) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def memory(compiled, kind: str) -> dict:
+    mem, cost = compiled.memory_analysis(), compiled.cost_analysis() or {}
+    used = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    hbm = aot.HBM_GIB.get(kind)
+    gib = lambda b: round(b / GIB, 2)  # noqa: E731
+    return {"arguments_gib": gib(mem.argument_size_in_bytes), "outputs_gib": gib(mem.output_size_in_bytes),
+            "aliased_gib": gib(mem.alias_size_in_bytes), "temp_gib": gib(mem.temp_size_in_bytes),
+            "total_gib": gib(used), "total_bytes": used,
+            "fits": None if hbm is None else used < hbm * GIB,
+            "xla_tflops_per_chip": None if cost.get("flops") is None else round(cost["flops"] / 1e12, 3)}
+
+
+def model_tflops(cfg, chips: int) -> float:
+    """Training FLOPs per chip of one step, the usual count: 6 x activated parameters (less the
+    input embedding, a lookup) x tokens, plus causal attention's 6 x 2 x L x H x d x S / 2 per
+    token (forward 2 matmuls of 2 FLOPs, backward twice that); remat's recomputation not counted."""
+    m, t = cfg.model, cfg.train
+    n = param_counts.activated_params(m) - (m.vocab_size * m.d_model if not m.tie_embeddings else 0)
+    tokens = t.batch_size * t.seq_len
+    attn = 6 * 2 * m.num_layers * m.q_heads * m.head_dim * t.seq_len / 2
+    return round((6 * n + attn) * tokens / chips / 1e12, 2)
+
+
+def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True) -> dict:
+    """Compiles the train step (and the eval step) of `cfg` at its global batch on `topology`;
+    returns the JSON-able report."""
+    devices = topology_devices(topology)
+    shape = resolve_mesh(cfg, len(devices), mesh_shape)
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(*shape))
+    t = cfg.train
+    shards = shape[0] * shape[1]
+    if t.batch_size % (shards * t.microbatches):
+        raise ConfigError("train.batch_size", t.batch_size,
+                          f"a multiple of the {shards} data x expert shards times train.microbatches "
+                          f"({t.microbatches})")
+    mesh = Mesh(np.asarray(devices).reshape(shape), sharding.AXES, axis_types=(AxisType.Auto,) * 3)
+    kind = devices[0].device_kind
+    tx = optim.optimizer(t)
+    graphdef, abstract_params = nnx.split(
+        nnx.eval_shape(lambda: Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(0))), nnx.Param)
+    shardings = trainer.state_shardings(tx, abstract_params, mesh)
+    state = jax.eval_shape(lambda p: {"step": jnp.zeros((), jnp.int32), "params": p,
+                                      "opt_state": tx.init(p)}, abstract_params)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+
+    def batch(rows):
+        row = jax.ShapeDtypeStruct((rows, t.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh))
+        return {"tokens": row, "segment_ids": row, "positions": row}
+
+    out = {"preset": None, "variant": cfg.variant, "topology": topology, "device": kind, "chips": len(devices),
+           "hbm_gib": aot.HBM_GIB.get(kind), "mesh": dict(zip(sharding.AXES, shape)),
+           "global_batch": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,
+           "rows_per_shard_per_microbatch": t.batch_size // shards // t.microbatches,
+           "loss_chunk": cfg.exec.loss_chunk,
+           "exec": {k: v for k, v in dataclasses.asdict(cfg.exec).items()
+                    if k in ("dtype", "remat", "attention_impl", "moe_impl", "moe_buffer", "grouped_matmul")},
+           "hosts": len({d.process_index for d in devices}),
+           "params": param_counts.count_params(cfg.model),
+           "activated_params": param_counts.activated_params(cfg.model),
+           "model_tflops_per_chip": model_tflops(cfg, len(devices))}
+    step = trainer.make_train_step(cfg, graphdef, shardings, mesh)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step.lower(state, batch(t.batch_size)).compile()
+    out["train"] = {**memory(compiled, kind), "compile_s": round(time.perf_counter() - t0, 1),
+                    "ragged_all_to_all": compiled.as_text().count("ragged-all-to-all(")}
+    del compiled
+    if eval_step:
+        rows = cfg.data.eval_batch_size
+        rows += -rows % shards  # trainer.validate pads to a multiple of the shards
+        opt_bytes = _bytes(state["opt_state"])
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            compiled = trainer.make_eval_step(graphdef).lower(state["params"], batch(rows)).compile()
+        ev = memory(compiled, kind)
+        resident = ev["total_bytes"] + opt_bytes
+        ev.update({"rows": rows, "opt_state_gib": round(opt_bytes / GIB, 2),
+                   "resident_gib": round(resident / GIB, 2),
+                   "fits": None if out["hbm_gib"] is None else resident < out["hbm_gib"] * GIB,
+                   "compile_s": round(time.perf_counter() - t0, 1)})
+        out["eval"] = ev
+    out["fits"] = out["train"]["fits"] and (not eval_step or out["eval"]["fits"])
+    return out
+
+
+def run_row(preset, topology, mesh_shape, overrides=(), variant=None, eval_step=True) -> dict:
+    cfg = cli.load(preset, list(overrides), variant=variant)
+    out = fit(cfg, topology, mesh_shape, eval_step=eval_step)
+    out["preset"], out["overrides"] = preset, list(overrides)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="dense_1p7b", help=f"a preset ({', '.join(cli.presets())}) or a config file")
+    ap.add_argument("--variant", default=None)
+    ap.add_argument("--topology", default="v5p:4x4x2")
+    ap.add_argument("--mesh", default=None, help="data,expert,model (default: the preset's mesh)")
+    ap.add_argument("--no-eval", action="store_true", help="compile the train step only")
+    ap.add_argument("--all", action="store_true", help="every row of the table (ROWS)")
+    ap.add_argument("--rows", default="configured,smallest", help="with --all: which parts of ROWS")
+    ap.add_argument("--jsonl", default=None, help="with --all: also append each row to this file")
+    args, overrides = cli.parse_args(ap, argv)
+    if args.all:
+        for part in args.rows.split(","):
+            for preset, topology, mesh_shape, extra in ROWS[part]:
+                out = {"row": part, **run_row(preset, topology, mesh_shape, [*extra, *overrides],
+                                              args.variant, not args.no_eval)}
+                print(json.dumps(out), flush=True)
+                if args.jsonl:
+                    with open(args.jsonl, "a") as f:
+                        f.write(json.dumps(out) + "\n")
+        return
+    mesh_shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else None
+    print(json.dumps(run_row(args.preset, args.topology, mesh_shape, overrides, args.variant, not args.no_eval),
+                     indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run_cli(main))

@@ -1,0 +1,91 @@
+"""What the host does with each training step's scalars: the non-finite guard, the loss-spike
+counter, the checkpoint kept before trouble, metrics.jsonl and the progress bar, read one step
+late so that the device never waits for the host (`Reports`)."""
+
+from __future__ import annotations
+
+import time
+
+from etils.epath import Path
+
+from gattn import cli
+from gattn.config import Config
+from gattn.train import checkpoint, hosts, metrics, rundir
+
+
+class TrainingStopped(cli.Failure):
+    """Too many consecutive non-finite steps: the run stops, naming the checkpoint kept from before
+    the trouble (checkpoint.BeforeTrouble)."""
+
+
+class Reports:
+    """What the host does with each step's scalars (loss, finite, grad norm, lr, MoE loads): the
+    non-finite guard, the loss-spike counter, the checkpoint kept before trouble, metrics.jsonl
+    and the progress bar. A step's scalars are read when the next step has been dispatched
+    (`pending`, then `read_previous`), or at once where the host needs them (logging,
+    validation, a save): the device never waits for the host to read a number."""
+
+    def __init__(self, cfg: Config, workdir: Path, meta: dict, start: int, mngr, keep_also: set, progress: bool):
+        t = self.t = cfg.train
+        self.cfg, self.mngr, self.waiting, self.val = cfg, mngr, None, {}
+        self.log_file = metrics.MetricsLog(workdir, start)
+        self.spikes = metrics.SpikeCounter(t.spike_window, t.spike_margin)
+        self.spikes.count = meta["loss_spikes"]
+        self.spikes.recent.extend(meta["recent_losses"])  # the spike window continues across a resume
+        self.before_trouble = checkpoint.BeforeTrouble(keep_also, meta, clean=t.spike_window)
+        self.bar = metrics.Progress(progress and hosts.primary(), start, t.steps)
+        self.bad_in_a_row, self.skipped, self.loss, self.finite = 0, meta["skipped_steps"], meta["final_loss"], True
+        self.start, self.timed_steps, self.eval_seconds = start, 0, 0.0
+        self.clock = time.perf_counter()
+
+    def tokens_per_sec(self) -> float:  # training throughput: compilation and validation time left out
+        return self.t.batch_size * self.t.seq_len * self.timed_steps / max(
+            time.perf_counter() - self.clock - self.eval_seconds, 1e-9)
+
+    def pending(self, step: int, m: dict) -> None:
+        self.waiting = (step, m)
+
+    def read_previous(self) -> None:
+        """Reads the waiting step's scalars (blocking until that step is done) and acts on them."""
+        if self.waiting is None:
+            return
+        (step, m), self.waiting = self.waiting, None
+        self.loss, self.finite = float(m["loss"]), bool(m["finite"])
+        self.bad_in_a_row = 0 if self.finite else self.bad_in_a_row + 1
+        self.skipped += not self.finite
+        if not self.finite or self.spikes(self.loss):  # trouble: keep the last checkpoint from before it
+            self.before_trouble(step, self.mngr.latest_step())
+        if self.bad_in_a_row >= self.t.max_bad_steps:
+            kept = self.before_trouble.step
+            raise TrainingStopped(
+                f"{self.bad_in_a_row} consecutive steps had a non-finite loss or gradient (last: step "
+                f"{step}, loss {self.loss}); stopping. " + (
+                    f"The last checkpoint saved before the trouble began, step {kept}, is kept: lower "
+                    f"train.learning_rate or check the data, then rerun with --resume-step {kept}."
+                    if kept is not None else "No checkpoint was saved before the trouble began: lower "
+                    "train.learning_rate or check the data, then start again in a new --workdir."))
+        self.timed_steps += step > self.start + 1  # the first step includes compilation
+        if step == self.start + 1:
+            self.clock = time.perf_counter()
+        if step % self.t.log_every == 0 and step % self.t.eval_every and step != self.t.steps:
+            self.log(step, m)  # (a validation step is logged with its held-out losses)
+        self.bar.update(step, self.loss, self.tokens_per_sec())
+
+    def log(self, step: int, m: dict) -> None:
+        record = {"loss": self.loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
+                  "tokens_per_sec": self.tokens_per_sec() if self.timed_steps else 0.0,
+                  "skipped_steps": self.skipped, "loss_spikes": self.spikes.count,
+                  **{k: float(v) for k, v in m.items() if k.startswith("moe/")}}
+        if step % self.t.eval_every == 0 or step == self.t.steps:
+            record.update(self.val)
+        self.log_file.write(step, record)
+
+    def meta(self) -> dict:
+        """The run's bookkeeping as a checkpoint keeps it (after the step's scalars are read)."""
+        return rundir.meta(self.cfg, skipped_steps=self.skipped, loss_spikes=self.spikes.count,
+                           recent_losses=list(self.spikes.recent),
+                           final_loss=self.loss if self.finite else None, **self.before_trouble.meta())
+
+    def close(self) -> None:
+        self.log_file.close()
+        self.bar.close()
