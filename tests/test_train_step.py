@@ -31,3 +31,65 @@ def test_microbatches_must_divide_the_batch_into_whole_rows():
     moe = MoESpec(num_experts=4, top_k=2, expert_width=16, lbl_scope="micro", micro_batches=4)
     with pytest.raises(ConfigError, match="train.microbatches"):
         Config(model=tiny_model(moe=moe), train=TrainConfig(batch_size=8, microbatches=4))
+
+
+class _Probe:
+    """A step's scalar that records when the host reads it."""
+
+    def __init__(self, value, step, events):
+        self.value, self.step, self.events = value, step, events
+
+    def _read(self):
+        self.events.append(("read", self.step))
+        return self.value
+
+    def __float__(self):
+        return float(self._read())
+
+    def __bool__(self):
+        return bool(self._read())
+
+
+def test_the_host_reads_a_steps_scalars_after_dispatching_the_next_and_prepares_batches_on_another_thread(
+        tmp_path, monkeypatch):
+    """The device is never kept waiting by the host: step s's loss is read only once step s + 1 has
+    been dispatched (except before a save, which needs it), and batches are built off the main
+    thread (the step runs while the next batch is tokenised and packed)."""
+    import threading
+
+    from gattn.config import DataConfig
+    from gattn.data import synthetic
+    from gattn.train import trainer
+
+    events, threads = [], set()
+    make = trainer.make_train_step
+
+    def probing(*args, **kwargs):
+        step = make(*args, **kwargs)
+
+        def run(state, batch):
+            new, m = step(state, batch)
+            s = len([e for e in events if e[0] == "dispatch"]) + 1
+            events.append(("dispatch", s))
+            return new, {k: _Probe(v, s, events) for k, v in m.items()}
+        return run
+
+    rows = synthetic.Rows.__next__
+
+    def next_rows(self):
+        threads.add(threading.current_thread().name)
+        return rows(self)
+
+    monkeypatch.setattr(trainer, "make_train_step", probing)
+    monkeypatch.setattr(synthetic.Rows, "__next__", next_rows)
+    cfg = Config(model=tiny_model(vocab_size=64, num_layers=1),
+                 train=TrainConfig(batch_size=2, seq_len=16, steps=6, warmup_steps=1, log_every=1, eval_every=100,
+                                   checkpoint_every=100),
+                 data=DataConfig(source="synthetic", eval_batches=1, eval_batch_size=2))
+    trainer.train(cfg, tmp_path / "run", progress=False)
+    saved = {int(p.name) for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.isdigit()}
+    late = [s for s in range(1, 7) if s not in saved]  # (a saved step is read at once: Orbax saves step 1 and 6)
+    assert len(late) >= 3, saved
+    for s in late:
+        assert events.index(("read", s)) > events.index(("dispatch", s + 1)), events
+    assert threading.main_thread().name not in threads, threads

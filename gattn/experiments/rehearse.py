@@ -35,7 +35,7 @@ from pathlib import Path
 
 from gattn import cli
 from gattn.config import ConfigError, flat_fields
-from gattn.kernels import standin
+from gattn.kernels.standin import ENV as STANDIN_ENV
 
 # What a CPU can run: the shrinkable fields and their rehearsal values.
 SMALL = {"model.d_model": 64, "model.num_layers": 2, "model.vocab_size": 512, "model.head_dim": 8,
@@ -69,9 +69,10 @@ def shrink(preset: str, variant: str | None, overrides: list[str], chips: int) -
     if cfg.train.lr_preset:  # the preset's warmup is longer than the rehearsal: its values, spelled out
         small.update({"train.lr_preset": "", "train.learning_rate": peak, "train.min_learning_rate": floor})
     small["train.warmup_steps"] = WARMUP
-    before.update(zip(("train.learning_rate", "train.min_learning_rate", "train.warmup_steps"), (peak, floor, warmup)))
-    changed = {k: v for k, v in small.items() if before.get(k) != v}
-    lines = [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in changed.items()]
+    changed = {k: v for k, v in small.items() if before.get(k) != v}  # (against the fields as set)
+    shown = {**before, **dict(zip(("train.learning_rate", "train.min_learning_rate", "train.warmup_steps"),
+                                  (peak, floor, warmup)))}  # (the schedule in use)
+    lines = [f"{k}: {shown.get(k)!r} -> {v!r}" for k, v in changed.items()]
     return [f"{k}={v}" for k, v in changed.items()], lines
 
 
@@ -119,7 +120,7 @@ def rehearse(preset: str, processes: int, devices: int, *, variant: str | None =
     """Runs the stages; {stage: "ok" or the error}. Prints what it shrank and each stage's line.
     `interpret`: the Pallas kernels in interpret mode instead of their XLA stand-ins."""
     results: dict[str, str] = {}
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", standin.ENV: "0" if interpret else "1"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", STANDIN_ENV: "0" if interpret else "1"}
     workdir = Path(workdir or tempfile.mkdtemp(prefix=f"rehearse-{preset}-"))
     logs = workdir / "rehearsal"
     logs.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import jax
 
-from gattn.kernels import standin
+from gattn.kernels.standin import enabled as standin_enabled
 from gattn.kernels.cudnn import attention_cudnn
 from gattn.kernels.flash import BlockSizes, gated_flash_attention
 from gattn.kernels.flash_gpu import GpuBlockSizes, gated_flash_attention_gpu
@@ -35,7 +35,7 @@ def attention_pallas(q, k, v, gate=None, *, causal: bool = True, segment_ids=Non
     if return_probs:
         raise ValueError("attention impl 'pallas' never forms the attention matrix; "
                          "use impl 'xla' to return probabilities")
-    if interpret is not False and standin.enabled(jax.default_backend()):
+    if interpret is not False and standin_enabled(jax.default_backend()):
         return attention_xla(q, k, v, gate, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)
     return gated_flash_attention(q, k, v, gate, causal=causal, segment_ids=segment_ids,
                                  sm_scale=sm_scale, block_sizes=BlockSizes(block_q, block_k),

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
 from gattn.config.checks import GROUPED_MATMULS
-from gattn.kernels import standin
+from gattn.kernels.standin import enabled as standin_enabled
 
 TILE = 128  # megablox's default tile, the TPU's lane width
 
@@ -64,7 +64,7 @@ def grouped_dot(kind: str, platform: str):
         if platform not in ("tpu", "cpu"):  # interpret mode is for tests; on a GPU it would be ~100x slow
             raise ValueError(f"exec.grouped_matmul = 'megablox' is a TPU kernel (this program is for {platform}): "
                              "use 'ragged_dot'")
-        if standin.enabled(platform):
+        if standin_enabled(platform):
             return jax.lax.ragged_dot
         return lambda x, w, sizes: megablox_dot(x, w, sizes, interpret=platform != "tpu")
     raise ValueError(f"grouped matmul {kind!r}: expected one of {', '.join(map(repr, GROUPED_MATMULS))}")

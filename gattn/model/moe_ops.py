@@ -1,6 +1,7 @@
-"""The MoE verbs as pure functions on arrays: router logits (float32), route, permute, grouped (or capacity-bounded)
-expert compute, unpermute, and the auxiliary losses. The layer (gattn/model/moe.py) and the
-expert-parallel path (gattn/model/expert_parallel.py) are both built from these.
+"""The MoE verbs as pure functions on arrays: router logits (float32), route, permute, grouped
+(or capacity-bounded) expert compute, unpermute, and the auxiliary losses. The layer
+(gattn/model/moe.py) and the expert-parallel paths (gattn/model/expert_parallel.py,
+dropless_ep.py) are all built from these.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ class Reports:
     """What the host does with each step's scalars (loss, finite, grad norm, lr, MoE loads): the
     non-finite guard, the loss-spike counter, the checkpoint kept before trouble, metrics.jsonl
     and the progress bar. A step's scalars are read when the next step has been dispatched
-    (`pending`, then `read_previous`), or at once where the host needs them (logging,
-    validation, a save): the device never waits for the host to read a number."""
+    (`pending`, then `read_previous`), or at once where the host needs them (before a save):
+    the device never waits for the host to read a number. A validation step's held-out losses
+    (`val`, measured when the step is done) are logged with its scalars."""
 
     def __init__(self, cfg: Config, workdir: Path, meta: dict, start: int, mngr, keep_also: set, progress: bool):
         t = self.t = cfg.train
@@ -67,8 +68,8 @@ class Reports:
         self.timed_steps += step > self.start + 1  # the first step includes compilation
         if step == self.start + 1:
             self.clock = time.perf_counter()
-        if step % self.t.log_every == 0 and step % self.t.eval_every and step != self.t.steps:
-            self.log(step, m)  # (a validation step is logged with its held-out losses)
+        if step % self.t.log_every == 0 or step % self.t.eval_every == 0 or step == self.t.steps:
+            self.log(step, m)
         self.bar.update(step, self.loss, self.tokens_per_sec())
 
     def log(self, step: int, m: dict) -> None:

@@ -410,17 +410,13 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
             reports.read_previous()
             reports.pending(step, m)
             saves.check()  # a failed asynchronous save stops the run here
-            evaluating = step % t.eval_every == 0 or step == t.steps
-            stopping = stop(step)
-            saving = step == t.steps or stopping or mngr.should_save(step)
-            if evaluating or saving or step % t.log_every == 0:
-                reports.read_previous()  # this step's scalars are needed now
-            if evaluating:
+            if step % t.eval_every == 0 or step == t.steps:  # (logged with the step's scalars)
                 t0 = time.perf_counter()
                 reports.val = validate(eval_step, state["params"], val_batches, mesh)
                 reports.eval_seconds += time.perf_counter() - t0
-                reports.log(step, m)
-            if saving:
+            stopping = stop(step)
+            if step == t.steps or stopping or mngr.should_save(step):
+                reports.read_previous()  # the checkpoint's bookkeeping needs this step's scalars
                 data_state = {k: v for part in hosts.gather_json(batches.get_state()) for k, v in part.items()}
                 saves.save(step, state, data_state, reports.meta())
             if stopping:
