@@ -36,12 +36,13 @@ def main(argv=None):
     cfg = cli.load(args.config, overrides, variant=args.variant)
     cli.start_distributed(args)  # one process, or all of a pod slice's (docs/pod-slice.md)
 
-    from gattn.train import trainer  # noqa: PLC0415 (config errors come before any JAX import)
+    from gattn.train import hosts, trainer  # noqa: PLC0415 (config errors come before any JAX import)
 
     # A diverged run, unreadable checkpoints or a failed save raise cli.Failure: one line, exit 1.
     summary = trainer.train(cfg, args.workdir, progress=not args.quiet, resume_step=args.resume_step,
                             allow_corpus_change=args.allow_corpus_change)
-    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    if hosts.primary():  # one summary line for the run, not one per host
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     return 0
 
 

@@ -14,8 +14,8 @@ mesh) and the trainer's real step, in one process:
 
 Prints JSON with the ratios `trainer / max(data, compute)` (target <= 1.15) and
 `sequential / trainer` (>= 1.0: no slower than the loop it replaces). The default case makes data
-a large share: a small model (2 layers, d_model 64) over 32 x 512-token rows, so tokenising and
-packing take about as long as the step.
+a large share: a very small model (1 layer, d_model 32, vocabulary 512) over 64 x 256-token
+rows, so tokenising and packing take a large part of the step.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from gattn import cli  # noqa: E402
 from gattn.model import sharding  # noqa: E402
 from gattn.train import trainer  # noqa: E402
 
-DEFAULT = ["model.num_layers=2", "model.d_model=64", "model.q_heads=2", "model.kv_heads=1", "model.head_dim=32",
-           "model.d_ff=128", "train.batch_size=32", "train.seq_len=512", "train.warmup_steps=2"]
+DEFAULT = ["model.vocab_size=512", "model.num_layers=1", "model.d_model=32", "model.q_heads=2", "model.kv_heads=1",
+           "model.head_dim=16", "model.d_ff=64", "train.batch_size=64", "train.seq_len=256", "train.warmup_steps=2"]
 
 
 def per_step(fn, steps: int) -> float:
@@ -55,7 +55,8 @@ def per_step(fn, steps: int) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="tiny")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=64, help="steps per measurement (a multiple of data.shuffle_window: "
+                    "every stream refills its window once per that many steps)")
     ap.add_argument("--rounds", type=int, default=3, help="each measurement is the median of this many")
     args, rest = ap.parse_known_args(argv)
     overrides = [a.removeprefix("--config.") for a in rest] if rest else DEFAULT

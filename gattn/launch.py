@@ -39,6 +39,15 @@ def worker_env(index: int, processes: int, local_devices: int, port: int) -> dic
             "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={local_devices}"])}
 
 
+def _term_with_parent() -> None:
+    """In a worker, before it starts: SIGTERM when the launcher dies, however it dies (Linux's
+    PR_SET_PDEATHSIG), so a killed launcher's workers save and exit instead of running on."""
+    if sys.platform.startswith("linux"):
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def _pump(index: int, stream, out) -> None:
     for line in iter(stream.readline, b""):
         out.buffer.write(f"[{index}] ".encode() + line)
@@ -49,7 +58,8 @@ def launch(command: list[str], processes: int, local_devices: int, *, grace: flo
     """Runs `python COMMAND` as `processes` workers; their first non-zero status, else 0."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, *command], env=worker_env(i, processes, local_devices, port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                              preexec_fn=_term_with_parent)
              for i in range(processes)]
     pumps = [threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout), daemon=True) for i, p in enumerate(procs)]
     for t in pumps:

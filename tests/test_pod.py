@@ -176,3 +176,42 @@ def test_continued_training_runs_as_several_processes(runs, tmp_path):
     assert steps == [1, 2, 3, 4]
     assert rows[1]["loss"] < metrics(runs["one"])[1][1]["loss"]  # not a fresh start
     assert json.loads((ext / "config.json").read_text())["train"]["init_from"] == str(runs["one"])
+
+
+def test_hosts_with_different_configs_are_refused_before_any_work(runs, tmp_path):
+    """Processes started by hand with another train.batch_size (and learning rate): every one exits
+    2 within seconds, naming the field and both values; nothing is trained."""
+    start = time.time()
+    port = launch.free_port()
+    procs = [subprocess.Popen([sys.executable, *train_args(runs["config"], tmp_path / "run", *extra)], cwd=ROOT,
+                              text=True, env={**launch.worker_env(i, 2, 1, port), **QUIET},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i, extra in enumerate([["--config.train.batch_size=16", "--config.train.learning_rate=3e-3"],
+                                        ["--config.train.batch_size=8", "--config.train.learning_rate=1e-2"]])]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outs
+    for _, err in outs:
+        assert "train.batch_size" in err and "16" in err and "8" in err, err
+        assert "Traceback" not in err
+    assert time.time() - start < 60
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_ctrl_c_to_the_launcher_saves_on_every_host_and_a_relaunch_resumes(runs, tmp_path):
+    """SIGINT is SIGTERM's twin: the launcher passes it on, every worker saves the same step and
+    exits 0, the launcher exits 0; only process 0 prints the summary."""
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "gattn.launch", "--processes", "2", "--local-devices", "2",
+                             *train_args(runs["config"], workdir)], cwd=ROOT, text=True,
+                            env={**os.environ, **QUIET}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for_step(workdir, 3, [proc])
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    assert "SIGTERM: saved step" in out and "KeyboardInterrupt" not in out + err
+    saved = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert 3 <= saved < 16
+    out = run_launched(runs["config"], workdir, 2, 2)
+    assert out.count("completed=True") == 1, out  # one summary line: process 0's
+    steps, _ = metrics(workdir)
+    assert steps == list(range(1, 17))

@@ -61,3 +61,36 @@ def gather_json(value) -> list:
     longest = int(np.max(sizes))
     rows = multihost_utils.process_allgather(np.frombuffer(data.ljust(longest, b" "), np.uint8))
     return [json.loads(np.asarray(r, np.uint8).tobytes()[:int(n)]) for r, n in zip(rows, sizes)]
+
+
+def code_version() -> str:
+    """A hash of the gattn package's source files (what each host runs)."""
+    import hashlib  # noqa: PLC0415
+    import pathlib  # noqa: PLC0415 (the installed package is local: no etils)
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def check_same_run(config: dict) -> None:
+    """Every process compares its resolved config (a run's config.json dict) and its code version
+    with process 0's before any work; a difference raises ConfigError on every process, naming
+    the first differing field and both values (so every host exits 2, none trains a wrong run)."""
+    if count() == 1:
+        return
+    from gattn.config import ConfigError, flat_fields  # noqa: PLC0415
+
+    mine = {"config": flat_fields(config), "code": code_version()}
+    everyone = gather_json(mine)
+    for index, theirs in enumerate(everyone[1:], start=1):
+        if theirs["code"] != everyone[0]["code"]:
+            raise ConfigError("code version", f"process {index}: {theirs['code']}",
+                              f"process 0's {everyone[0]['code']}: every host must run the same gattn source")
+        for field in sorted(set(theirs["config"]) | set(everyone[0]["config"])):
+            a, b = everyone[0]["config"].get(field), theirs["config"].get(field)
+            if a != b:
+                raise ConfigError(field, b, f"the same value on every host: process {index} has {b!r}, "
+                                  f"process 0 has {a!r}")

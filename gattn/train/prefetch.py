@@ -11,7 +11,17 @@ from __future__ import annotations
 import queue
 import threading
 
-DEPTH = 2  # batches prepared ahead: one in flight to the device, one being built
+DEPTH = 2  # batches prepared ahead at the least: one in flight to the device, one being built
+
+
+def depth(cfg) -> int:
+    """Batches to prepare ahead for `cfg`: every row stream of the Grain pipeline refills its
+    shuffle window (data.shuffle_window packed rows) at the same step, so one batch in every
+    `shuffle_window` carries that many steps of tokenising and packing. A queue as deep as the
+    window lets the thread work through that burst while the device trains on batches it built
+    ahead during the cheap steps. Host memory: shuffle_window batches of this host's rows
+    (32 x 64 rows x 4097 tokens x 12 bytes = 100 MB at a preset's shapes on 16 hosts)."""
+    return max(DEPTH, cfg.data.shuffle_window) if cfg.data.source not in ("synthetic", "bigram_backcopy") else DEPTH
 
 
 class Prefetcher:

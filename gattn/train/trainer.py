@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -25,7 +26,7 @@ import optax
 from flax import nnx
 
 from gattn import cli
-from gattn.config import Config, ConfigError, from_dict
+from gattn.config import Config, ConfigError, from_dict, to_dict
 from gattn.data import record as data_record, synthetic
 from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 from gattn.model import sharding
@@ -274,14 +275,27 @@ def local_rows(batch_sharding, batch_size: int) -> range:
 
 
 class Stopper:
-    """Whether to save and stop now: SIGTERM to this process (one process), or to any host, in
-    which case every host agrees on the same step (JAX's preemption sync point)."""
+    """Whether to save and stop now: SIGTERM or SIGINT (Ctrl-C: its twin) to this process (one
+    process), or to any host, in which case every host agrees on the same step (JAX's
+    preemption sync point, which listens for SIGTERM: a SIGINT is passed on to it as one)."""
 
     def __init__(self):
         self.signal = None
         self.many = hosts.count() > 1
-        if not self.many:
-            self.previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(self, "signal", signum))
+        handlers = {signal.SIGINT: self._interrupt} if self.many else {signal.SIGTERM: self._record,
+                                                                         signal.SIGINT: self._interrupt}
+        self.previous = {s: signal.signal(s, h) for s, h in handlers.items()}
+
+    def _record(self, signum, frame):
+        self.signal = signum
+
+    def _interrupt(self, signum, frame):
+        """Ctrl-C: save and stop at the end of the step; a second one stops at once."""
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        if self.many:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.signal = signum
 
     def __call__(self, step: int) -> bool:
         if self.many:
@@ -291,8 +305,8 @@ class Stopper:
         return self.signal is not None
 
     def close(self):
-        if not self.many:
-            signal.signal(signal.SIGTERM, self.previous)
+        for s, h in self.previous.items():
+            signal.signal(s, h)
 
 
 def data_source(cfg: Config):
@@ -357,6 +371,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     slice), each reads its own rows of every batch and process 0 alone writes metrics and files.
     `resume_step`: resume from that saved step instead of the latest (later ones are set aside).
     `allow_corpus_change`: resume even if the data changed since the run was trained."""
+    hosts.check_same_run({**to_dict(cfg), "workdir": str(workdir), "resume_step": resume_step})  # or none trains
     rundir.check_workdir(workdir)
     workdir = Path(workdir)
     # A continued run's source is checked before anything is written (and only until it has a
@@ -400,7 +415,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     reports = Reports(cfg, workdir, meta, start, mngr, keep_also, progress)
     saves = checkpoint.Saves(mngr, start if restored is not None else None)
     stop = Stopper()
-    batches = prefetch.Prefetcher(data, feed) if start < t.steps else None
+    batches = prefetch.Prefetcher(data, feed, prefetch.depth(cfg)) if start < t.steps else None
     try:
         for step in range(start + 1, t.steps + 1):
             with jax.set_mesh(mesh):
