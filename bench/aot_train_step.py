@@ -34,36 +34,33 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh
 
 from gattn import cli
 from gattn.config import MeshConfig
 from gattn.model import params, sharding
-from gattn.model.transformer import Transformer
-from gattn.train import optim, trainer
+from gattn.train import trainer
 
 HBM_GIB = {"TPU v5 lite": 16, "TPU v5": 95, "TPU v5p": 95, "TPU v6 lite": 32, "TPU v4": 32}
 
 
 def compile_step(cfg, topology: str, mesh_shape: tuple[int, int, int], batch_per_device: int):
     """(compiled step, device kind, global batch rows, compile seconds) of `cfg` on `mesh_shape`
-    (data, expert, model) chips of `topology`; the mesh replaces cfg.mesh (and is checked with it)."""
-    cfg = dataclasses.replace(cfg, mesh=MeshConfig(*mesh_shape))
+    (data, expert, model) chips of `topology`; the mesh replaces cfg.mesh (and is checked with it).
+    The preset's train.microbatches is kept where batch_per_device splits into it, else 1 (the
+    real global batch and its microbatches: bench/fit_presets.py)."""
+    rows = batch_per_device * mesh_shape[0] * mesh_shape[1]
+    m = cfg.train.microbatches if batch_per_device % cfg.train.microbatches == 0 else 1
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(*mesh_shape),
+                              train=dataclasses.replace(cfg.train, batch_size=rows, microbatches=m))
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
     if np.prod(mesh_shape) != len(devices):
         raise SystemExit(f"--mesh {mesh_shape} must multiply to the {len(devices)} chips of {topology}")
     mesh = Mesh(np.asarray(devices).reshape(mesh_shape), sharding.AXES,
                 axis_types=(AxisType.Auto,) * 3)
-    tx = optim.optimizer(cfg.train)
-    graphdef, abstract_params = nnx.split(
-        nnx.eval_shape(lambda: Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(0))), nnx.Param)
-    shardings = trainer.state_shardings(tx, abstract_params, mesh)
-    state = jax.eval_shape(lambda p: {"step": jnp.zeros((), jnp.int32), "params": p,
-                                      "opt_state": tx.init(p)}, abstract_params)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
-    rows = batch_per_device * mesh_shape[0] * mesh_shape[1]
+    graphdef, state = trainer.abstract_train_state(cfg, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
     row = jax.ShapeDtypeStruct((rows, cfg.train.seq_len + 1), jnp.int32,
                                sharding=sharding.batch_sharding(mesh))
     batch = {"tokens": row, "segment_ids": row, "positions": row}

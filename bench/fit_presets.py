@@ -40,7 +40,6 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh
 
@@ -48,8 +47,7 @@ from gattn import cli
 from gattn.config import ConfigError, MeshConfig
 from gattn.model import params as param_counts
 from gattn.model import sharding
-from gattn.model.transformer import Transformer
-from gattn.train import optim, trainer
+from gattn.train import trainer
 
 _spec = importlib.util.spec_from_file_location("aot_train_step", Path(__file__).with_name("aot_train_step.py"))
 aot = importlib.util.module_from_spec(_spec)
@@ -58,16 +56,23 @@ _spec.loader.exec_module(aot)
 GIB = 2**30
 
 # The measured table (docs/presets.md "Which slice each preset fits"): (preset, topology, mesh,
-# overrides, what the row shows). "configured": the preset as shipped; "smallest": the smallest
-# slice it fits at all (with the overrides it needs there).
+# overrides). "configured": each preset as shipped (its mesh, train.microbatches, exec.loss_chunk,
+# exec settings) on the slice it is configured for; "smallest": the smallest slice it fits at all,
+# with the overrides it needs there.
 ROWS = {
     "configured": [
-        ("dense_1p7b", "v5p:4x4x2", (8, 1, 4), ("train.microbatches=4", "exec.loss_chunk=512")),
-        ("moe_15a2b", "v5p:4x4x2", (1, 8, 4), ("train.microbatches=8", "exec.loss_chunk=512")),
-        ("extend_1p7b_32k", "v5p:4x4x2", (8, 1, 4), ("train.microbatches=2", "exec.loss_chunk=1024")),
-        ("dense_1p7b_48l", "v5p:4x4x2", (8, 1, 4), ("train.microbatches=4", "exec.loss_chunk=512")),
+        ("dense_1p7b", "v5p:4x4x2", (8, 1, 4), ()),
+        ("moe_15a2b", "v5p:4x4x2", (1, 8, 4), ()),
+        ("extend_1p7b_32k", "v5p:4x4x2", (8, 1, 4), ()),
+        ("dense_1p7b_48l", "v5p:4x4x2", (8, 1, 4), ()),
     ],
-    "smallest": [],
+    "smallest": [
+        ("dense_1p7b", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=32",)),
+        ("moe_15a2b", "v5p:2x2x2", (1, 2, 4), ("train.microbatches=32",)),
+        ("extend_1p7b_32k", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=16",)),
+        ("dense_1p7b_48l", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=32",)),
+        ("dense_1p7b", "v5e:2x2", (1, 1, 4), ("train.microbatches=256",)),
+    ],
 }
 
 
@@ -129,13 +134,8 @@ def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True) -> dict:
                           f"({t.microbatches})")
     mesh = Mesh(np.asarray(devices).reshape(shape), sharding.AXES, axis_types=(AxisType.Auto,) * 3)
     kind = devices[0].device_kind
-    tx = optim.optimizer(t)
-    graphdef, abstract_params = nnx.split(
-        nnx.eval_shape(lambda: Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(0))), nnx.Param)
-    shardings = trainer.state_shardings(tx, abstract_params, mesh)
-    state = jax.eval_shape(lambda p: {"step": jnp.zeros((), jnp.int32), "params": p,
-                                      "opt_state": tx.init(p)}, abstract_params)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings)
+    graphdef, state = trainer.abstract_train_state(cfg, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
 
     def batch(rows):
         row = jax.ShapeDtypeStruct((rows, t.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh))

@@ -18,8 +18,8 @@ _spec.loader.exec_module(aot)
 
 
 @pytest.mark.parametrize("preset, overrides, topology, mesh", [
-    ("dense_1p7b", ["model.num_layers=1", "model.vocab_size=32768", "train.seq_len=2048"],
-     "v5e:2x2", (1, 1, 4)),
+    pytest.param("dense_1p7b", ["model.num_layers=1", "model.vocab_size=32768", "train.seq_len=2048"],
+                 "v5e:2x2", (1, 1, 4), marks=pytest.mark.slow),  # the fit test below compiles it at batch 1024
     pytest.param("moe_15a2b", ["model.num_layers=1", "model.vocab_size=32768",
                                "model.moe.num_experts=16", "train.seq_len=1024"], "v5p:2x2x1", (1, 2, 2),
                  marks=pytest.mark.slow),  # ~60 s of compiling: `pytest -m slow`
@@ -65,12 +65,13 @@ _fit_spec.loader.exec_module(fit)
 
 def test_fit_compiles_train_and_eval_steps_at_the_real_global_batch():
     """bench/fit_presets.py on one small case: the preset's real batch of 1024 rows (not one per
-    device), with microbatches and the chunked loss, and the eval step as validation runs it."""
+    device), with microbatches and the chunked loss, and the eval step as validation runs it.
+    ~100 s of compiling on 2 CPU cores (8 rows per shard per microbatch: 256 took twice that)."""
     out = fit.run_row("dense_1p7b", "v5p:2x2x1", (2, 1, 2),
                       ["model.num_layers=1", "model.vocab_size=4096", "train.seq_len=128",
-                       "train.microbatches=2", "exec.loss_chunk=64", "data.eval_batch_size=3"])
+                       "train.microbatches=64", "exec.loss_chunk=64", "data.eval_batch_size=3"])
     assert out["global_batch"] == 1024 and out["seq_len"] == 128 and out["chips"] == 4
-    assert (out["microbatches"], out["loss_chunk"], out["rows_per_shard_per_microbatch"]) == (2, 64, 256)
+    assert (out["microbatches"], out["loss_chunk"], out["rows_per_shard_per_microbatch"]) == (64, 64, 8)
     assert out["train"]["fits"] and out["eval"]["fits"] and out["fits"], out
     assert out["train"]["arguments_gib"] > 0 and out["train"]["xla_tflops_per_chip"] > 0
     assert out["eval"]["rows"] == 4  # 3 held-out rows padded to the 2 data shards, as trainer.validate pads

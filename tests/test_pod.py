@@ -197,6 +197,7 @@ def test_hosts_with_different_configs_are_refused_before_any_work(runs, tmp_path
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # two launched runs (~1 min on 2 idle cores)
 def test_ctrl_c_to_the_launcher_saves_on_every_host_and_a_relaunch_resumes(runs, tmp_path):
     """SIGINT is SIGTERM's twin: the launcher passes it on, every worker saves the same step and
     exits 0, the launcher exits 0; only process 0 prints the summary."""

@@ -2,7 +2,14 @@
 6, 7, 10 raise the LR with `--config.train.lr_preset=dense_high_lr`). The paper gives only the
 depth and "1.7B"; gattn keeps the budget of `dense_1p7b.py` by narrowing the SwiGLU to 2,720
 (1.72B parameters, ours). Everything else, and the provenance of every field, is `dense_1p7b.py`'s
-(`python -m gattn.params --provenance dense_1p7b_48l`)."""
+(`python -m gattn.params --provenance dense_1p7b_48l`).
+
+Which slice it fits (`python bench/fit_presets.py --preset dense_1p7b_48l --topology v5p:4x4x2`,
+docs/presets.md): as configured (dense_1p7b's train.microbatches=4 and exec.loss_chunk=512), on a
+v5p-64 slice (v5p:4x4x2, 32 chips; mesh data 8 x model 4) at the real batch of 1024 x 4096, the
+train step takes 44.4 GiB per chip of 95 and the eval step 2.3 GiB (5.5 GiB with the AdamW moments
+that stay resident). The smallest slice measured to fit: v5p:2x2x1 (v5p-8, 4 chips; mesh model 4)
+with --config.train.microbatches=32, 44.5 GiB train / 2.8 GiB eval."""
 
 import importlib.util
 from pathlib import Path

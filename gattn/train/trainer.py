@@ -69,8 +69,14 @@ def init_state(cfg: Config, mesh=None):
 
 def abstract_state(cfg: Config, mesh):
     """The ShapeDtypeStructs (with shardings on `mesh`) of `init_state(cfg, mesh)`'s state."""
-    _, build, shardings = _state_builder(cfg, mesh)
-    return checkpoint.abstract(jax.eval_shape(build), shardings)
+    return abstract_train_state(cfg, mesh)[1]
+
+
+def abstract_train_state(cfg: Config, mesh):
+    """(graphdef, abstract state): `init_state` without allocating anything, for compiling the
+    step ahead of time (bench/fit_presets.py, bench/aot_train_step.py)."""
+    graphdef, build, shardings = _state_builder(cfg, mesh)
+    return graphdef, checkpoint.abstract(jax.eval_shape(build), shardings)
 
 
 def restore(mngr, cfg: Config, saved: Config, state, mesh, step: int | None = None):
