@@ -179,7 +179,9 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
     named = [o for o in overrides if o.removeprefix("--").removeprefix("config.").startswith("variant=")]
     overrides = [o for o in overrides if o not in named]
     variant = named[-1].partition("=")[2].strip() if named else variant
-    if variant is not None:
+    if variant is not None:  # (the execution overrides first: the variant's model is checked against them)
+        cfg = apply_overrides(cfg, [o for o in overrides if not o.removeprefix("--").removeprefix("config.")
+                                    .startswith("model.")])
         cfg = dataclasses.replace(cfg, model=variants.apply(variant, cfg.model), variant=variant)
     cfg = apply_overrides(cfg, list(overrides))
     check_variant(cfg)

@@ -22,7 +22,13 @@ def test_applicable_variants_build_on_every_shipped_config_and_the_others_do_not
     names = variants.applicable(cfg.model)
     assert "baseline" in names
     for name in names:  # as the demo builds them: the run's whole config, validated
-        assert cli.load(ROOT / path, variant=name).model == variants.apply(name, cfg.model)
+        try:
+            built = cli.load(ROOT / path, variant=name)
+        except ConfigError as e:  # the model builds, the preset's expert-parallel path may not split it:
+            assert "exec.moe_impl" in str(e) and "mesh.expert" in str(e), e  # named, with the way out
+            built = cli.load(ROOT / path, ["exec.moe_impl=partitioned", "exec.grouped_matmul=ragged_dot",
+                                           "exec.moe_buffer=None"], variant=name)
+        assert built.model == variants.apply(name, cfg.model)
     for name in set(variants.REGISTRY) - set(names):
         with pytest.raises(ConfigError):
             variants.apply(name, cfg.model)
