@@ -25,11 +25,13 @@ def depth(cfg) -> int:
 
 
 class Prefetcher:
-    """An iterator over `feed(next(data))` computed on a background thread, `depth` batches ahead.
-    An exception in the thread is raised by the `next()` that would have returned its batch."""
+    """An iterator over `feed(next(data))` computed on a background thread, `depth` batches ahead
+    (and no more than `limit` batches in all: a run's last steps do not build batches it never
+    trains on). An exception in the thread is raised by the `next()` that would have returned its
+    batch."""
 
-    def __init__(self, data, feed=lambda batch: batch, depth: int = DEPTH):
-        self.data, self.feed = data, feed
+    def __init__(self, data, feed=lambda batch: batch, depth: int = DEPTH, limit: int | None = None):
+        self.data, self.feed, self.limit = data, feed, limit  # limit: batches the caller will take
         self.state = data.get_state()  # the state before the first batch handed out
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stopping = threading.Event()
@@ -38,7 +40,9 @@ class Prefetcher:
 
     def _run(self) -> None:
         try:
-            while not self.stopping.is_set():
+            produced = 0
+            while not self.stopping.is_set() and (self.limit is None or produced < self.limit):
+                produced += 1
                 batch = next(self.data)
                 self._put((self.feed(batch), self.data.get_state(), None))
         except BaseException as e:  # noqa: BLE001 (handed to the consumer, which raises it)

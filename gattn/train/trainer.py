@@ -421,7 +421,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     reports = Reports(cfg, workdir, meta, start, mngr, keep_also, progress)
     saves = checkpoint.Saves(mngr, start if restored is not None else None)
     stop = Stopper()
-    batches = prefetch.Prefetcher(data, feed, prefetch.depth(cfg)) if start < t.steps else None
+    batches = (prefetch.Prefetcher(data, feed, prefetch.depth(cfg), limit=t.steps - start)
+               if start < t.steps else None)
     try:
         for step in range(start + 1, t.steps + 1):
             with jax.set_mesh(mesh):
