@@ -59,6 +59,13 @@ def cross_entropy(logits_BxSxV: jax.Array, targets_BxS: jax.Array,
     return _weighted_mean(token_nll(logits_BxSxV, targets_BxS), weights_BxS)
 
 
+def target_weights(segment_ids_BxS: jax.Array) -> jax.Array:
+    """[B, S-1] bool: which next-token targets of packed rows count (the target is in the same
+    document as its input token; padding, segment id 0, never counts)."""
+    seg_in, seg_out = segment_ids_BxS[:, :-1], segment_ids_BxS[:, 1:]
+    return (seg_out != 0) & (seg_out == seg_in)
+
+
 def _next_token_nll(model, tokens_BxS, segment_ids_BxS, positions_BxS):
     """(nll [B, S-1], weights, aux) for predicting tokens[:, 1:] from tokens[:, :-1]. With packed
     documents (segment ids, 0 = padding; positions restarting at each document) a target counts
@@ -69,8 +76,7 @@ def _next_token_nll(model, tokens_BxS, segment_ids_BxS, positions_BxS):
     pos = None if positions_BxS is None else positions_BxS[:, :-1]
     seg_in = weights = None
     if segment_ids_BxS is not None:
-        seg_in, seg_out = segment_ids_BxS[:, :-1], segment_ids_BxS[:, 1:]
-        weights = (seg_out != 0) & (seg_out == seg_in)
+        seg_in, weights = segment_ids_BxS[:, :-1], target_weights(segment_ids_BxS)
     x_NxD, aux = model.hidden(inputs, positions_BxS=pos, segment_ids_BxS=seg_in)
     b, s = inputs.shape
     if model.ex.loss_chunk:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import queue
 import threading
 
+from gattn.config import BACKCOPY
+from gattn.data import synthetic
+
 DEPTH = 2  # batches prepared ahead at the least: one in flight to the device, one being built
 
 
@@ -21,7 +24,8 @@ def depth(cfg) -> int:
     window lets the thread work through that burst while the device trains on batches it built
     ahead during the cheap steps. Host memory: shuffle_window batches of this host's rows
     (32 x 64 rows x 4097 tokens x 12 bytes = 100 MB at a preset's shapes on 16 hosts)."""
-    return max(DEPTH, cfg.data.shuffle_window) if cfg.data.source not in ("synthetic", "bigram_backcopy") else DEPTH
+    grain_pipeline = cfg.data.source not in (synthetic.SOURCE, BACKCOPY)  # (the others make rows on the fly)
+    return max(DEPTH, cfg.data.shuffle_window) if grain_pipeline else DEPTH
 
 
 class Prefetcher:

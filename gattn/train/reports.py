@@ -43,6 +43,10 @@ class Reports:
         return self.t.batch_size * self.t.seq_len * self.timed_steps / max(
             time.perf_counter() - self.clock - self.eval_seconds, 1e-9)
 
+    def validates(self, step: int) -> bool:
+        """Whether `step` is validated (and logged with its held-out losses)."""
+        return step % self.t.eval_every == 0 or step == self.t.steps
+
     def pending(self, step: int, m: dict) -> None:
         self.waiting = (step, m)
 
@@ -68,7 +72,7 @@ class Reports:
         self.timed_steps += step > self.start + 1  # the first step includes compilation
         if step == self.start + 1:
             self.clock = time.perf_counter()
-        if step % self.t.log_every == 0 or step % self.t.eval_every == 0 or step == self.t.steps:
+        if step % self.t.log_every == 0 or self.validates(step):
             self.log(step, m)
         self.bar.update(step, self.loss, self.tokens_per_sec())
 
@@ -77,7 +81,7 @@ class Reports:
                   "tokens_per_sec": self.tokens_per_sec() if self.timed_steps else 0.0,
                   "skipped_steps": self.skipped, "loss_spikes": self.spikes.count,
                   **{k: float(v) for k, v in m.items() if k.startswith("moe/")}}
-        if step % self.t.eval_every == 0 or step == self.t.steps:
+        if self.validates(step):
             record.update(self.val)
         self.log_file.write(step, record)
 

@@ -33,7 +33,7 @@ from gattn.model import sharding
 from gattn.model.transformer import Transformer, relayout
 from gattn.train import checkpoint, hosts, init_from, optim, prefetch, rundir
 from gattn.train.reports import Reports, TrainingStopped  # noqa: F401 (TrainingStopped: trainer's API)
-from gattn.train.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum
+from gattn.train.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum, target_weights
 
 
 def state_shardings(tx, abstract_params, mesh):
@@ -130,13 +130,6 @@ def resume(cfg: Config, workdir: Path, mngr, state, mesh, step: int | None):
     return found[1]
 
 
-def target_count(segment_ids_BxS: jax.Array) -> jax.Array:
-    """How many next-token targets of packed rows count (as in gattn/train/loss.py: the target is
-    in the same document as its input, padding excluded)."""
-    seg_in, seg_out = segment_ids_BxS[:, :-1], segment_ids_BxS[:, 1:]
-    return jnp.sum((seg_out != 0) & (seg_out == seg_in))
-
-
 _SUMMED_AUX = ("load", "dropped")  # counts add up over microbatches; the MoE losses average
 
 
@@ -168,13 +161,13 @@ def loss_and_grads(cfg: Config, graphdef, params, batch: dict, mesh=None):
         ce, aux = lm_loss_and_aux(model, b["tokens"], b["segment_ids"], b["positions"])
         if scale is None:
             return ce + aux_loss(cfg.model.moe, aux), (ce, aux)
-        ce_part = ce * target_count(b["segment_ids"]) / scale
+        ce_part = ce * jnp.sum(target_weights(b["segment_ids"])) / scale
         return ce_part + aux_loss(cfg.model.moe, aux) / m, (ce_part, aux)
 
     if m == 1:
         (_, (loss, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, batch, None)
         return (loss, aux), grads
-    total = jnp.maximum(target_count(batch["segment_ids"]), 1).astype(jnp.float32)
+    total = jnp.maximum(jnp.sum(target_weights(batch["segment_ids"])), 1).astype(jnp.float32)
 
     def one(carry, b):
         grads_acc, loss_acc = carry
@@ -432,7 +425,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
             reports.read_previous()
             reports.pending(step, m)
             saves.check()  # a failed asynchronous save stops the run here
-            if step % t.eval_every == 0 or step == t.steps:  # (logged with the step's scalars)
+            if reports.validates(step):  # (logged with the step's scalars)
                 t0 = time.perf_counter()
                 reports.val = validate(eval_step, state["params"], val_batches, mesh)
                 reports.eval_seconds += time.perf_counter() - t0
