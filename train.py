@@ -34,6 +34,7 @@ def main(argv=None):
     if args.init_from:
         overrides.append(f"train.init_from={args.init_from}")
     cfg = cli.load(args.config, overrides, variant=args.variant)
+    cli.check_workdir(args.workdir)  # gs:// without gcsfs: one line now, not an ImportError later
     cli.start_distributed(args)  # one process, or all of a pod slice's (docs/pod-slice.md)
 
     from gattn.train import hosts, trainer  # noqa: PLC0415 (config errors come before any JAX import)

@@ -7,7 +7,8 @@ SIGKILLed mid-run and the time until the others stop is measured. Prints JSON.
 What it reports: the largest relative difference of any logged loss / gradient norm between the two
 layouts (the issue's bar: 1e-6), whether they are bit-identical, each layout's wall time (their
 ratio is what carries over: the processes share this machine's cores), and the seconds the
-surviving workers took to exit after the kill (JAX's heartbeat: gattn.cli.HEARTBEAT_SECONDS).
+surviving workers took to exit after the kill, with the lines they printed (gattn.cluster: each
+names the dead process in one line).
 """
 
 from __future__ import annotations
@@ -51,22 +52,21 @@ def metrics(workdir):
     return {r["step"]: r for r in map(json.loads, (Path(workdir) / "metrics.jsonl").read_text().splitlines())}
 
 
-def kill_time(config, workdir, processes: int, devices: int) -> float:
-    """Seconds from SIGKILL of the last worker to the exit of all the others."""
+def kill_time(config, workdir, processes: int, devices: int) -> tuple[float, list[str]]:
+    """Seconds from SIGKILL of the last worker to the exit of all the others, and their stderr."""
     from gattn import launch  # noqa: PLC0415
 
     port = launch.free_port()
     args = [str(ROOT / "train.py"), "--config", str(config), "--workdir", str(workdir), "--quiet"]
     procs = [subprocess.Popen([sys.executable, *args], env=launch.worker_env(i, processes, devices, port),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(processes)]
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(processes)]
     path = Path(workdir) / "metrics.jsonl"
     while not (path.exists() and len(path.read_text().splitlines()) >= 5):
         time.sleep(0.05)
     procs[-1].send_signal(signal.SIGKILL)
     t0 = time.perf_counter()
-    for p in procs[:-1]:
-        p.wait(timeout=300)
-    return time.perf_counter() - t0
+    errors = [p.communicate(timeout=300)[1].strip() for p in procs[:-1]]
+    return time.perf_counter() - t0, errors
 
 
 def main(argv=None):
@@ -84,11 +84,11 @@ def main(argv=None):
         a, b = metrics(tmp / "one"), metrics(tmp / "many")
         diffs = [abs(a[s][k] - b[s][k]) / abs(a[s][k]) for s in a for k in ("loss", "grad_norm") if a[s][k]]
         (tmp / "long.py").write_text(CONFIG.format(steps=400))
-        stop_s = kill_time(tmp / "long.py", tmp / "kill", args.processes, devices)
+        stop_s, survivors = kill_time(tmp / "long.py", tmp / "kill", args.processes, devices)
     print(json.dumps({"layouts": f"1x8 vs {args.processes}x{devices}", "steps": args.steps,
                       "max_rel_diff": max(diffs), "bit_identical": max(diffs) == 0.0,
                       "wall_s": {"one_process": round(one_s, 1), f"{args.processes}_processes": round(many_s, 1)},
-                      "seconds_to_stop_after_sigkill": round(stop_s, 1)}, indent=1))
+                      "seconds_to_stop_after_sigkill": round(stop_s, 1), "survivors_said": survivors}, indent=1))
 
 
 if __name__ == "__main__":

@@ -236,13 +236,23 @@ def run_cli(main, argv=None) -> int:
         argv = [a for a in argv if a != "--debug"]
         os.environ["GATTN_DEBUG"] = "1"
     try:
-        return main(argv) or 0
+        status = main(argv) or 0
     except Exception as e:  # noqa: BLE001 (the one place where errors become one line)
         if debugging():
             traceback.print_exc()
-        message = str(e) if isinstance(e, (ConfigError, Failure)) else one_line(e)
+        from gattn import cluster  # noqa: PLC0415
+
+        message = str(e) if isinstance(e, (ConfigError, Failure, cluster.JoinError)) else one_line(e)
+        code = 2 if isinstance(e, ConfigError) else 1
+
+        if cluster.active():  # several processes: the others are told, this one exits at once
+            cluster.stop(e, message, code)
         print(f"error{where()}: {message}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
+        return code
+    from gattn import cluster  # noqa: PLC0415
+
+    cluster.finished()
+    return status
 
 
 def one_line(e: BaseException) -> str:
@@ -254,26 +264,24 @@ def one_line(e: BaseException) -> str:
 
 # --------------------------------------------------------------------------- several processes
 
-# How long a silent process counts as alive (JAX's heartbeat), and how long a finishing one waits
-# for the others: a dead worker stops the rest within about this time instead of hanging.
-HEARTBEAT_SECONDS = int(os.environ.get("GATTN_HEARTBEAT_SECONDS", "20"))
 _process: int | None = None
 
 
 def add_distributed_flags(parser) -> None:
     g = parser.add_argument_group("several processes (a pod slice; see docs/pod-slice.md)")
     g.add_argument("--distributed", action="store_true", help="join the other hosts of a Cloud TPU slice "
-                   "(jax.distributed.initialize() finds them itself)")
+                   "(JAX finds them itself from the TPU metadata)")
     g.add_argument("--coordinator", help="HOST:PORT of process 0 (CPU/GPU clusters; or JAX_COORDINATOR_ADDRESS)")
     g.add_argument("--num-processes", type=int, help="processes in the run (or JAX_NUM_PROCESSES)")
     g.add_argument("--process-id", type=int, help="this process's index (or JAX_PROCESS_ID)")
 
 
 def start_distributed(args=None) -> None:
-    """Joins the run's processes with `jax.distributed.initialize` when the flags of
-    `add_distributed_flags` or the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
-    JAX_PROCESS_ID, as `python -m gattn.launch` sets them) ask for it; one process otherwise.
-    CPU devices exchange data through gloo."""
+    """Joins the run's processes when the flags of `add_distributed_flags` or the environment
+    (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, as `python -m gattn.launch` sets
+    them) ask for it; one process otherwise. Every process first reports to process 0 (a process
+    that never comes is named), then `jax.distributed.initialize` joins them, then a watch names
+    any process that fails or dies (gattn.cluster). CPU devices exchange data through gloo."""
     global _process
     get = lambda name, env: getattr(args, name, None) if getattr(args, name, None) is not None \
         else os.environ.get(env)  # noqa: E731
@@ -282,22 +290,73 @@ def start_distributed(args=None) -> None:
     auto = getattr(args, "distributed", False)
     if not coordinator and not auto:
         return
+    from gattn import cluster  # noqa: PLC0415
+
+    join_seconds, heartbeat = cluster.join_seconds(), cluster.heartbeat_seconds()
+    cluster.peer_seconds()  # a bad GATTN_PEER_SECONDS is refused before any process waits
     import jax  # noqa: PLC0415
 
+    local_devices = None
+    if not coordinator:  # a Cloud TPU slice: JAX reads the hosts from the TPU metadata
+        from jax._src import clusters  # noqa: PLC0415
+
+        coordinator, num, pid, local_devices = clusters.ClusterEnv.auto_detect_unset_distributed_params(
+            None, None, None, None, None, int(join_seconds))
+        if coordinator is None:
+            raise ConfigError("--distributed", True, "a Cloud TPU slice or another cluster JAX detects (SLURM, "
+                              "Open MPI, ...); elsewhere give --coordinator, --num-processes and --process-id")
+    for flag, value in (("--num-processes", num), ("--process-id", pid)):
+        if value is None or not str(value).isdigit():
+            raise ConfigError(flag, value, "a non-negative integer (or its JAX_* environment variable) "
+                              "when a coordinator address is given")
+    num, pid = int(num), int(pid)
+    if pid >= num:
+        raise ConfigError("--process-id", pid, f"below --num-processes ({num})")
+    _process = pid
+    if num > 1:
+        log = cluster.log_path(getattr(args, "workdir", None), pid)
+        cluster.supervise(pid, log)  # from here on, the child: the parent only waits for it
+        cluster.send_native_log_to(log)
+    cluster.join(coordinator, num, pid, join_seconds)
     if os.environ.get("JAX_PLATFORMS") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    timeouts = dict(heartbeat_timeout_seconds=HEARTBEAT_SECONDS, shutdown_timeout_seconds=HEARTBEAT_SECONDS)
-    if not coordinator:  # a Cloud TPU slice: JAX reads the topology from the TPU metadata
-        jax.distributed.initialize(**timeouts)
-    else:
-        for flag, value in (("--num-processes", num), ("--process-id", pid)):
-            if value is None or not str(value).isdigit():
-                raise ConfigError(flag, value, "a non-negative integer (or its JAX_* environment variable) "
-                                  "when a coordinator address is given")
-        if int(pid) >= int(num):
-            raise ConfigError("--process-id", int(pid), f"below --num-processes ({num})")
-        jax.distributed.initialize(coordinator, int(num), int(pid), **timeouts)
-    _process = jax.process_index()
+    jax.distributed.initialize(coordinator, num, pid, local_device_ids=local_devices,
+                               initialization_timeout=int(join_seconds) + 60,
+                               heartbeat_timeout_seconds=heartbeat, shutdown_timeout_seconds=heartbeat)
+    if num > 1:
+        from jax._src import distributed  # noqa: PLC0415
+
+        cluster.watch(distributed.global_state.client, pid, num)
+
+
+def check_workdir(workdir: str) -> None:
+    """A remote run directory (gs://, s3://, ...) needs its filesystem library, and TensorBoard on
+    gs:// needs google-cloud-storage: a missing one is one line before any work, never a failure
+    mid-run or a silent switch-off (`pip install 'gattn[gcp]'` brings both for gs://)."""
+    if "://" not in str(workdir):
+        return
+    protocol = str(workdir).split("://", 1)[0]
+    extra = " (pip install 'gattn[gcp]')" if protocol in ("gs", "gcs") else ""
+    try:
+        import fsspec  # noqa: PLC0415 (etils.epath reaches remote paths through it)
+
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as e:
+        reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ConfigError("--workdir", workdir, f"a local path, or a {protocol}:// path with its filesystem "
+                          f"library installed{extra}: {reason}") from None
+    if protocol in ("gs", "gcs"):
+        import logging  # noqa: PLC0415
+
+        # gcsfs logs each failed request (and each bucket it cannot classify) with a whole
+        # traceback; the error that ends the run, if any, is its one line (--debug shows them).
+        if not debugging():
+            logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+        try:
+            import google.cloud.storage  # noqa: F401, PLC0415 (tensorboardX writes gs:// with it)
+        except ImportError:
+            raise ConfigError("--workdir", workdir, "a gs:// path with google-cloud-storage installed, which "
+                              f"TensorBoard needs to write there{extra}") from None
 
 
 def where() -> str:

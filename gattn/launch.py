@@ -8,10 +8,12 @@ Each worker is `python SCRIPT ARGS...` with JAX_COORDINATOR_ADDRESS (a free port
 JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_PLATFORMS=cpu and
 XLA_FLAGS=--xla_force_host_platform_device_count=M; gattn's entry points read them and call
 `jax.distributed.initialize` (gattn.cli.start_distributed). Each output line is prefixed by its
-worker's index. When a worker fails, the others stop by themselves (JAX's heartbeat notices the
-missing process, gattn.cli.HEARTBEAT_SECONDS); any still running after --grace seconds are
-killed, and the launcher exits with the first failure's status. SIGTERM or SIGINT to
-the launcher is passed on to every worker (they save a checkpoint and exit).
+worker's index; each worker's native (C++) log goes to WORKDIR/logs/process_N.log. When a worker
+fails, the others stop by themselves with one line naming it (gattn.cluster); any still running
+after --grace seconds are killed. The launcher exits with the status of the worker that failed
+first: the first to print an `error (process N): ...` line or to die (a signal N as 128 + N, as a
+shell reports it). SIGTERM or SIGINT to the launcher is passed on to every worker (they save a
+checkpoint and exit 0); a launcher that dies takes its workers with it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from gattn import cluster
 
 
 def free_port() -> int:
@@ -39,19 +43,17 @@ def worker_env(index: int, processes: int, local_devices: int, port: int) -> dic
             "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={local_devices}"])}
 
 
-def _term_with_parent() -> None:
-    """In a worker, before it starts: SIGTERM when the launcher dies, however it dies (Linux's
-    PR_SET_PDEATHSIG), so a killed launcher's workers save and exit instead of running on."""
-    if sys.platform.startswith("linux"):
-        import ctypes  # noqa: PLC0415
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def _pump(index: int, stream, out) -> None:
+def _pump(index: int, stream, out, failures: list) -> None:
     for line in iter(stream.readline, b""):
+        if line.startswith(b"error (process "):
+            failures.append(index)  # the first worker to report an error is the first to fail
         out.buffer.write(f"[{index}] ".encode() + line)
         out.flush()
+
+
+def exit_status(returncode: int) -> int:
+    """A worker's status as a shell reports it: killed by signal N is 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def launch(command: list[str], processes: int, local_devices: int, *, grace: float = 90.0) -> int:
@@ -59,9 +61,11 @@ def launch(command: list[str], processes: int, local_devices: int, *, grace: flo
     port = free_port()
     procs = [subprocess.Popen([sys.executable, *command], env=worker_env(i, processes, local_devices, port),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                              preexec_fn=_term_with_parent)
+                              preexec_fn=cluster.term_with_parent)
              for i in range(processes)]
-    pumps = [threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout), daemon=True) for i, p in enumerate(procs)]
+    failures: list[int] = []  # workers in the order they failed: by an error line or by dying
+    pumps = [threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout, failures), daemon=True)
+             for i, p in enumerate(procs)]
     for t in pumps:
         t.start()
 
@@ -71,22 +75,30 @@ def launch(command: list[str], processes: int, local_devices: int, *, grace: flo
                 p.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    status = 0
+    stopping = False
     try:
         while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.poll() not in (None, 0)]
-            if failed and not status:
-                status = failed[0].returncode
-                print(f"[launch] worker {procs.index(failed[0])} exited with {status}; stopping the others",
-                      file=sys.stderr, flush=True)
+            failures.extend(i for i, p in enumerate(procs) if p.poll() not in (None, 0) and i not in failures)
+            if failures and not stopping:
+                stopping = True
+                first = failures[0]
+                code = procs[first].poll()
+                print(f"[launch] worker {first} " + ("failed" if code is None else f"exited with {code}") +
+                      "; the others stop", file=sys.stderr, flush=True)
                 _stop(procs, grace)
-            time.sleep(0.2)
+            time.sleep(0.05)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
     for t in pumps:
         t.join(timeout=5)
-    return status or next((p.returncode for p in procs if p.returncode), 0)
+    failures.extend(i for i, p in enumerate(procs) if p.returncode and i not in failures)
+    failed = [i for i in failures if procs[i].returncode]
+    if not failed:
+        return 0
+    status = exit_status(procs[failed[0]].returncode)
+    print(f"[launch] exit {status}: worker {failed[0]} failed first", file=sys.stderr, flush=True)
+    return status
 
 
 def _stop(procs, grace: float) -> None:

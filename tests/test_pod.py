@@ -56,10 +56,16 @@ def metrics(workdir):
     return [r["step"] for r in rows], {r["step"]: r for r in rows}
 
 
+# Gloo sums across processes in another order than one process does: losses and learning rates
+# agree to 1e-6 relative, gradient norms (a sum of squares over every parameter) were measured up
+# to 1.7e-6 apart; docs/pod-slice.md states the same tolerances.
+RTOL = {"loss": 1e-6, "lr": 1e-6, "grad_norm": 5e-6}
+
+
 def assert_same_losses(a, b, steps):
     for s in steps:
-        for key in ("loss", "grad_norm", "lr"):
-            np.testing.assert_allclose(a[s][key], b[s][key], rtol=1e-6, err_msg=f"step {s} {key}")
+        for key, rtol in RTOL.items():
+            np.testing.assert_allclose(a[s][key], b[s][key], rtol=rtol, err_msg=f"step {s} {key}")
 
 
 def wait_for_step(workdir, step, procs, timeout=300):

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 from etils.epath import Path
 
+from gattn.config import ConfigError
 from gattn.train import hosts
 
 
@@ -75,12 +76,12 @@ class MetricsLog:
         if self.path.exists() and (n := set_aside_rows(self.path, resumed_step)):
             print(f"note: this run continues from step {resumed_step}: the {n} metrics row(s) logged after "
                   f"it by the earlier run are moved to {workdir / SET_ASIDE}", file=sys.stderr, flush=True)
-        try:
-            from tensorboardX import SummaryWriter  # noqa: PLC0415
+        from tensorboardX import SummaryWriter  # noqa: PLC0415
 
+        try:
             self.tb = SummaryWriter(str(workdir / "tensorboard"))
-        except ImportError:  # TensorBoard is optional; metrics.jsonl is always written
-            self.tb = None
+        except ImportError as e:  # a remote workdir's backend (cli.check_workdir checks it first)
+            raise ConfigError("--workdir", str(workdir), f"a directory TensorBoard can write to: {e}") from None
 
     def write(self, step: int, metrics: dict):
         if self.path is None:
