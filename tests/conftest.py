@@ -58,3 +58,68 @@ def entry_point(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# End-to-end checks that run with `-m slow`, not in the default suite, which must stay near 12
+# minutes on 2 slow cores (it took 34 minutes on such a machine with these in it). Each keeps a
+# cheaper check of the same code in the default run, named after the "#".
+SLOW_HERE = {
+    "test_study.py::test_study_runs_resumes_after_a_kill_and_reports_everything":  # test_main_job_trains_both...
+        "74 s: a study of 4 cells, killed and resumed",
+    "test_train.py::test_resume_refuses_another_model_and_continues_under_other_execution_settings":
+        "71 s: three runs",  # test_rundir / test_cli config checks
+    "test_aot.py::test_fit_compiles_train_and_eval_steps_at_the_real_global_batch":
+        "58 s: a TPU compile at batch 1024",  # bench/fit_presets.py; test_loss's compiled memory
+    "test_train.py::test_sigkill_then_resume_reproduces_the_uninterrupted_run":
+        "48 s",  # test_rehearse's small rehearsal: kill-free resume on another layout
+    "test_sharding.py::test_sharded_loss_and_gradients_equal_one_device":
+        "45 s",  # test_train_step: microbatches on a 2x2x2 mesh equal one device
+    "test_dropless_ep.py::test_dropless_expert_parallel_moe_equals_one_device":
+        "45 s",  # test_grouped_matmul: megablox in the dropless layer on a 2x2x2 mesh
+    "test_eval.py::test_ruler_with_yarn_and_a_table_5_comparison": "43 s",  # test_ruler unit tests
+    "test_gpu_check.py::test_gpu_check_dry_run": "42 s",  # nothing here needs a GPU
+    "test_expert_parallel.py::test_explicit_expert_parallel_moe_equals_one_device":
+        "39 s",  # test_moe: the layer's own checks
+    "test_model.py::test_pallas_attention_matches_xla_in_loss_and_gradients[sdpa_headwise]":
+        "34 s",  # test_flash: the kernel against its reference
+    "test_convert.py::test_eval_and_continued_training_on_a_converted_model":
+        "33 s",  # test_convert: logit parity
+    "test_train.py::test_moe_run_logs_its_auxiliary_losses": "32 s",  # test_moe: aux per layer
+    "test_train.py::test_sigterm_saves_and_exits_cleanly": "31 s",  # the small rehearsal's SIGTERM stage
+    "test_notebooks.py::test_prototype_notebook_runs": "29 s",  # the notebook's code is eval's
+    "test_eval.py::test_eval_restores_onto_another_device_count": "29 s",  # the rehearsal's eval stage
+    "test_train.py::test_divergence_stops_with_a_clear_message_and_finite_checkpoints":
+        "24 s",  # test_optim: non-finite steps skipped
+    "test_model.py::test_packed_loss_equals_the_loss_of_each_document_alone":
+        "24 s",  # test_attention_reference: a packed row equals its documents
+    "test_train_step.py::test_microbatches_of_a_moe_equal_the_plain_step_without_the_per_microbatch_lbl":
+        "21 s",  # the dense microbatch test
+    "test_eval.py::test_compare_prints_a_table_4_row_per_run_and_overlays_curves": "21 s",
+    "test_train.py::test_continued_training_starts_from_another_runs_parameters":
+        "21 s",  # test_init_from unit tests
+    "test_model.py::test_bf16_compute_with_fp32_params_tracks_fp32": "20 s",
+    "test_flash.py::test_bfloat16_values_and_gradients_match_reference": "17 s",  # the float32 cases
+    "test_sharding.py::test_pallas_attention_runs_sharded_under_the_context_mesh": "17 s",
+    "test_model.py::test_scan_over_layers_equals_the_layer_loop[none]": "16 s",  # the [full] case
+    "test_flash.py::test_unequal_query_and_key_padding_matches_reference": "16 s",  # padding queries
+    "test_flash.py::test_float32_values_and_gradients_match_reference[37-": "16 s",  # the small cases
+    "test_flash.py::test_float32_values_and_gradients_match_reference[20-": "14 s",
+    "test_flash.py::test_float32_values_and_gradients_match_reference[24-": "13 s",
+    "test_flash.py::test_float32_values_and_gradients_match_reference[45-": "13 s",
+    "test_analysis.py::test_m_act_and_gate_score_equal_direct_computations[None]": "15 s",  # [remat]
+    "test_analysis.py::test_m_act_and_gate_score_equal_direct_computations[moe]": "11 s",
+    "test_flash.py::test_shard_attention_over_batch_and_heads_matches_reference": "15 s",
+    "test_eval.py::test_eval_refuses_an_architecture_change_and_keeps_the_results": "13 s",
+    "test_decode.py::test_a_capacity_moe_decodes_dropless_and_each_row_as_it_would_alone": "10 s",
+    "test_pod.py::test_two_processes_train_the_same_run_as_one":
+        "76 s: two runs",  # test_cluster: processes joined, watched, stopped
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        node = item.nodeid.split("tests/", 1)[-1]
+        if any(node.startswith(prefix) for prefix in SLOW_HERE):
+            item.add_marker(pytest.mark.slow)

@@ -79,11 +79,16 @@ def wait_for_step(workdir, step, procs, timeout=300):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pod_config") / "tiny.py"
+    path.write_text(CONFIG)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, config):
     """The same 16-step run on 1 process x 8 devices and on 2 processes x 4 devices."""
     root = tmp_path_factory.mktemp("pod")
-    config = root / "tiny.py"
-    config.write_text(CONFIG)
     one = subprocess.run([sys.executable, *train_args(config, root / "one")], cwd=ROOT, capture_output=True,
                          text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu",
                                                       "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
@@ -167,8 +172,8 @@ def test_the_launcher_stops_everything_when_a_worker_fails(tmp_path):
     assert "[1] bad input" in out.stdout and "worker 1 exited with 3" in out.stderr
 
 
-def test_one_process_tools_refuse_several(runs):
-    out = subprocess.run([sys.executable, "eval.py", "--workdir", str(runs["two"])], cwd=ROOT, capture_output=True,
+def test_one_process_tools_refuse_several(tmp_path):
+    out = subprocess.run([sys.executable, "eval.py", "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True,
                          text=True, timeout=60, env={**os.environ, "JAX_NUM_PROCESSES": "2"})
     assert out.returncode == 2 and "eval.py runs as one process" in out.stderr and "Traceback" not in out.stderr
 
@@ -184,12 +189,12 @@ def test_continued_training_runs_as_several_processes(runs, tmp_path):
     assert json.loads((ext / "config.json").read_text())["train"]["init_from"] == str(runs["one"])
 
 
-def test_hosts_with_different_configs_are_refused_before_any_work(runs, tmp_path):
+def test_hosts_with_different_configs_are_refused_before_any_work(config, tmp_path):
     """Processes started by hand with another train.batch_size (and learning rate): every one exits
     2 within seconds, naming the field and both values; nothing is trained."""
     start = time.time()
     port = launch.free_port()
-    procs = [subprocess.Popen([sys.executable, *train_args(runs["config"], tmp_path / "run", *extra)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, *train_args(config, tmp_path / "run", *extra)], cwd=ROOT,
                               text=True, env={**launch.worker_env(i, 2, 1, port), **QUIET},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for i, extra in enumerate([["--config.train.batch_size=16", "--config.train.learning_rate=3e-3"],
