@@ -82,11 +82,13 @@ def main(argv=None):
         one_s = train(config, tmp / "one", processes=1, devices=8)
         many_s = train(config, tmp / "many", processes=args.processes, devices=devices)
         a, b = metrics(tmp / "one"), metrics(tmp / "many")
-        diffs = [abs(a[s][k] - b[s][k]) / abs(a[s][k]) for s in a for k in ("loss", "grad_norm") if a[s][k]]
+        diffs = {k: max(abs(a[s][k] - b[s][k]) / abs(a[s][k]) for s in a if a[s][k]) for k in ("loss", "grad_norm", "lr")}
+        first_step_diffs = {k: abs(a[1][k] - b[1][k]) / abs(a[1][k]) for k in ("loss", "grad_norm") if a[1][k]}
         (tmp / "long.py").write_text(CONFIG.format(steps=400))
         stop_s, survivors = kill_time(tmp / "long.py", tmp / "kill", args.processes, devices)
     print(json.dumps({"layouts": f"1x8 vs {args.processes}x{devices}", "steps": args.steps,
-                      "max_rel_diff": max(diffs), "bit_identical": max(diffs) == 0.0,
+                      "max_rel_diff": diffs, "step_1_rel_diff": first_step_diffs,
+                      "bit_identical": max(diffs.values()) == 0.0,
                       "wall_s": {"one_process": round(one_s, 1), f"{args.processes}_processes": round(many_s, 1)},
                       "seconds_to_stop_after_sigkill": round(stop_s, 1), "survivors_said": survivors}, indent=1))
 

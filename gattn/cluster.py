@@ -70,7 +70,7 @@ def heartbeat_seconds() -> int:
 
 
 def peer_seconds() -> float:
-    return seconds_from_env("GATTN_PEER_SECONDS", 60)
+    return seconds_from_env("GATTN_PEER_SECONDS", 40)
 
 
 class JoinError(RuntimeError):
