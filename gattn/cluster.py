@@ -13,7 +13,7 @@ and any failure stops every process with one line that names the process at faul
   BEAT seconds and reads the others' beats and errors:
   - a peer that published an error stops this process with `error (process N): process K
     failed: <its line>`;
-  - a peer whose beat has not changed for GATTN_PEER_SECONDS (default 60) stops it with
+  - a peer whose beat has not changed for GATTN_PEER_SECONDS (default 40) stops it with
     `process K stopped responding`.
   After a collective fails on this process (gloo's "connection closed by peer"), the watch
   names the silent peer within a few beats instead of the full timeout.
