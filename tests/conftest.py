@@ -113,6 +113,18 @@ SLOW_HERE = {
     "test_decode.py::test_a_capacity_moe_decodes_dropless_and_each_row_as_it_would_alone": "10 s",
     "test_pod.py::test_two_processes_train_the_same_run_as_one":
         "76 s: two runs",  # test_cluster: processes joined, watched, stopped
+    "test_grouped_matmul.py::test_megablox_in_the_dropless_layer_equals_one_device":
+        "32 s",  # megablox against ragged_dot and a dense reference; the dropless layer's own test
+    "test_eval.py::test_ungated_runs_report_gate_fields_as_absent_and_step_selects_a_checkpoint": "13 s",
+    "test_model.py::test_scan_over_layers_equals_the_layer_loop": "15 s",  # test_moe: the scanned MoE
+    "test_analysis.py::test_m_act_and_gate_score_equal_direct_computations[gate1]": "15 s",  # [remat]
+    "test_flash.py::test_float32_values_and_gradients_match_reference[32-": "13 s",
+    "test_decode.py::test_chunked_prefill_equals_one_shot_prefill": "11 s",  # generate = no-cache
+    "test_params.py::test_presets_work_after_a_plain_install_from_any_directory": "11 s",
+    "test_analysis.py::test_an_expert_parallel_moe_is_measured_without_its_mesh": "10 s",
+    "test_flash_gpu.py::test_gpu_kernel_matches_reference": "8 s each",  # nothing here needs a GPU
+    "test_flash_gpu.py::test_cudnn_path_matches_reference_off_gpu": "7 s",
+    "test_loss.py::test_chunked_loss_and_gradients_equal_the_plain_ones[4-False-float32]": "7 s",
 }
 
 
