@@ -57,9 +57,10 @@ def metrics(workdir):
 
 
 # Gloo sums across processes in another order than one process does: losses and learning rates
-# agree to 1e-6 relative, gradient norms (a sum of squares over every parameter) were measured up
-# to 1.7e-6 apart; docs/pod-slice.md states the same tolerances.
-RTOL = {"loss": 1e-6, "lr": 1e-6, "grad_norm": 5e-6}
+# agree to 1e-6 relative; gradient norms (an f32 sum of squares over every parameter, summed in
+# another order) were measured up to 1.7e-6 apart here and 1.9e-5 in bench/pod.py, at one step of
+# 16 whose loss agreed to 1e-7. docs/pod-slice.md states the same tolerances.
+RTOL = {"loss": 1e-6, "lr": 1e-6, "grad_norm": 5e-5}
 
 
 def assert_same_losses(a, b, steps):
