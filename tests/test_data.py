@@ -193,3 +193,27 @@ def test_a_tokenizer_without_eos_is_refused_not_given_id_2(tmp_path):
         pipeline._tokenize(HFTokenizer(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
     assert pipeline._tokenize(HFTokenizer(tmp_path / "tokenizer.json"))({"text": "a b"})["tokens"].tolist() == [1, 2, 3]
+
+
+def test_the_window_shuffle_permutes_each_window_and_resumes_mid_window():
+    """pipeline.WindowShuffle (Grain's window shuffle with numpy's permutation): each window of
+    the parent's elements comes out as a permutation of it, different windows in different
+    orders, the same for the same seed; a state saved mid-window resumes the same sequence."""
+    import grain
+
+    parent = grain.MapDataset.range(100).to_iter_dataset()
+    it = iter(pipeline.WindowShuffle(parent, window_size=8, seed=3))
+    out = [next(it) for _ in range(13)]
+    state = it.get_state()
+    rest = [next(it) for _ in range(43)]
+    seq = out + rest
+    for w in range(7):
+        assert sorted(seq[8 * w:8 * w + 8]) == list(range(8 * w, 8 * w + 8))
+    assert seq[:8] != list(range(8)) and [x % 8 for x in seq[:8]] != [x % 8 for x in seq[8:16]]
+    again = iter(pipeline.WindowShuffle(parent, window_size=8, seed=3))
+    assert [next(again) for _ in range(56)] == seq
+    resumed = iter(pipeline.WindowShuffle(parent, window_size=8, seed=3))
+    resumed.set_state(state)
+    assert [next(resumed) for _ in range(43)] == rest
+    other = iter(pipeline.WindowShuffle(parent, window_size=8, seed=4))
+    assert [next(other) for _ in range(56)] != seq
