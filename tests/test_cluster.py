@@ -34,7 +34,7 @@ def wait_ready(procs, timeout=120):
         start = time.time()
         while (line := p.stdout.readline()) and not line.startswith("ready"):
             assert time.time() - start < timeout
-        assert line.startswith(f"ready {i}"), (i, line, p.stderr.read() if p.poll() is not None else "")
+        assert line.startswith(f"ready {i} "), (i, line, p.stderr.read() if p.poll() is not None else "")
 
 
 def assert_one_line(err: str, *needles):
@@ -87,6 +87,33 @@ def test_an_error_on_another_process_stops_process_0_too(tmp_path):
     assert procs[1].returncode == 2 and procs[0].returncode == 1, outs
     assert_one_line(outs[1][1], "error (process 1): config field 'data.source'")
     assert_one_line(outs[0][1], "error (process 0): process 1 failed: config field 'data.source'")
+
+
+def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
+    """SIGKILL to the launcher: each worker's supervisor gets SIGTERM (Linux's parent-death
+    signal), passes it on, and the workers stop together (train.py saves there); none runs on."""
+    launcher = subprocess.Popen([sys.executable, "-m", "gattn.launch", "--processes", "2", PEER], cwd=ROOT, text=True,
+                                env={**os.environ, "GATTN_LOG_DIR": str(tmp_path / "logs")},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    workers = []
+    while len(workers) < 2:
+        line = launcher.stdout.readline()
+        assert line, launcher.stderr.read()
+        if "] ready " in line:
+            workers.append(int(line.split()[-1]))
+    launcher.kill()
+    launcher.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline and any(alive(pid) for pid in workers):
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in workers)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 def test_a_process_that_never_joins_is_named(tmp_path):

@@ -1,12 +1,14 @@
 """A minimal multi-process entry point for tests/test_cluster.py: it joins the run as train.py
 does (gattn.cli.start_distributed, gattn.cli.run_entry_point), prints "ready", then exchanges
 data with the others once a second. `--fail-on N` makes process N raise a usage error after
-joining, while the others wait at a barrier.
+joining, while the others wait at a barrier. SIGTERM to any process stops them all at the same
+round with exit 0 (JAX's preemption sync point, as train.py saves there).
 
     python tests/programs/peer.py [--fail-on N] [--rounds R]   (JAX_* variables as gattn.launch sets them)
 """
 
 import argparse
+import os
 import time
 
 from gattn import cli
@@ -25,12 +27,15 @@ def main(argv=None):
     from jax.experimental import multihost_utils  # noqa: PLC0415
 
     multihost_utils.process_allgather(jnp.ones(2))
-    print(f"ready {jax.process_index()}", flush=True)
+    print(f"ready {jax.process_index()} {os.getpid()}", flush=True)
     if args.fail_on == jax.process_index():
         time.sleep(1)
         raise ConfigError("data.source", "/no/such/corpus", "an existing file or directory")
-    for _ in range(args.rounds):
+    for step in range(args.rounds):
         multihost_utils.sync_global_devices("peer")
+        if multihost_utils.reached_preemption_sync_point(step):  # SIGTERM to any process: all stop, as train.py
+            print(f"stopped {jax.process_index()}", flush=True)
+            return 0
         time.sleep(0.5)
     print(f"done {jax.process_index()}", flush=True)
     return 0
