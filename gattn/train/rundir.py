@@ -6,6 +6,8 @@
                              (counters, and the config the checkpoint was trained with)
     WORKDIR/metrics.jsonl    one row per logged step; rows past a resumed step are moved to
                              metrics.set_aside.jsonl (gattn.train.metrics.MetricsLog)
+    WORKDIR/lock.json        held while train.py runs: one writer per run (gattn.train.lease)
+    WORKDIR/logs/            each process's native log in a run of several (gattn.cluster)
     WORKDIR/tokenizer/, tfds/, tensorboard/, summary.json, eval/
 
 Readers (eval.py, the main job, studies, `--init-from`, the converter, notebooks) call `load`:

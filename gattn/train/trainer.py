@@ -31,7 +31,7 @@ from gattn.data import record as data_record, synthetic
 from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 from gattn.model import sharding
 from gattn.model.transformer import Transformer, relayout
-from gattn.train import checkpoint, hosts, init_from, optim, prefetch, rundir
+from gattn.train import checkpoint, hosts, init_from, lease, optim, prefetch, rundir
 from gattn.train.reports import Reports, TrainingStopped  # noqa: F401 (TrainingStopped: trainer's API)
 from gattn.train.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum, target_weights
 
@@ -372,7 +372,11 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     `allow_corpus_change`: resume even if the data changed since the run was trained."""
     hosts.check_same_run({**to_dict(cfg), "workdir": str(workdir), "resume_step": resume_step})  # or none trains
     rundir.check_workdir(workdir)
-    workdir = Path(workdir)
+    with lease.hold(workdir, primary=hosts.primary()):  # one train.py per run directory (WORKDIR/lock.json)
+        return _train(cfg, Path(workdir), progress, resume_step, allow_corpus_change)
+
+
+def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, allow_corpus_change: bool) -> dict:
     # A continued run's source is checked before anything is written (and only until it has a
     # checkpoint of its own: resuming never reads the source again).
     source_step = init_from.check(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
