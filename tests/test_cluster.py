@@ -89,6 +89,7 @@ def test_an_error_on_another_process_stops_process_0_too(tmp_path):
     assert_one_line(outs[0][1], "error (process 0): process 1 failed: config field 'data.source'")
 
 
+@pytest.mark.slow  # ~18 s
 def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
     """SIGKILL to the launcher: each worker's supervisor gets SIGTERM (Linux's parent-death
     signal), passes it on, and the workers stop together (train.py saves there); none runs on."""
