@@ -127,6 +127,18 @@ def test_eval_refuses_an_architecture_change_and_keeps_the_results(runs, capsys)
                                                             "--config.exec.remat=full"]
 
 
+def test_compare_checks_every_run_before_it_measures_or_rewrites_any(runs, tmp_path, capsys):
+    """`--compare RUN missing` used to re-evaluate RUN and overwrite its results.json first."""
+    results = runs["baseline"] / "eval" / "results.json"
+    before = results.read_bytes() if results.exists() else None
+    (tmp_path / "not_a_run").mkdir()
+    for bad, says in ((tmp_path / "missing", "does not exist"), (tmp_path / "not_a_run", "no config.json")):
+        code, err = refused(capsys, "--compare", runs["baseline"], bad, "--out", tmp_path / "out")
+        assert code == 2 and "--compare" in err and str(bad) in err and says in err, err
+    assert (results.read_bytes() if results.exists() else None) == before
+    assert not (tmp_path / "out").exists()
+
+
 def test_compare_prints_a_table_4_row_per_run_and_overlays_curves(runs, tmp_path):
     out = run_eval("--compare", runs["baseline"], runs["sdpa_elementwise"], "--out", tmp_path)
     assert out.returncode == 0, out.stderr

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from flax import nnx
 
+from gattn.config import ConfigError
 from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer
 from gattn.eval import analysis, plots, sinks
@@ -149,6 +150,14 @@ def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, ov
     """Table 4 across runs: PPL per domain, gate score, M-Act, F-Attn, sink heads; overlays their
     per-layer curves in one figure. A run is evaluated first unless its WORKDIR/eval/results.json
     is of its latest checkpoint, measured with these overrides, --max-batches and options."""
+    for w in workdirs:  # every argument is checked before any run is measured (or its results replaced)
+        if not Path(w).is_dir():
+            raise ConfigError("--compare", str(w), "a run directory (this folder does not exist)")
+        rundir.check_workdir(w)
+        if not (Path(w) / rundir.CONFIG).is_file():
+            raise ConfigError("--compare", str(w), f"a gattn run directory (it has no {rundir.CONFIG})")
+        if not checkpoint.saved_steps(w):
+            raise ConfigError("--compare", str(w), "a run with a saved checkpoint (it has none yet)")
     runs = {}
     asked = measured_with(eval_kwargs.get("options"), eval_kwargs.get("max_batches"))
     for w in workdirs:
