@@ -159,6 +159,7 @@ def from_hf(src: str | Path, workdir: str | Path) -> Path:
         try:
             checkpoint.save(mngr, 0, {"params": state}, {}, meta, force=True)
             mngr.wait_until_finished()
+            checkpoint.seal(mngr.directory / "0")
         finally:
             mngr.close()
         rundir.write_config(tmp, cfg)

@@ -5,16 +5,19 @@ Only complete checkpoints are ever restored (Orbax writes to a temporary folder 
 when the save has finished). Restoring takes an abstract target whose leaves may carry shardings
 for the devices present now, so a run saved on one mesh resumes on another.
 
-Faults (docs/training.md#faults): a checkpoint that cannot be read back is passed over for the
-previous one with a one-line warning (`first_readable`) and is never deleted (a resumed run moves
-it to WORKDIR/checkpoints_set_aside/); a failed asynchronous save stops the run at once, naming
-the last good checkpoint (`Saves`); steps in a manager's `keep_also` set outlive the keep-K
-rotation (the checkpoint kept before a divergence).
+Faults (docs/training.md#faults): each process seals what it wrote once a save has finished
+(`seal`: the size and sha256 of every file, in N/checksums/process_K.json). A checkpoint whose
+files do not match their checksums, that cannot be read back, or whose arrays are not finite is
+passed over for the previous one with a one-line warning (`first_readable`) and is never deleted
+(a resumed run moves it to WORKDIR/checkpoints_set_aside/); a failed asynchronous save stops the
+run at once, naming the last good checkpoint (`Saves`); steps in a manager's `keep_also` set
+outlive the keep-K rotation (the checkpoint kept before trouble).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -23,13 +26,17 @@ from typing import Callable
 
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from gattn import cli
 from gattn.config import ConfigError
+from gattn.train import hosts
 
 SET_ASIDE = "checkpoints_set_aside"
+CHECKSUMS = "checksums"  # N/checksums/process_K.json: what process K wrote, sealed when the save finished
 
 
 class CheckpointFailure(cli.Failure):
@@ -51,11 +58,15 @@ class _QuietOrbax(logging.Filter):
     one line instead, so they are dropped unless GATTN_DEBUG=1 (--debug)."""
 
     def filter(self, record):
-        return cli.debugging() or "/orbax/" not in record.pathname.replace("\\", "/")
+        if cli.debugging():
+            return True
+        if record.name == "asyncio":  # a failed write's or read's other tasks ("exception was never retrieved")
+            return "exception was never retrieved" not in record.getMessage()
+        return "/orbax/" not in record.pathname.replace("\\", "/")
 
 
 def _quiet_orbax() -> None:
-    for name in ("absl", "orbax"):
+    for name in ("absl", "orbax", "asyncio"):
         log = logging.getLogger(name)
         if not any(isinstance(f, _QuietOrbax) for f in log.filters):
             log.addFilter(_QuietOrbax())
@@ -97,20 +108,22 @@ def reason(e: BaseException) -> str:
         e = e.__cause__
     text = next((line for line in str(e).splitlines() if line.strip()), "")
     text = re.sub(r"\s*\[tensorstore_spec.*", "", text)
+    text = re.sub(r"\.?\s*See full TensorStore details.*", "", text)
     text = re.sub(r'(Error opening "\w+" driver: )+', "", text)
     return f"{type(e).__name__}: {text[:240]}" if text else type(e).__name__
 
 
 def first_readable(mngr: ocp.CheckpointManager, read: Callable[[int], object], step: int | None = None,
                    flag: str = "--step", then: str = ""):
-    """(step, read(step)) for the newest checkpoint that `read` can read (or exactly `step`), with
-    a one-line warning for each newer one it passes over (ending with `then`, what the caller does
-    with it); None if there is no checkpoint. A ConfigError from `read` (a checkpoint of another
-    model) is raised as it is; if no checkpoint can be read, CheckpointFailure. Nothing is moved
-    or deleted here. Only the errors of unreadable files pass a checkpoint over (Orbax and
-    TensorStore raise ValueError, KeyError or OSError for them): anything else, such as running
-    out of device memory while restoring, is raised as it is, so a good checkpoint is never
-    taken for a bad one."""
+    """(step, read(step)) for the newest checkpoint that verifies and reads back (or exactly
+    `step`), with a one-line warning for each newer one it passes over (ending with `then`, what
+    the caller does with it); None if there is no checkpoint. A checkpoint is passed over when
+    its files do not match the checksums sealed when it was saved (`verify`), when `read` raises
+    (TensorStore's bare Exception included), or when an array it read is not finite (NaN or
+    inf). Every process takes the same decision. A ConfigError from `read` (a checkpoint of
+    another model) is raised as it is, and so is running out of memory while restoring, so a
+    good checkpoint is never taken for a bad one. If no checkpoint can be used,
+    CheckpointFailure, listing each step and its reason. Nothing is moved or deleted here."""
     steps = sorted(mngr.all_steps(), reverse=True)
     if step is not None and step not in steps:
         raise ConfigError(flag, step, f"one of the saved steps {sorted(steps)}")
@@ -118,24 +131,125 @@ def first_readable(mngr: ocp.CheckpointManager, read: Callable[[int], object], s
         steps = [step]
     failed = []
     for s in steps:
+        why, out = None, None
         try:
-            out = read(s)
+            why = verify(Path(mngr.directory) / str(s))
+            if why is None:
+                out = read(s)
+                why = not_finite(out)
         except ConfigError:
             raise
-        except (ValueError, KeyError, OSError, EOFError) as e:
+        except Exception as e:  # noqa: BLE001 (any read error, except a lack of memory, marks a bad checkpoint)
+            if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
+                raise
             if cli.debugging():
                 logging.getLogger("gattn").exception("reading checkpoint %s", s)
-            failed.append((s, reason(e)))
+            why = reason(e)
+        why = next((w for w in hosts.gather_json(why) if w), None)  # one process's bad share is everyone's
+        if why:
+            failed.append((s, why))
             continue
-        for bad, why in failed:
-            print(f"warning: checkpoint step {bad} in {mngr.directory} cannot be read ({why}); "
+        for bad, bad_why in failed:
+            print(f"warning: checkpoint step {bad} in {mngr.directory} cannot be used ({bad_why}); "
                   f"using step {s} instead{then}", file=sys.stderr, flush=True)
         return s, out
     if not failed:
         return None
     listed = "; ".join(f"step {s}: {why}" for s, why in failed)
-    raise CheckpointFailure(f"no checkpoint in {mngr.directory} can be read ({listed}); they are left "
+    raise CheckpointFailure(f"no checkpoint in {mngr.directory} can be used ({listed}); they are left "
                             "as they are: use a new --workdir, or restore the files")
+
+
+# ------------------------------------------------------------------------------ checksums
+
+def _owner(relative: str) -> int:
+    """The process that wrote a checkpoint file: its ocdbt.process_K/ or process_K files are
+    process K's, everything else process 0's."""
+    m = re.search(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:/|$)", relative)
+    return int(m.group(1)) if m else 0
+
+
+def _files(folder: Path) -> list[str]:
+    """The files of a checkpoint folder (relative, sorted), its checksums left out."""
+    def walk(d: Path, prefix: str):
+        for p in d.iterdir():
+            if p.is_dir():
+                if prefix or p.name != CHECKSUMS:
+                    yield from walk(p, f"{prefix}{p.name}/")
+            else:
+                yield prefix + p.name
+    return sorted(walk(folder, ""))
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    h, size = hashlib.sha256(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def seal(folder: Path, process: int | None = None, processes: int | None = None) -> Path:
+    """Writes FOLDER/checksums/process_K.json: the size and sha256 of every file of the finished
+    checkpoint `folder` that process K wrote (its own shards; process 0 also the metadata). Each
+    process reads back only what it wrote."""
+    process = jax.process_index() if process is None else process
+    processes = jax.process_count() if processes is None else processes
+    files = {f: _digest(folder / f) for f in _files(folder) if processes == 1 or _owner(f) == process}
+    out = folder / CHECKSUMS / f"process_{process}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps({"process": process, "processes": processes,
+                               "files": {f: {"bytes": n, "sha256": h} for f, (n, h) in files.items()}}))
+    tmp.replace(out)
+    return out
+
+
+def sealed(folder: Path) -> dict:
+    """{file: {bytes, sha256}} over every process's seal of `folder` ({} if it has none)."""
+    files = {}
+    for seal_file in sorted((folder / CHECKSUMS).glob("process_*.json")) if (folder / CHECKSUMS).is_dir() else []:
+        try:
+            files.update(json.loads(seal_file.read_text())["files"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{seal_file.name} is not a readable seal ({e})") from None
+    return files
+
+
+def verify(folder: Path, process: int | None = None, processes: int | None = None) -> str | None:
+    """Why the checkpoint `folder` does not match its seal (a missing, resized or changed file),
+    or None. This process checks its share of the files (every Kth); `first_readable` gathers
+    every process's answer. A checkpoint without a seal (saved by an older gattn, or its
+    process stopped between the save and the seal) is not checked here: its arrays are still
+    checked to be finite."""
+    process = jax.process_index() if process is None else process
+    processes = jax.process_count() if processes is None else processes
+    files = sealed(folder)
+    for name in sorted(files)[process::processes]:
+        path, want = folder / name, files[name]
+        if not path.is_file():
+            return f"its file {name} is missing"
+        size, digest = _digest(path)
+        if size != want["bytes"]:
+            return f"its file {name} has {size} bytes, {want['bytes']} when saved"
+        if digest != want["sha256"]:
+            return f"its file {name} does not match its checksum (sha256)"
+    return None
+
+
+def not_finite(tree) -> str | None:
+    """Which floating-point arrays of `tree` (anything with jax.Array leaves) hold a NaN or an
+    inf, as one short line, or None."""
+    leaves = [(jax.tree_util.keystr(k), x) for k, x in jax.tree_util.tree_leaves_with_path(tree)
+              if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)]
+    if not leaves:
+        return None
+    ok = np.asarray(jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))([x for _, x in leaves]))
+    bad = [name for (name, _), fine in zip(leaves, ok) if not fine]
+    if not bad:
+        return None
+    return f"{len(bad)} of its {len(leaves)} arrays are not finite (NaN or inf), first {bad[0]}"
 
 
 def set_aside(mngr: ocp.CheckpointManager, steps: list[int]) -> Path | None:
@@ -207,6 +321,7 @@ class Saves:
             return
         try:
             self.mngr.wait_until_finished()
+            seal(Path(self.mngr.directory) / str(self.pending))  # this process's files, as written
         except Exception as e:  # noqa: BLE001
             raise self._failure(self.pending, e) from None
         self.good, self.pending = self.pending, None
