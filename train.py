@@ -4,7 +4,8 @@
 Rerunning the same command in the same DIR resumes from the latest complete checkpoint. Writes
 DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/ and DIR/summary.json. --init-from starts a
 new run from another run's parameters (continued training, e.g. configs/extend_tiny.py).
---resume-step N resumes from an earlier saved step (a divergence stop names the one to use).
+--resume-step N resumes from an earlier saved step (a divergence stop names the one to use; a plain
+rerun after a divergence stop is refused, --resume-anyway goes on from the newest checkpoint).
 A resume on changed data (DIR/data.json records it) is refused unless --allow-corpus-change.
 Errors are one line (exit 2: a usage error; exit 1: a runtime failure); --debug shows the traceback.
 """
@@ -25,6 +26,9 @@ def main(argv=None):
     ap.add_argument("--resume-step", type=int, metavar="N", help="resume from saved step N instead of "
                     "the latest (e.g. the checkpoint kept before a divergence); later checkpoints are "
                     "moved to DIR/checkpoints_set_aside/, not deleted")
+    ap.add_argument("--resume-anyway", action="store_true", help="resume a run that stopped for divergence "
+                    "from its newest checkpoint (a plain rerun is refused: that checkpoint was saved in the "
+                    "trouble; --resume-step N is the usual way on)")
     ap.add_argument("--allow-corpus-change", action="store_true", help="resume although the data "
                     "changed since the run was trained (files added to data.source, another Python's "
                     "embedded corpus): continue on the new data with the run's tokenizer")
@@ -41,7 +45,7 @@ def main(argv=None):
 
     # A diverged run, unreadable checkpoints or a failed save raise cli.Failure: one line, exit 1.
     summary = trainer.train(cfg, args.workdir, progress=not args.quiet, resume_step=args.resume_step,
-                            allow_corpus_change=args.allow_corpus_change)
+                            allow_corpus_change=args.allow_corpus_change, resume_anyway=args.resume_anyway)
     if hosts.primary():  # one summary line for the run, not one per host
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
     return 0

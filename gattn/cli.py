@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import sys
 import traceback
@@ -178,18 +179,41 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
     # `--config.variant=NAME` is the same as `--variant NAME`: the variant is applied, not relabelled.
     named = [o for o in overrides if o.removeprefix("--").removeprefix("config.").startswith("variant=")]
     overrides = [o for o in overrides if o not in named]
+    values = {o.partition("=")[2].strip() for o in named} | ({variant} if variant is not None else set())
+    if len(values) > 1:
+        raise ConfigError("--config.variant", named[-1].partition("=")[2].strip(),
+                          f"the same variant as --variant {variant!r} (given both, with different names): name "
+                          "the variant once" if variant is not None else "one variant (given twice with different "
+                          "names): name the variant once")
     variant = named[-1].partition("=")[2].strip() if named else variant
     if variant is not None:  # (the execution overrides first: the variant's model is checked against them)
         cfg = apply_overrides(cfg, [o for o in overrides if not o.removeprefix("--").removeprefix("config.")
                                     .startswith("model.")])
-        cfg = dataclasses.replace(cfg, model=variants.apply(variant, cfg.model), variant=variant)
+        base, cfg = cfg.model, dataclasses.replace(cfg, model=variants.apply(variant, cfg.model), variant=variant)
+        variant_model = cfg.model
     cfg = apply_overrides(cfg, list(overrides))
+    if variant is not None:  # the variant's own fields changed by an override: recorded as what the model is
+        cfg = dataclasses.replace(cfg, variant=describe_variant(variant, base, variant_model, cfg.model))
     check_variant(cfg)
     return cfg
 
 
+def describe_variant(name: str, base, variant_model, model) -> str:
+    """`name`, or `name+field=value,...` where overrides changed fields that the variant sets (e.g.
+    `sdpa_elementwise+gate.position="value"`): the name alone would describe another model."""
+    from gattn.config import differences  # noqa: PLC0415
+
+    own = [k for k, _, _ in differences(Config(model=variant_model), Config(model=base), ("model.",))]
+    changed = [(k, now) for k, now, _ in differences(Config(model=model), Config(model=variant_model), ("model.",))
+               if any(k == f or k.startswith(f + ".") or f.startswith(k + ".") for f in own)]
+    if not changed:
+        return name
+    return name + "+" + ",".join(f"{k.removeprefix('model.')}={json.dumps(v)}" for k, v in changed)
+
+
 def check_variant(cfg: Config) -> None:
-    if cfg.variant not in variants.REGISTRY:
+    """The recorded variant is a registered one (or one changed field by field: `describe_variant`)."""
+    if cfg.variant.partition("+")[0] not in variants.REGISTRY:
         raise ConfigError("variant", cfg.variant, f"expected one of {', '.join(map(repr, variants.REGISTRY))}")
 
 

@@ -250,28 +250,39 @@ def test_a_failed_save_stops_the_run_naming_the_last_good_checkpoint(tmp_path, c
 
 
 def test_the_checkpoint_before_trouble_outlives_the_rotation(tmp_path):
+    """Checkpoint k holds the weights after step k; step k + 1 is the first to use them. So the one
+    kept is the newest whose next step read back fine, never the one saved just before the trouble
+    (the issue's LR 1e6 run kept a checkpoint whose weights had already collapsed)."""
     keep_also = set()
     mngr = checkpoint.manager(tmp_path, 2, 1, keep_also)
     trouble = checkpoint.BeforeTrouble(keep_also, {}, clean=3)
-    for step in range(1, 10):
-        if step in (4, 6):  # trouble at steps 4 and 6: the checkpoint of step 3 is kept
-            trouble(step, mngr.latest_step())
-        checkpoint.save(mngr, step, STATE, {}, {"m": step, **trouble.meta()}, force=True)
-        mngr.wait_until_finished()
-    assert sorted(mngr.all_steps()) == [3, 8, 9] and trouble.step == 3
-    # Step 6's trouble came 2 steps after step 4's: step 5 (mid-trouble) did not replace step 3.
-    # After a clean stretch, new trouble keeps a newer checkpoint (and step 3 goes).
-    trouble(12, mngr.latest_step())
-    assert trouble.step == 9 and keep_also == {9}
-    checkpoint.save(mngr, 10, STATE, {}, {"m": 10}, force=True)
-    checkpoint.save(mngr, 11, STATE, {}, {"m": 11}, force=True)
-    mngr.wait_until_finished()
-    assert sorted(mngr.all_steps()) == [9, 10, 11]
+
+    def run(steps, bad=()):
+        for step in steps:  # the loop: the step's scalars are read, then the step is saved
+            if step in bad:
+                trouble(step)
+            else:
+                trouble.fine(step, mngr.latest_step())
+            checkpoint.save(mngr, step, STATE, {}, {"m": step, **trouble.meta()}, force=True)
+            mngr.wait_until_finished()
+
+    run(range(1, 10), bad=(4, 6))  # trouble at 4: the weights of step 3 caused it; step 2's gave a fine step 3
+    assert trouble.step == 2 and sorted(mngr.all_steps()) == [2, 8, 9]
+    # Step 6's trouble came 2 steps after step 4's: step 4 (mid-trouble, confirmed by step 5) did not
+    # replace step 2. After a clean stretch, new trouble keeps a newer checkpoint (and step 2 goes).
+    run(range(10, 14), bad=(12,))
+    assert trouble.step == 10 and sorted(mngr.all_steps()) == [10, 12, 13]
     mngr.close()
-    # A resumed run reads the kept step back from the checkpoint's metadata.
+    # Trouble in the very step after the first save: nothing before it is known good.
+    first = checkpoint.BeforeTrouble(set(), {}, clean=3)
+    first.fine(1, None)
+    first(2)
+    assert first.step is None
+    # A resumed run reads the kept and confirmed steps back from the checkpoint's metadata.
     resumed = set()
-    assert checkpoint.BeforeTrouble(resumed, {"kept_step": 9, "last_trouble": 12}, clean=3).step == 9
-    assert resumed == {9}
+    assert checkpoint.BeforeTrouble(resumed, {"kept_step": 9, "last_trouble": 12, "confirmed_step": 11},
+                                    clean=3).step == 9
+    assert resumed == {9, 11}
 
 
 # --------------------------------------------------------------------------- end to end (slow)
@@ -322,8 +333,10 @@ def test_a_divergence_names_the_checkpoint_kept_from_before_it(tmp_path):
     config = tmp_path / "small.py"
     config.write_text(CONFIG)
     work = tmp_path / "run"
-    # LR 1e5 from step 1 on: the weights blow up and, a few steps later, the steps turn non-finite;
-    # the checkpoint kept (step 2) still trains at a sane LR.
+    # 4 good steps, then LR 1e5: the weights collapse (loss at ln V, grad norm 0) or turn non-finite.
+    # The checkpoint kept (step 4: step 5 still read back fine) trains at a sane LR.
+    out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--steps", "4")
+    assert out.returncode == 0, out.stderr
     out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--steps", "40",
               "--config.train.learning_rate=1e5", "--config.train.max_bad_steps=3",
               "--config.train.keep_checkpoints=1")
@@ -331,15 +344,26 @@ def test_a_divergence_names_the_checkpoint_kept_from_before_it(tmp_path):
     (message,) = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     kept = int(message.split("--resume-step ")[1].rstrip("."))
     rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-    first_skipped = min(r["step"] for r in rows if r["skipped_steps"])
+    first_skipped = min(r["step"] for r in rows if r["skipped_steps"] or r["collapsed_steps"])  # trouble
     steps = sorted(int(p.name) for p in (work / "checkpoints").iterdir())
-    assert kept < first_skipped and kept in steps and len(steps) == 2  # keep 1, plus the kept one
+    assert kept == 4 < first_skipped and kept in steps and len(steps) == 2  # keep 1, plus the kept one
+    summary = json.loads((work / "summary.json").read_text())
+    assert (summary["stopped"], summary["kept_step"], summary["completed"]) == ("diverged", kept, False)
+    # A plain rerun (it finished "completed" on ruined weights) is refused, naming the way on.
+    out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--steps", "40",
+              "--config.train.learning_rate=1e5", "--config.train.max_bad_steps=3", "--config.train.keep_checkpoints=1")
+    assert out.returncode == 1 and f"--resume-step {kept}" in out.stderr and "--resume-anyway" in out.stderr
+    assert len((work / "metrics.jsonl").read_text().splitlines()) == len(rows)  # nothing trained
     out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--steps", "12",
               "--config.train.learning_rate=1e-3", f"--resume-step={kept}")
     assert out.returncode == 0, out.stderr
     assert f"resuming from step {kept}" in out.stderr
     assert sorted(p.name for p in (work / "checkpoints_set_aside").iterdir() if p.name.isdigit()) == \
         [str(s) for s in steps if s > kept]
+    # --steps below the step reached: refused, and config.json keeps train.steps = 12.
+    out = run("train.py", "--config", config, "--workdir", work, "--quiet", "--steps", "5")
+    assert out.returncode == 2 and "train.steps" in out.stderr and "at least 12" in out.stderr, out.stderr
+    assert json.loads((work / "config.json").read_text())["train"]["steps"] == 12
 
 
 @pytest.mark.slow  # a training run in this process (~30 s on 2 CPU cores)
@@ -367,3 +391,114 @@ def test_training_stops_at_once_when_a_save_fails(tmp_path, monkeypatch, capfd):
     assert max(steps) < 12  # stopped, not trained to the end
     assert checkpoint.saved_steps(tmp_path / "run") == [1, 2]  # (Orbax saves the first step too)
     assert "Traceback" not in capfd.readouterr().err
+
+
+# --------------------------------------------------------------------------- trouble that persists
+
+class _Latest:  # the manager, as Reports sees it
+    def __init__(self):
+        self.step = None
+
+    def latest_step(self):
+        return self.step
+
+
+def _reports(tmp_path, meta=None, max_bad=3):
+    from etils.epath import Path as EPath
+
+    from gattn.train.reports import Reports
+
+    cfg = cli.load("tiny", ["train.max_bad_steps=%d" % max_bad, "train.warmup_steps=0", "train.steps=100"])
+    meta = {**rundir.meta(cfg), **(meta or {})}
+    return Reports(cfg, EPath(tmp_path), meta, 0, _Latest(), set(), progress=False)
+
+
+def _step(reports, step, loss, grad_norm, finite=True):
+    reports.pending(step, {"loss": np.float32(loss), "finite": np.bool_(finite), "grad_norm": np.float32(grad_norm),
+                           "lr": np.float32(1e-3)})
+    reports.read_previous()
+
+
+def test_a_collapse_is_trouble_and_the_trouble_state_survives_a_resume(tmp_path):
+    """The issue's LR 1e6 run: its loss went to ln V (uniform predictions) with finite steps, so the
+    bad-step count kept restarting at 0, and a rerun restarted it from 0 as well."""
+    from gattn.train.reports import TrainingStopped, collapsed
+
+    uniform = float(np.log(4096))
+    assert not collapsed(uniform, 1.0, lowest=uniform, vocab_size=4096)  # every run starts at ln V
+    assert collapsed(uniform + 1e-4, 1.0, lowest=uniform - 2, vocab_size=4096)  # back at ln V after learning
+    assert collapsed(3.0, 0.0, lowest=3.0, vocab_size=4096)  # nothing left to learn from
+    assert not collapsed(uniform - 0.3, 1.0, lowest=uniform - 2, vocab_size=4096)
+
+    reports = _reports(tmp_path / "a")
+    for step, loss in enumerate([uniform, 6.0, 5.0, 4.0], start=1):  # learning
+        _step(reports, step, loss, 1.0)
+    _step(reports, 5, uniform, 1.0)  # collapsed
+    _step(reports, 6, float("nan"), float("nan"), finite=False)  # then non-finite
+    assert reports.bad_in_a_row == 2 and reports.collapsed_steps == 1 and reports.skipped == 1
+    meta = reports.meta()
+    reports.close()
+    assert (meta["bad_in_a_row"], meta["collapsed_steps"], meta["lowest_loss"]) == (2, 1, 4.0)
+    # Resumed from that checkpoint: one more bad step stops the run (max_bad_steps=3), as before the resume.
+    resumed = _reports(tmp_path / "b", meta=meta)
+    with pytest.raises(TrainingStopped) as e:
+        _step(resumed, 7, uniform, 1.0)
+    resumed.close()
+    assert "3 consecutive steps were non-finite or collapsed" in str(e.value) and "ln V" in str(e.value)
+
+
+def test_a_plain_rerun_after_a_divergence_stop_is_refused(tmp_path):
+    from gattn.train import trainer
+
+    (tmp_path / "summary.json").write_text(json.dumps({"step": 11, "completed": False, "stopped": "diverged",
+                                                       "kept_step": 1, "reason": "10 consecutive steps ..."}))
+    with pytest.raises(cli.Failure) as e:
+        trainer.check_not_diverged(tmp_path)
+    assert "--resume-step 1" in str(e.value) and "--resume-anyway" in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "summary.json").write_text(json.dumps({"step": 11, "completed": False}))  # a SIGTERM stop
+    trainer.check_not_diverged(tmp_path)
+
+
+# --------------------------------------------------------------------------- check everything, then write
+
+def test_flags_text_tokenizer_vocabulary_and_tasks_are_checked_first(tmp_path, capsys):
+    train, evaluate = entry_point("train"), entry_point("eval")
+    # --variant and --config.variant that disagree: refused (it trained B).
+    with pytest.raises(ConfigError) as e:
+        cli.load("tiny", ["--config.variant=sdpa_headwise"], variant="sdpa_elementwise")
+    assert e.value.field == "--config.variant" and "sdpa_elementwise" in str(e.value)
+    # A variant changed field by field is recorded as what it is.
+    assert cli.load("tiny", ["model.gate.position=value"], variant="sdpa_elementwise").variant == \
+        'sdpa_elementwise+gate.position="value"'
+    assert cli.load("tiny", ["model.num_layers=1"], variant="sdpa_elementwise").variant == "sdpa_elementwise"
+    # A byte-order mark is dropped from .txt as from .jsonl.
+    from gattn.data import corpus
+
+    folder = tmp_path / "bom"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(corpus.BOM + "héllo\n".encode())
+    (folder / "b.jsonl").write_bytes(corpus.BOM + b'{"text": "hi"}\n')
+    assert [d.text for d in corpus.folder_documents(folder)] == ["héllo\n", "hi"]
+    # A tokenizer that is a text file: one line naming data.tokenizer (was sentencepiece's INTERNAL error).
+    (tmp_path / "tok.txt").write_text("not a model")
+    args = ["--config", "tiny", "--steps", "1", "--config.train.warmup_steps=0", "--quiet"]
+    assert cli.run_cli(train.main, [*args, "--workdir", str(tmp_path / "t1"),
+                                    f"--config.data.tokenizer={tmp_path / 'tok.txt'}"]) == 2
+    err = capsys.readouterr().err
+    assert "'data.tokenizer'" in err and "SentencePiece" in err and err.count("\n") == 1, err
+    # A vocabulary larger than the corpus allows: names model.vocab_size and the maximum, exit 2.
+    small = tmp_path / "small"
+    small.mkdir()
+    for i in range(30):
+        (small / f"{i}.txt").write_text(f"hello world {i} " * 5)
+    assert cli.run_cli(train.main, [*args, "--workdir", str(tmp_path / "t2"), f"--config.data.source={small}"]) == 2
+    err = capsys.readouterr().err
+    assert "'model.vocab_size' = 4096" in err and "at most" in err and err.count("\n") == 1, err
+    # Bad task content: exit 2 before any model loads (this run has no checkpoint: that error came first).
+    run = tmp_path / "run"
+    run.mkdir()
+    rundir.write_config(run, cli.load("tiny"))
+    (tmp_path / "task.jsonl").write_text('{"context": "2+2=", "choices": ["4"], "answer": 0}\n')
+    assert cli.run_cli(evaluate.main, ["--workdir", str(run), "--tasks", str(tmp_path / "task.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "'--tasks'" in err and "'choices' must be a list of >= 2" in err and err.count("\n") == 1, err

@@ -107,9 +107,18 @@ def decode(raw: bytes, where: str, decode_errors: str, offset: int = 0) -> tuple
     return text, _replaced[0]
 
 
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark (Windows editors write one): not text, dropped
+
+
+def _read(path: Path) -> tuple[bytes, int]:
+    """A file's bytes without a leading UTF-8 byte-order mark, and the offset where they start."""
+    raw = path.read_bytes()
+    return (raw[len(BOM):], len(BOM)) if raw.startswith(BOM) else (raw, 0)
+
+
 def _jsonl_documents(path: Path, rel: Path, decode_errors: str) -> Iterator[Document]:
-    offset = 0
-    for i, raw in enumerate(path.read_bytes().split(b"\n")):
+    raw_file, offset = _read(path)
+    for i, raw in enumerate(raw_file.split(b"\n")):
         where = f"{path}:{i + 1}"
         line, replaced = decode(raw, where, decode_errors, offset)
         offset += len(raw) + 1
@@ -143,7 +152,8 @@ def folder_documents(folder: Path, decode_errors: str = "strict") -> Iterator[Do
         rel = path.relative_to(folder)
         if path.suffix == ".txt":
             domain = rel.parts[0] if len(rel.parts) > 1 else "text"
-            text, replaced = decode(path.read_bytes(), str(path), decode_errors)
+            raw, start = _read(path)
+            text, replaced = decode(raw, str(path), decode_errors, start)
             yield Document(str(rel), domain, text, replaced)
         else:
             yield from _jsonl_documents(path, rel, decode_errors)

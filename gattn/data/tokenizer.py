@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import sentencepiece as spm
@@ -58,17 +59,42 @@ def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Pat
     lines = (line for doc in corpus.documents(source, code_max_bytes, decode_errors) if doc.split == "train"
              for line in doc.text.splitlines() if line.strip())
     model = io.BytesIO()
+    try:
+        _train_spm(lines, model, vocab_size)
+    except RuntimeError as e:  # the one limit a user meets: more pieces than this corpus has to offer
+        most = re.search(r"<=\s*(\d+)", str(e))
+        if "Vocabulary size too high" not in str(e) or not most:
+            raise
+        raise ConfigError("model.vocab_size", vocab_size,
+                          f"at most {most.group(1)} to train a tokenizer on this corpus (data.source={source!r}): "
+                          "a smaller vocabulary, a larger corpus, or a trained tokenizer (data.tokenizer)") from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(model.getvalue())
+    tmp.rename(path)  # atomic: a killed run never leaves a half-written model behind
+    return path
+
+
+def _train_spm(lines, model, vocab_size: int) -> None:
     spm.SentencePieceTrainer.train(
         sentence_iterator=lines, model_writer=model, vocab_size=vocab_size, model_type="bpe",
         byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
         remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
         pad_id=PAD, bos_id=BOS, eos_id=EOS, unk_id=UNK, input_sentence_size=2_000_000,
         shuffle_input_sentence=True, max_sentence_length=16384, num_threads=2, minloglevel=2)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(model.getvalue())
-    tmp.rename(path)  # atomic: a killed run never leaves a half-written model behind
-    return path
+
+
+def read_tokenizer(path: Path, field: str = "data.tokenizer") -> spm.SentencePieceProcessor | HFTokenizer:
+    """A Hugging Face tokenizer.json (by its suffix) or a SentencePiece .model; a file that is
+    neither is one line naming `field` and what the file is not (not sentencepiece's INTERNAL
+    error)."""
+    kind = "a Hugging Face tokenizer.json" if path.suffix == ".json" else "a SentencePiece .model"
+    try:
+        return HFTokenizer(path) if path.suffix == ".json" else spm.SentencePieceProcessor(model_proto=path.read_bytes())
+    except (RuntimeError, ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+        why = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:160]
+        raise ConfigError(field, str(path), f"{kind} (judged by its name); this file does not read as one "
+                          f"({why}). A .json is read as tokenizer.json, any other name as a SentencePiece model") from None
 
 
 def tokenizer_path(cfg, workdir: Path, *, fresh: bool = False) -> Path:
@@ -130,7 +156,7 @@ def load_tokenizer(cfg, workdir: Path, *, fresh: bool = False,
     if cfg.data.source == BACKCOPY:
         sp = backcopy.Tokenizer.from_json(path.read_text())
     else:
-        sp = HFTokenizer(path) if path.suffix == ".json" else spm.SentencePieceProcessor(model_proto=path.read_bytes())
+        sp = read_tokenizer(path, "data.tokenizer" if cfg.data.tokenizer else "tokenizer file")
     if sp.get_piece_size() > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,
                           f"expected >= the tokenizer's {sp.get_piece_size()} pieces ({path})")

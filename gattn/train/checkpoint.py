@@ -275,29 +275,44 @@ def set_aside(mngr: ocp.CheckpointManager, steps: list[int]) -> Path | None:
 
 
 class BeforeTrouble:
-    """The last checkpoint saved before trouble (a skipped non-finite step or a loss spike), kept
-    outside the keep-K rotation: a run that drifts to huge but finite weights before its first
-    non-finite step would otherwise rotate every good checkpoint away. A checkpoint qualifies only
-    if `clean` trouble-free steps (train.spike_window) came before it, so one saved in the middle
-    of the trouble never replaces it. Its step and the last trouble are saved in `meta`."""
+    """The last checkpoint saved before trouble (a skipped non-finite step, a collapsed step or a
+    loss spike), kept outside the keep-K rotation: a run that drifts to huge but finite weights
+    before its first non-finite step would otherwise rotate every good checkpoint away.
+
+    Checkpoint k holds the weights after step k, which step k + 1 is the first to use: a
+    checkpoint is *confirmed* once the step after it read back fine (`fine`), and the newest
+    confirmed one is kept too until a newer one is confirmed, so trouble that shows in the very
+    next step never leaves only the checkpoint that caused it. On trouble, the confirmed one
+    becomes the kept one, if `clean` trouble-free steps (train.spike_window) came before it, so
+    one saved in the middle of the trouble never replaces it. Its step, the confirmed one and the
+    last trouble are saved in `meta`."""
 
     def __init__(self, keep_also: set, meta: dict, clean: int):
         self.keep_also, self.clean = keep_also, clean
         self.step, self.last_trouble = meta.get("kept_step"), meta.get("last_trouble")
-        if self.step is not None:
-            keep_also.add(self.step)
+        self.confirmed = meta.get("confirmed_step")
+        self._protect()
 
-    def __call__(self, step: int, latest_saved: int | None) -> None:
-        """Step `step` was trouble; `latest_saved` is the newest checkpoint (saved before it)."""
-        if latest_saved is not None and latest_saved != self.step and (
-                self.last_trouble is None or latest_saved - self.last_trouble >= self.clean):
-            self.keep_also.clear()
-            self.keep_also.add(latest_saved)
-            self.step = latest_saved
+    def _protect(self) -> None:
+        self.keep_also.clear()
+        self.keep_also.update(s for s in (self.step, self.confirmed) if s is not None)
+
+    def fine(self, step: int, latest_saved: int | None) -> None:
+        """Step `step` read back fine; `latest_saved` is the newest checkpoint (saved before it)."""
+        if latest_saved is not None and latest_saved != self.confirmed:
+            self.confirmed = latest_saved
+            self._protect()
+
+    def __call__(self, step: int, latest_saved: int | None = None) -> None:
+        """Step `step` was trouble."""
+        c = self.confirmed
+        if c is not None and c != self.step and (self.last_trouble is None or c - self.last_trouble >= self.clean):
+            self.step = c
         self.last_trouble = step
+        self._protect()
 
     def meta(self) -> dict:
-        return {"kept_step": self.step, "last_trouble": self.last_trouble}
+        return {"kept_step": self.step, "last_trouble": self.last_trouble, "confirmed_step": self.confirmed}
 
 
 class Saves:

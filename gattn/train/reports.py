@@ -4,6 +4,7 @@ late so that the device never waits for the host (`Reports`)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 from etils.epath import Path
@@ -14,8 +15,24 @@ from gattn.train import checkpoint, hosts, metrics, rundir
 
 
 class TrainingStopped(cli.Failure):
-    """Too many consecutive non-finite steps: the run stops, naming the checkpoint kept from before
-    the trouble (checkpoint.BeforeTrouble)."""
+    """Too many consecutive non-finite or collapsed steps: the run stops, naming the checkpoint kept
+    from before the trouble (checkpoint.BeforeTrouble)."""
+
+    def __init__(self, message: str, step: int | None = None, kept: int | None = None):
+        super().__init__(message)
+        self.step, self.kept = step, kept
+
+
+COLLAPSE_NATS = 0.01  # a collapsed step: its loss within this of ln V (the uniform distribution over the
+LEARNED_NATS = 0.5    # vocabulary) after the run had been this far below it, or a zero gradient norm
+
+
+def collapsed(loss: float, grad_norm: float, lowest: float, vocab_size: int) -> bool:
+    """Whether a finite step shows a collapsed model: a zero gradient (nothing left to learn from),
+    or a loss back at ln V, the loss of predicting every token uniformly, in a run that had learned
+    something (every run starts near ln V, so the first steps never count)."""
+    uniform = math.log(vocab_size)
+    return grad_norm == 0.0 or (lowest < uniform - LEARNED_NATS and abs(loss - uniform) < COLLAPSE_NATS)
 
 
 class Reports:
@@ -35,7 +52,11 @@ class Reports:
         self.spikes.recent.extend(meta["recent_losses"])  # the spike window continues across a resume
         self.before_trouble = checkpoint.BeforeTrouble(keep_also, meta, clean=t.spike_window)
         self.bar = metrics.Progress(progress and hosts.primary(), start, t.steps)
-        self.bad_in_a_row, self.skipped, self.loss, self.finite = 0, meta["skipped_steps"], meta["final_loss"], True
+        # The trouble state continues across a resume: a plain rerun of a diverged run stops again.
+        self.bad_in_a_row, self.skipped, self.loss, self.finite = (meta.get("bad_in_a_row", 0), meta["skipped_steps"],
+                                                                   meta["final_loss"], True)
+        self.collapsed_steps, self.lowest = meta.get("collapsed_steps", 0), meta.get("lowest_loss", None)
+        self.lowest = math.inf if self.lowest is None else self.lowest
         self.start, self.timed_steps, self.eval_seconds = start, 0, 0.0
         self.clock = time.perf_counter()
 
@@ -55,20 +76,31 @@ class Reports:
         if self.waiting is None:
             return
         (step, m), self.waiting = self.waiting, None
-        self.loss, self.finite = float(m["loss"]), bool(m["finite"])
-        self.bad_in_a_row = 0 if self.finite else self.bad_in_a_row + 1
+        self.loss, self.finite, grad_norm = float(m["loss"]), bool(m["finite"]), float(m["grad_norm"])
+        collapse = self.finite and collapsed(self.loss, grad_norm, self.lowest, self.cfg.model.vocab_size)
+        if self.finite:
+            self.lowest = min(self.lowest, self.loss)
+        bad = not self.finite or collapse
+        self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
         self.skipped += not self.finite
-        if not self.finite or self.spikes(self.loss):  # trouble: keep the last checkpoint from before it
-            self.before_trouble(step, self.mngr.latest_step())
+        self.collapsed_steps += collapse
+        if bad or self.spikes(self.loss):  # trouble: keep the last checkpoint from before it
+            self.before_trouble(step)
+        else:
+            self.before_trouble.fine(step, self.mngr.latest_step())
         if self.bad_in_a_row >= self.t.max_bad_steps:
             kept = self.before_trouble.step
+            what = (f"collapsed (loss {self.loss:.4f}, ln V = {math.log(self.cfg.model.vocab_size):.4f}: uniform "
+                    f"predictions; grad norm {grad_norm:.3g})" if collapse
+                    else f"non-finite (loss {self.loss:.4g}, grad norm {grad_norm:.3g})")
             raise TrainingStopped(
-                f"{self.bad_in_a_row} consecutive steps had a non-finite loss or gradient (last: step "
-                f"{step}, loss {self.loss}); stopping. " + (
+                f"{self.bad_in_a_row} consecutive steps were non-finite or collapsed (last: step {step}, "
+                f"{what}); stopping. " + (
                     f"The last checkpoint saved before the trouble began, step {kept}, is kept: lower "
                     f"train.learning_rate or check the data, then rerun with --resume-step {kept}."
                     if kept is not None else "No checkpoint was saved before the trouble began: lower "
-                    "train.learning_rate or check the data, then start again in a new --workdir."))
+                    "train.learning_rate or check the data, then start again in a new --workdir."),
+                step=step, kept=kept)
         self.timed_steps += step > self.start + 1  # the first step includes compilation
         if step == self.start + 1:
             self.clock = time.perf_counter()
@@ -79,7 +111,7 @@ class Reports:
     def log(self, step: int, m: dict) -> None:
         record = {"loss": self.loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
                   "tokens_per_sec": self.tokens_per_sec() if self.timed_steps else 0.0,
-                  "skipped_steps": self.skipped, "loss_spikes": self.spikes.count,
+                  "skipped_steps": self.skipped, "collapsed_steps": self.collapsed_steps, "loss_spikes": self.spikes.count,
                   **{k: float(v) for k, v in m.items() if k.startswith("moe/")}}
         if self.validates(step):
             record.update(self.val)
@@ -89,7 +121,9 @@ class Reports:
         """The run's bookkeeping as a checkpoint keeps it (after the step's scalars are read)."""
         return rundir.meta(self.cfg, skipped_steps=self.skipped, loss_spikes=self.spikes.count,
                            recent_losses=list(self.spikes.recent),
-                           final_loss=self.loss if self.finite else None, **self.before_trouble.meta())
+                           final_loss=self.loss if self.finite else None, bad_in_a_row=self.bad_in_a_row,
+                           collapsed_steps=self.collapsed_steps, lowest_loss=None if math.isinf(self.lowest) else self.lowest,
+                           **self.before_trouble.meta())
 
     def close(self) -> None:
         self.log_file.close()

@@ -364,16 +364,37 @@ def _same_data_config(cfg: Config, workdir: Path) -> bool:
 
 
 def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None,
-          allow_corpus_change: bool = False) -> dict:
+          allow_corpus_change: bool = False, resume_anyway: bool = False) -> dict:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint; else starting from the
     parameters of `train.init_from` when set); returns the summary. With several processes (a pod
     slice), each reads its own rows of every batch and process 0 alone writes metrics and files.
     `resume_step`: resume from that saved step instead of the latest (later ones are set aside).
-    `allow_corpus_change`: resume even if the data changed since the run was trained."""
+    `allow_corpus_change`: resume even if the data changed since the run was trained.
+    `resume_anyway`: resume from the newest checkpoint of a run that stopped for divergence (a
+    plain rerun is refused: its newest checkpoint was saved in the trouble)."""
     hosts.check_same_run({**to_dict(cfg), "workdir": str(workdir), "resume_step": resume_step})  # or none trains
     rundir.check_workdir(workdir)
     with lease.hold(workdir, primary=hosts.primary()):  # one train.py per run directory (WORKDIR/lock.json)
+        if resume_step is None and not resume_anyway:
+            check_not_diverged(Path(workdir))
         return _train(cfg, Path(workdir), progress, resume_step, allow_corpus_change)
+
+
+def check_not_diverged(workdir: Path) -> None:
+    """Refuses a plain rerun of a run that stopped for divergence (summary.json says so): it would
+    resume from a checkpoint saved in the trouble, and may finish "completed" on ruined weights."""
+    try:
+        summary = json.loads((workdir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(summary, dict) or summary.get("stopped") != "diverged":
+        return
+    kept, newest = summary.get("kept_step"), max(checkpoint.saved_steps(workdir), default=None)
+    raise TrainingStopped(
+        f"this run stopped at step {summary.get('step')} for divergence ({summary.get('reason', '')}); a plain "
+        f"rerun would resume from its newest checkpoint, step {newest}, saved in the trouble: " + (
+            f"rerun with --resume-step {kept} (the checkpoint kept from before the trouble)" if kept is not None
+            else "start again in a new --workdir") + f", or with --resume-anyway to go on from step {newest}")
 
 
 def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, allow_corpus_change: bool) -> dict:
@@ -409,6 +430,11 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
     elif source_step is not None:
         state = {**state, "params": init_from.params(cfg, state["params"], source_step)}
     start = int(state["step"])
+    if start > t.steps:  # nothing to train, and config.json would record the smaller count
+        mngr.close()
+        raise ConfigError("train.steps (--steps)", t.steps,
+                          f"at least {start}, the step this run's checkpoint has reached (a run is never cut "
+                          "back; evaluate it with eval.py, or train a new run in a new --workdir)")
     if hosts.primary() and tokenizer_file is not None:  # the resume is accepted: what it trains on
         data_record.write(cfg, workdir, tokenizer_file, earlier)
     if hosts.primary():  # (an earlier, different config.json goes to config_history.jsonl)
@@ -444,6 +470,13 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
                     print(f"\nSIGTERM: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
                 break
         reports.read_previous()
+    except TrainingStopped as e:  # a divergence: summary.json says so, and a plain rerun is refused
+        if hosts.primary():
+            (workdir / "summary.json").write_text(json.dumps({
+                "step": e.step, "completed": False, "stopped": "diverged", "kept_step": e.kept,
+                "reason": str(e).split("; stopping")[0], "skipped_steps": reports.skipped,
+                "collapsed_steps": reports.collapsed_steps}, indent=2))
+        raise
     finally:
         if batches is not None:
             batches.close()
@@ -453,7 +486,7 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
     val = reports.val or validate(eval_step, state["params"], val_batches, mesh)  # (a finished run rerun)
     summary = {"step": int(state["step"]), "completed": int(state["step"]) >= t.steps,
                "final_loss": reports.loss, "skipped_steps": reports.skipped, "loss_spikes": reports.spikes.count,
-               **val}
+               "collapsed_steps": reports.collapsed_steps, **val}
     if hosts.primary():
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
