@@ -261,6 +261,12 @@ def run_cli(main, argv=None) -> int:
         os.environ["GATTN_DEBUG"] = "1"
     try:
         status = main(argv) or 0
+    except KeyboardInterrupt:  # Ctrl-C before training began (or a second one): no traceback
+        if debugging():
+            traceback.print_exc()
+        print(f"error{where()}: interrupted (Ctrl-C); stopped at once, the checkpoints are as they were (during "
+              "training, one Ctrl-C saves the current step first and exits 0)", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 (the one place where errors become one line)
         if debugging():
             traceback.print_exc()

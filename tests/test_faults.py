@@ -502,3 +502,14 @@ def test_flags_text_tokenizer_vocabulary_and_tasks_are_checked_first(tmp_path, c
     assert cli.run_cli(evaluate.main, ["--workdir", str(run), "--tasks", str(tmp_path / "task.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "'--tasks'" in err and "'choices' must be a list of >= 2" in err and err.count("\n") == 1, err
+
+
+def test_ctrl_c_outside_the_training_loop_is_one_line_and_exit_130(capsys):
+    """Ctrl-C while the data is prepared or the step compiles (the training loop saves first and
+    exits 0: tests/test_train.py) printed a KeyboardInterrupt traceback of ~26 lines."""
+    def main(argv):
+        raise KeyboardInterrupt
+
+    assert cli.run_cli(main, []) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted (Ctrl-C)" in err and "Traceback" not in err

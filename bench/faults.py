@@ -1,0 +1,264 @@
+"""The fault rerun of issue 32: 30 things a careful user does wrong, or that go wrong under them,
+each run through the real train.py / eval.py on a tiny model, and judged on three counts:
+
+- silent wrong result: exit 0 with a wrong answer (a corrupt checkpoint evaluated or resumed, a
+  ruined run reported "completed", a refused value recorded anyway);
+- good checkpoints lost: the newest checkpoint that was intact before the fault (the one a user
+  needs to go on) is in neither checkpoints/ nor checkpoints_set_aside/ after it (older ones
+  leave by the keep-K rotation, as they should);
+- one line per failure: a failing command prints exactly one `error:` line and no traceback.
+
+    python bench/faults.py [--only NAME,...] [--keep DIR]
+
+Prints one JSON object per case, then a JSON summary (the counts above). Takes ~15 minutes on 2
+CPU cores (about 40 short runs of train.py / eval.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from conftest import run_config_file  # noqa: E402 (the tests' tiny model on the embedded corpus)
+
+CONFIG = run_config_file(steps=6, warmup_steps=1, eval_every=100, checkpoint_every=2, keep_checkpoints=3)
+FULL_DISK = """
+import errno, runpy, sys
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as handler
+real = handler.JsonCheckpointHandler._save_fn
+async def full(self, x, directory):
+    if "/8." in str(directory):
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+    return await real(self, x, directory)
+handler.JsonCheckpointHandler._save_fn = full
+sys.argv = ["train.py"] + sys.argv[1:]
+runpy.run_path("%s/train.py", run_name="__main__")
+"""
+
+
+def run(script, *args, timeout=600, wait=True):
+    cmd = [sys.executable, str(ROOT / script), *map(str, args)]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def steps_in(work: Path) -> set[int]:
+    found = set()
+    for folder in ("checkpoints", "checkpoints_set_aside"):
+        if (work / folder).is_dir():
+            found |= {int(p.name.split(".")[0]) for p in (work / folder).iterdir() if p.name.split(".")[0].isdigit()}
+    return found
+
+
+def largest(step_dir: Path) -> Path:
+    return max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def flip(path: Path, n: int = 256) -> None:
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + n] = bytes(b ^ 0xFF for b in data[mid:mid + n])
+    path.write_bytes(bytes(data))
+
+
+CORRUPT = {
+    "flip": lambda c: flip(largest(c)),
+    "truncate": lambda c: largest(c).write_bytes(largest(c).read_bytes()[:largest(c).stat().st_size // 2]),
+    "delete": lambda c: largest(c).unlink(),
+    "no_manifest": lambda c: (c / "state" / "manifest.ocdbt").unlink(),
+    "empty_metadata": lambda c: (c / "state" / "_METADATA").write_text(""),
+    "unsealed_flip": lambda c: (shutil.rmtree(c / "checksums"), flip(largest(c))),
+    "bad_seal": lambda c: (c / "checksums" / "process_0.json").write_text("{"),
+}
+
+
+class Bench:
+    def __init__(self, root: Path):
+        self.root, self.config = root, root / "small.py"
+        self.config.write_text(CONFIG)
+        self.base = root / "base"
+        out = run("train.py", "--config", self.config, "--workdir", self.base, "--quiet")
+        assert out.returncode == 0, out.stderr
+
+    def copy(self, name: str) -> Path:
+        work = self.root / name
+        shutil.copytree(self.base, work)
+        return work
+
+    def train(self, work, *args, **kw):
+        return run("train.py", "--config", self.config, "--workdir", work, "--quiet", *args, **kw)
+
+
+def verdict(name, out, *, expect_fail: bool, wrong: bool, good_before: set, work: Path | None, **extra) -> dict:
+    err = out.stderr if out is not None else ""
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    failed = out is not None and out.returncode != 0
+    one_line = (not failed) or (len(errors) == 1 and "Traceback" not in err
+                                and all(line.startswith(("error:", "warning:", "note:", "preparing", "SIGTERM"))
+                                        or not line.strip() for line in err.splitlines()))
+    lost = sorted(good_before - steps_in(work)) if work is not None else []
+    return {"case": name, "exit": None if out is None else out.returncode, "expected_failure": expect_fail,
+            "silent_wrong": bool(wrong), "good_checkpoints_lost": lost, "one_line": one_line,
+            "error": errors[0][:200] if errors else None, **extra}
+
+
+def cases(b: Bench):
+    good = {6}  # the newest intact checkpoint of the base run (it keeps 2, 4 and 6)
+
+    # 1-14: a corrupt newest (or every) checkpoint, read by eval.py and resumed by train.py.
+    for kind, corrupt in CORRUPT.items():
+        work = b.copy(f"eval_{kind}")
+        corrupt(work / "checkpoints" / "6")
+        out = run("eval.py", "--workdir", work, "--no-figures", "--max-batches", "1")
+        res = json.loads((work / "eval" / "results.json").read_text()) if out.returncode == 0 else {}
+        wrong = out.returncode == 0 and (res.get("step") == 6 and kind != "bad_seal")
+        yield verdict(f"eval: newest checkpoint {kind}", out, expect_fail=False, wrong=wrong,
+                      good_before={4}, work=work, evaluated_step=res.get("step"))
+        work = b.copy(f"train_{kind}")
+        corrupt(work / "checkpoints" / "6")
+        out = b.train(work, "--steps", "8")
+        summary = json.loads((work / "summary.json").read_text())
+        resumed_corrupt = kind != "bad_seal" and not (work / "checkpoints_set_aside" / "6").is_dir()
+        wrong = out.returncode == 0 and (resumed_corrupt or summary.get("final_loss") is None)
+        yield verdict(f"train: resume past newest checkpoint {kind}", out, expect_fail=False, wrong=wrong,
+                      good_before={4}, work=work)
+
+    # 15-16: every checkpoint corrupt.
+    for script in ("eval.py", "train.py"):
+        work = b.copy(f"all_bad_{script}")
+        for s in (2, 4, 6):
+            CORRUPT["flip"](work / "checkpoints" / str(s))
+        out = run(script, *(["--config", b.config, "--quiet"] if script == "train.py" else ["--no-figures"]),
+                  "--workdir", work)
+        yield verdict(f"{script}: every checkpoint flipped", out, expect_fail=True, wrong=out.returncode == 0,
+                      good_before=set(), work=work, lists_each_step=all(f"step {s}:" in out.stderr for s in (2, 4, 6)))
+
+    # 17: divergence (LR 1e6), then a plain rerun.
+    work = b.copy("diverge")
+    first = b.train(work, "--steps", "40", "--config.train.learning_rate=1e6", "--config.train.checkpoint_every=1",
+                    "--config.train.keep_checkpoints=1")
+    out = b.train(work, "--steps", "40", "--config.train.learning_rate=1e6", "--config.train.checkpoint_every=1",
+                  "--config.train.keep_checkpoints=1")
+    summary = json.loads((work / "summary.json").read_text())
+    yield verdict("train: LR 1e6, then a plain rerun", out, expect_fail=True,
+                  wrong=first.returncode == 0 or out.returncode == 0 or summary.get("completed"),
+                  good_before={6}, work=work, first_exit=first.returncode)
+
+    # 18: two writers.
+    work = b.copy("two_writers")
+    a = b.train(work, "--steps", "400", wait=False)
+    time.sleep(15)
+    out = b.train(work, "--steps", "400")
+    a.send_signal(signal.SIGTERM)
+    a.communicate(timeout=300)
+    rows = [json.loads(line)["step"] for line in (work / "metrics.jsonl").read_text().splitlines()]
+    yield verdict("train: a second train.py on the same workdir", out, expect_fail=True,
+                  wrong=out.returncode == 0 or len(rows) != len(set(rows)), good_before=good, work=work)
+
+    # 19-20: SIGINT and SIGTERM, one process.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        work = b.copy(f"signal_{sig.name}")
+        p = b.train(work, "--steps", "400", wait=False)
+        time.sleep(25)
+        p.send_signal(sig)
+        stdout, stderr = p.communicate(timeout=300)
+        out = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+        summary = json.loads((work / "summary.json").read_text())
+        saved = max(steps_in(work))
+        yield verdict(f"train: {sig.name} (one process)", out, expect_fail=False,
+                      wrong=out.returncode != 0 or summary["completed"] or summary["step"] != saved,
+                      good_before=good, work=work, saved_step=saved)
+
+    # 21: full disk at the save of step 8.
+    work = b.copy("full_disk")
+    script = b.root / "full_disk.py"
+    script.write_text(FULL_DISK % ROOT)
+    out = subprocess.run([sys.executable, str(script), "--config", str(b.config), "--workdir", str(work), "--quiet",
+                          "--steps", "12"], capture_output=True, text=True, timeout=600)
+    yield verdict("train: the disk fills at a save", out, expect_fail=True, wrong=out.returncode == 0,
+                  good_before=good, work=work, stderr_lines=len(out.stderr.splitlines()))
+
+    # 22: --compare with a missing folder.
+    work = b.copy("compare")
+    run("eval.py", "--workdir", work, "--no-figures", "--max-batches", "1")
+    before = (work / "eval" / "results.json").stat().st_mtime_ns
+    out = run("eval.py", "--compare", work, b.root / "missing", "--no-figures", "--max-batches", "1")
+    yield verdict("eval: --compare RUN missing_dir", out, expect_fail=True,
+                  wrong=(work / "eval" / "results.json").stat().st_mtime_ns != before, good_before=good, work=work)
+
+    # 23: --steps below the step reached.
+    work = b.copy("steps_back")
+    out = b.train(work, "--steps", "3")
+    yield verdict("train: --steps below the step reached", out, expect_fail=True,
+                  wrong=json.loads((work / "config.json").read_text())["train"]["steps"] != 6,
+                  good_before=good, work=work)
+
+    # 24-30: bad input, refused before anything is written.
+    text = b.root / "tokenizer.txt"
+    text.write_text("not a model")
+    small = b.root / "small_corpus"
+    small.mkdir()
+    for i in range(30):
+        (small / f"{i}.txt").write_text(f"hello world {i} " * 5)
+    task = b.root / "task.jsonl"
+    task.write_text('{"context": "2+2=", "choices": ["4"], "answer": 0}\n')
+    bad = [
+        ("train: data.tokenizer is a text file", ["train.py", "--config", b.config, f"--config.data.tokenizer={text}"]),
+        ("train: model.vocab_size too large for the corpus",
+         ["train.py", "--config", b.config, f"--config.data.source={small}", "--config.model.vocab_size=4096"]),
+        ("eval: --tasks with a bad example", ["eval.py", "--workdir", b.base, "--tasks", task, "--no-figures"]),
+        ("train: --variant A --config.variant=B",
+         ["train.py", "--config", b.config, "--variant", "sdpa_elementwise", "--config.variant=sdpa_headwise"]),
+        ("train: --resume-step of no saved step", ["train.py", "--config", b.config, "--resume-step", "5"]),
+        ("train: another model in the workdir", ["train.py", "--config", b.config, "--config.model.d_model=64"]),
+        ("train: a config field that does not exist", ["train.py", "--config", b.config, "--config.train.stepz=3"]),
+    ]
+    for name, (script, *args) in bad:
+        work = b.copy("bad_" + name.split(": ")[1].replace(" ", "_")[:30])
+        marker = sorted(p.name for p in work.rglob("*"))
+        if script == "train.py":
+            args = [*args, "--workdir", work, "--quiet"]
+        out = run(script, *args)
+        changed = sorted(p.name for p in work.rglob("*")) != marker
+        yield verdict(name, out, expect_fail=True, wrong=out.returncode == 0, good_before=good, work=work,
+                      exit_2=out.returncode == 2, wrote_nothing=not changed)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--keep", help="keep the runs in this folder (default: a temporary one, removed)")
+    args = ap.parse_args(argv)
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gattn-faults-"))
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    results = []
+    try:
+        for result in cases(Bench(root)):
+            results.append(result)
+            print(json.dumps(result), flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    summary = {"cases": len(results), "silent_wrong_results": sum(r["silent_wrong"] for r in results),
+               "good_checkpoints_lost": sum(len(r["good_checkpoints_lost"]) for r in results),
+               "failures_not_one_line": sum(not r["one_line"] for r in results),
+               "unexpected_exit": [r["case"] for r in results if (r["exit"] != 0) != r["expected_failure"]],
+               "seconds": round(time.time() - t0)}
+    print(json.dumps(summary))
+    return 0 if not (summary["silent_wrong_results"] or summary["good_checkpoints_lost"]
+                     or summary["failures_not_one_line"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
