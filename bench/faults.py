@@ -61,6 +61,14 @@ def steps_in(work: Path) -> set[int]:
     return found
 
 
+def lost(good: set[int], work: Path) -> list[int]:
+    """The good checkpoints that are gone: neither kept (in checkpoints/ or set aside) nor
+    superseded by a newer checkpoint the run saved after it (the keep-K rotation drops old ones)."""
+    live = {int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit()} \
+        if (work / "checkpoints").is_dir() else set()
+    return sorted(g for g in good if g not in steps_in(work) and not any(s > g for s in live))
+
+
 def largest(step_dir: Path) -> Path:
     return max((p for p in (step_dir / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
@@ -78,7 +86,7 @@ CORRUPT = {
     "delete": lambda c: largest(c).unlink(),
     "no_manifest": lambda c: (c / "state" / "manifest.ocdbt").unlink(),
     "empty_metadata": lambda c: (c / "state" / "_METADATA").write_text(""),
-    "unsealed_flip": lambda c: (shutil.rmtree(c / "checksums"), flip(largest(c))),
+    "seal_deleted": lambda c: shutil.rmtree(c / "checksums"),  # intact, unverified: read as it is
     "bad_seal": lambda c: (c / "checksums" / "process_0.json").write_text("{"),
 }
 
@@ -107,9 +115,9 @@ def verdict(name, out, *, expect_fail: bool, wrong: bool, good_before: set, work
     one_line = (not failed) or (len(errors) == 1 and "Traceback" not in err
                                 and all(line.startswith(("error:", "warning:", "note:", "preparing", "SIGTERM"))
                                         or not line.strip() for line in err.splitlines()))
-    lost = sorted(good_before - steps_in(work)) if work is not None else []
+    gone = lost(good_before, work) if work is not None else []
     return {"case": name, "exit": None if out is None else out.returncode, "expected_failure": expect_fail,
-            "silent_wrong": bool(wrong), "good_checkpoints_lost": lost, "one_line": one_line,
+            "silent_wrong": bool(wrong), "good_checkpoints_lost": gone, "one_line": one_line,
             "error": errors[0][:200] if errors else None, **extra}
 
 
@@ -122,17 +130,17 @@ def cases(b: Bench):
         corrupt(work / "checkpoints" / "6")
         out = run("eval.py", "--workdir", work, "--no-figures", "--max-batches", "1")
         res = json.loads((work / "eval" / "results.json").read_text()) if out.returncode == 0 else {}
-        wrong = out.returncode == 0 and (res.get("step") == 6 and kind != "bad_seal")
+        wrong = out.returncode == 0 and res.get("step") != (6 if kind == "seal_deleted" else 4) and kind != "bad_seal"
         yield verdict(f"eval: newest checkpoint {kind}", out, expect_fail=False, wrong=wrong,
                       good_before={4}, work=work, evaluated_step=res.get("step"))
         work = b.copy(f"train_{kind}")
         corrupt(work / "checkpoints" / "6")
         out = b.train(work, "--steps", "8")
         summary = json.loads((work / "summary.json").read_text())
-        resumed_corrupt = kind != "bad_seal" and not (work / "checkpoints_set_aside" / "6").is_dir()
+        resumed_corrupt = kind not in ("bad_seal", "seal_deleted") and not (work / "checkpoints_set_aside" / "6").is_dir()
         wrong = out.returncode == 0 and (resumed_corrupt or summary.get("final_loss") is None)
         yield verdict(f"train: resume past newest checkpoint {kind}", out, expect_fail=False, wrong=wrong,
-                      good_before={4}, work=work)
+                      good_before={6} if kind == "seal_deleted" else {4}, work=work)
 
     # 15-16: every checkpoint corrupt.
     for script in ("eval.py", "train.py"):
