@@ -234,7 +234,8 @@ def cases(b: Bench):
     ]
     for name, (script, *args) in bad:
         work = b.copy("bad_" + name.split(": ")[1].replace(" ", "_")[:30])
-        if "data." in " ".join(map(str, args)):  # a new run (the base run's own record would refuse it first)
+        fresh = "data." in " ".join(map(str, args))
+        if fresh:  # a new run (the base run's own record would refuse it first)
             shutil.rmtree(work)
             work.mkdir()
         marker = sorted(p.name for p in work.rglob("*"))
@@ -242,7 +243,8 @@ def cases(b: Bench):
             args = [*args, "--workdir", work, "--quiet"]
         out = run(script, *args)
         changed = sorted(p.name for p in work.rglob("*")) != marker
-        yield verdict(name, out, expect_fail=True, wrong=out.returncode == 0, good_before=good, work=work,
+        yield verdict(name, out, expect_fail=True, wrong=out.returncode == 0, good_before=set() if fresh else good,
+                      work=work,
                       exit_2=out.returncode == 2, wrote_nothing=not changed)
 
 
