@@ -118,7 +118,8 @@ def verdict(name, out, *, expect_fail: bool, wrong: bool, good_before: set, work
     gone = lost(good_before, work) if work is not None else []
     return {"case": name, "exit": None if out is None else out.returncode, "expected_failure": expect_fail,
             "silent_wrong": bool(wrong), "good_checkpoints_lost": gone, "one_line": one_line,
-            "error": errors[0][:200] if errors else None, **extra}
+            "error": errors[0][:200] if errors else None, **extra,
+            **({} if one_line else {"stderr_tail": err.splitlines()[-8:]})}
 
 
 def cases(b: Bench):
