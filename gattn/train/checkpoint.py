@@ -22,6 +22,7 @@ import json
 import logging
 import re
 import sys
+import warnings
 from typing import Callable
 
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
@@ -66,6 +67,8 @@ class _QuietOrbax(logging.Filter):
 
 
 def _quiet_orbax() -> None:
+    if not cli.debugging():  # a failed write's abandoned fragments, reported at interpreter exit
+        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
     for name in ("absl", "orbax", "asyncio"):
         log = logging.getLogger(name)
         if not any(isinstance(f, _QuietOrbax) for f in log.filters):
