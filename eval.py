@@ -83,17 +83,16 @@ def main(argv=None):
             raise ConfigError(f"--{name.replace('_', '-')}", value, "expected a positive integer")
     if args.shots < 0:
         raise ConfigError("--shots", args.shots, "expected >= 0")
-    for task in args.tasks.split(",") if args.tasks else ():
-        if not Path(task).is_file():
-            raise ConfigError("--tasks", task, "an existing JSONL task file (docs/evaluation.md); no such file")
     if args.tasks:  # every task file is read and checked before any model loads (exit 2, at once)
         from gattn.eval import fewshot  # noqa: PLC0415
 
-        for task in args.tasks.split(","):
-            try:
-                fewshot.load_task(task)
-            except ValueError as e:
-                raise ConfigError("--tasks", task, f"a task file in the format of docs/evaluation.md: {e}") from None
+    for task in args.tasks.split(",") if args.tasks else ():
+        if not Path(task).is_file():
+            raise ConfigError("--tasks", task, "an existing JSONL task file (docs/evaluation.md); no such file")
+        try:
+            fewshot.load_task(task)
+        except ValueError as e:
+            raise ConfigError("--tasks", task, f"a task file in the format of docs/evaluation.md: {e}") from None
 
     from gattn.eval import analysis, evaluate  # noqa: PLC0415 (argument errors come before any JAX import)
 

@@ -285,9 +285,14 @@ def run_cli(main, argv=None) -> int:
     return status
 
 
+def first_line(e: BaseException) -> str:
+    """The first non-blank line of an error's message ("" if it has none)."""
+    return next((line for line in str(e).splitlines() if line.strip()), "")
+
+
 def one_line(e: BaseException) -> str:
     """An unexpected error as one line: its type, its message's first line, where to see more."""
-    text = next((line for line in str(e).splitlines() if line.strip()), "")
+    text = first_line(e)
     hint = "" if debugging() else " (rerun with --debug or GATTN_DEBUG=1 for the traceback)"
     return f"{type(e).__name__}: {text[:300]}{hint}"
 
@@ -372,7 +377,7 @@ def check_workdir(workdir: str) -> None:
 
         fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as e:
-        reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        reason = first_line(e) or type(e).__name__
         raise ConfigError("--workdir", workdir, f"a local path, or a {protocol}:// path with its filesystem "
                           f"library installed{extra}: {reason}") from None
     if protocol in ("gs", "gcs"):

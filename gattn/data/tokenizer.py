@@ -10,6 +10,7 @@ import re
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import sentencepiece as spm
 
+from gattn import cli
 from gattn.config import BACKCOPY, ConfigError
 from gattn.data import backcopy, corpus, record
 
@@ -92,7 +93,7 @@ def read_tokenizer(path: Path, field: str = "data.tokenizer") -> spm.SentencePie
     try:
         return HFTokenizer(path) if path.suffix == ".json" else spm.SentencePieceProcessor(model_proto=path.read_bytes())
     except (RuntimeError, ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
-        why = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)[:160]
+        why = (cli.first_line(e) or type(e).__name__)[:160]
         raise ConfigError(field, str(path), f"{kind} (judged by its name); this file does not read as one "
                           f"({why}). A .json is read as tokenizer.json, any other name as a SentencePiece model") from None
 

@@ -109,7 +109,7 @@ def reason(e: BaseException) -> str:
     TensorStore's driver chain and spec."""
     while e.__cause__ is not None and str(e.__cause__):
         e = e.__cause__
-    text = next((line for line in str(e).splitlines() if line.strip()), "")
+    text = cli.first_line(e)
     text = re.sub(r"\s*\[tensorstore_spec.*", "", text)
     text = re.sub(r"\.?\s*See full TensorStore details.*", "", text)
     text = re.sub(r'(Error opening "\w+" driver: )+', "", text)
@@ -306,7 +306,7 @@ class BeforeTrouble:
             self.confirmed = latest_saved
             self._protect()
 
-    def __call__(self, step: int, latest_saved: int | None = None) -> None:
+    def __call__(self, step: int) -> None:
         """Step `step` was trouble."""
         c = self.confirmed
         if c is not None and c != self.step and (self.last_trouble is None or c - self.last_trouble >= self.clean):

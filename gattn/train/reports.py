@@ -18,9 +18,9 @@ class TrainingStopped(cli.Failure):
     """Too many consecutive non-finite or collapsed steps: the run stops, naming the checkpoint kept
     from before the trouble (checkpoint.BeforeTrouble)."""
 
-    def __init__(self, message: str, step: int | None = None, kept: int | None = None):
+    def __init__(self, message: str, step: int | None = None, kept: int | None = None, reason: str = ""):
         super().__init__(message)
-        self.step, self.kept = step, kept
+        self.step, self.kept, self.reason = step, kept, reason
 
 
 COLLAPSE_NATS = 0.01  # a collapsed step: its loss within this of ln V (the uniform distribution over the
@@ -93,14 +93,14 @@ class Reports:
             what = (f"collapsed (loss {self.loss:.4f}, ln V = {math.log(self.cfg.model.vocab_size):.4f}: uniform "
                     f"predictions; grad norm {grad_norm:.3g})" if collapse
                     else f"non-finite (loss {self.loss:.4g}, grad norm {grad_norm:.3g})")
+            why = f"{self.bad_in_a_row} consecutive steps were non-finite or collapsed (last: step {step}, {what})"
             raise TrainingStopped(
-                f"{self.bad_in_a_row} consecutive steps were non-finite or collapsed (last: step {step}, "
-                f"{what}); stopping. " + (
+                f"{why}; stopping. " + (
                     f"The last checkpoint saved before the trouble began, step {kept}, is kept: lower "
                     f"train.learning_rate or check the data, then rerun with --resume-step {kept}."
                     if kept is not None else "No checkpoint was saved before the trouble began: lower "
                     "train.learning_rate or check the data, then start again in a new --workdir."),
-                step=step, kept=kept)
+                step=step, kept=kept, reason=why)
         self.timed_steps += step > self.start + 1  # the first step includes compilation
         if step == self.start + 1:
             self.clock = time.perf_counter()

@@ -474,7 +474,7 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
         if hosts.primary():
             (workdir / "summary.json").write_text(json.dumps({
                 "step": e.step, "completed": False, "stopped": "diverged", "kept_step": e.kept,
-                "reason": str(e).split("; stopping")[0], "skipped_steps": reports.skipped,
+                "reason": e.reason, "skipped_steps": reports.skipped,
                 "collapsed_steps": reports.collapsed_steps}, indent=2))
         raise
     finally:
