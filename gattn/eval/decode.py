@@ -30,8 +30,35 @@ Stop = Callable[[list[int]], bool] | Sequence[Sequence[int]] | None
 
 
 def init_cache(model: Transformer, batch: int, max_len: int) -> dict:
-    """An empty cache for `batch` rows of `max_len` slots (layout: Transformer.init_cache)."""
-    return model.init_cache(batch, max_len)
+    """An empty cache for `batch` rows of `max_len` slots (layout: Transformer.init_cache); with
+    several processes, a global array replicated over every device."""
+    if jax.process_count() == 1:
+        return model.init_cache(batch, max_len)
+    return jax.jit(lambda: model.init_cache(batch, max_len), out_shardings=_replicated())()
+
+
+def _replicated():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: PLC0415
+
+    return NamedSharding(Mesh(np.asarray(jax.devices()), ("all",)), PartitionSpec())
+
+
+def to_device(x) -> jax.Array:
+    """A host array as a jit input: with several processes (each giving the same value), a global
+    array replicated over every device, as a model whose parameters span the processes needs."""
+    x = np.asarray(x)
+    if jax.process_count() == 1:
+        return jnp.asarray(x)
+    return jax.make_array_from_callback(x.shape, _replicated(), lambda index: x[index])
+
+
+def to_host(x) -> np.ndarray:
+    """A jit output as a numpy array on every process."""
+    if jax.process_count() == 1 or x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def _positions(valid_BxS, cache):
@@ -71,8 +98,8 @@ def prefill(model: Transformer, tokens_BxS, valid_BxS, cache: dict, *, chunk: in
         raise ValueError(f"prefill chunk = {chunk}: expected >= 1")
     pieces = []
     for start in range(0, s, chunk):
-        logits, cache = _prefill(graphdef, state, jnp.asarray(tokens_BxS[:, start:start + chunk]),
-                                 jnp.asarray(valid_BxS[:, start:start + chunk]), cache)
+        logits, cache = _prefill(graphdef, state, to_device(tokens_BxS[:, start:start + chunk]),
+                                 to_device(valid_BxS[:, start:start + chunk]), cache)
         pieces.append(logits[:, -1] if last_only else logits)
     if last_only:
         return pieces[-1], cache
@@ -131,13 +158,13 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
         tokens_BxS[row, s - len(p):] = p
         valid_BxS[row, s - len(p):] = True
     graphdef, state = nnx.split(model)
-    cache = model.init_cache(len(prompts), max_len)
+    cache = init_cache(model, len(prompts), max_len)
     logits_BxV, cache = prefill(model, tokens_BxS, valid_BxS, cache, chunk=prefill_chunk, last_only=True)
     next_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
     generated = [[] for _ in prompts]
     outputs: list[list[int] | None] = [None] * len(prompts)
     for step in range(max_new_tokens):
-        for row, token in enumerate(np.asarray(next_B).tolist()):
+        for row, token in enumerate(to_host(next_B).tolist()):
             if outputs[row] is None:
                 generated[row].append(token)
                 outputs[row] = _stopped(generated[row], eos_id, stop)

@@ -36,6 +36,13 @@ def _broadcast_bytes(data: bytes | None) -> bytes:
     return np.asarray(multihost_utils.broadcast_one_to_all(buf), np.uint8).tobytes()
 
 
+def broadcast_json(value):
+    """Process 0's `value` (JSON-serialisable) on every process; the others pass anything."""
+    if count() == 1:
+        return value
+    return json.loads(_broadcast_bytes(json.dumps(value).encode() if primary() else None))
+
+
 def share_file(path: Path, *, optional: bool = False) -> None:
     """Process 0's file `path` on every host: a no-op on a shared filesystem, a copy where each
     host has its own disk (written atomically, only where it is missing). `optional`: a file

@@ -1,0 +1,337 @@
+"""lm-evaluation-harness (lm-eval) over any gattn run: the model class `gattn`.
+
+    python -m gattn.lm_eval --model_args workdir=RUN --tasks hellaswag,arc_easy [lm-eval's flags]
+    python eval.py --workdir RUN --lm-eval hellaswag,arc_easy [--data-dir DIR]   (RUN/eval/lm_eval.json)
+    lm_eval.api.registry.get_model("gattn").create_from_arg_string("workdir=RUN")  (after importing this)
+
+`workdir` is a gattn run directory (its latest checkpoint, or `step=N`) or a Hugging Face model
+folder, converted in memory by gattn.interop.convert. Model arguments: workdir, step, batch_size
+(rows per forward pass, default 8), max_length (default the run's train.seq_len), max_gen_toks
+(default 256), overrides (gattn config overrides, `;`-separated, as eval.py's --config.FIELD=VALUE).
+
+How each request type runs:
+  loglikelihood          the requests are packed, several per row with segment ids and positions
+                         that restart per request, into rows of a few fixed lengths (64, 128, ...,
+                         max_length) and batches of `batch_size` rows: a task compiles once per row
+                         length, not once per request. The logits are formed a token chunk at a time,
+                         never [rows, length, vocabulary] at once. A request longer than max_length
+                         loses tokens from the left of its context, as lm-eval's hf backend does.
+  loglikelihood_rolling  lm-eval's own disjoint windows (the ones its hf backend scores), through
+                         the same packed scorer.
+  generate_until         greedy decoding with the kv cache (gattn.eval.decode), stopped at eos or
+                         any `until` string; sampling is refused.
+
+Tokens: a run trained with data.bos opens every context with BOS (the hf backend's add_bos_token);
+an empty context is BOS, or EOS for a run without BOS (gattn's documents follow an EOS).
+
+Several processes (a slice, or `python -m gattn.launch`): every process holds its shards of the
+model; process 0 runs the harness and broadcasts each batch of work, and every process runs the
+same computation on the global arrays (`follow`). An expert-parallel MoE runs as the partitioned
+one (`off_mesh`), as eval.py measures it. The batches are the same for any number of processes, so
+the results are too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from gattn.config import ConfigError
+from gattn.eval import decode
+from gattn.model.transformer import head_logits, off_mesh, with_exec
+
+SHORTEST_ROW = 64  # row lengths: SHORTEST_ROW * 2^k, capped at max_length
+TOKEN_CHUNK = 1024  # tokens whose logits are formed at once
+_LIVE: list["GattnLM"] = []  # process 0's model, told to release the followers when the harness ends
+
+
+def row_length(longest: int, max_length: int) -> int:
+    """The fixed row length for requests of at most `longest` tokens."""
+    n = SHORTEST_ROW
+    while n < longest:
+        n *= 2
+    return min(n, max_length)
+
+
+def pack(lengths: list[int], row: int) -> list[list[int]]:
+    """Request indices per row (first fit, longest first): each row holds requests whose lengths
+    sum to at most `row`. Deterministic."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(row - lengths[i])
+    return rows
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _score(graphdef, state, tokens_BxL, targets_BxL, positions_BxL, segments_BxL):
+    """(log p(target), target is the argmax) per position: [B, L] each; logits a chunk of
+    TOKEN_CHUNK tokens at a time (float32)."""
+    model = nnx.merge(graphdef, state)
+    b, length = tokens_BxL.shape
+    x_NxD, _ = model.hidden(tokens_BxL, positions_BxL, segments_BxL)
+    n = x_NxD.shape[0]
+    chunk = min(TOKEN_CHUNK, n)
+    pad = -n % chunk
+    x_CxKxD = jnp.pad(x_NxD, ((0, pad), (0, 0))).reshape(-1, chunk, x_NxD.shape[-1])
+    t_CxK = jnp.pad(targets_BxL.reshape(-1), (0, pad)).reshape(-1, chunk)
+    head = model.head_weight()
+
+    def one(args):
+        x_KxD, t_K = args
+        logits_KxV = head_logits(x_KxD, head, model.dtype)
+        target_K = jnp.take_along_axis(logits_KxV, t_K[:, None], axis=-1)[:, 0]
+        logp_K = target_K - jax.nn.logsumexp(logits_KxV, axis=-1)
+        return logp_K, jnp.argmax(logits_KxV, axis=-1) == t_K
+
+    logp, greedy = jax.lax.map(one, (x_CxKxD, t_CxK))
+    return logp.reshape(-1)[:n].reshape(b, length), greedy.reshape(-1)[:n].reshape(b, length)
+
+
+class Scorer:
+    """The model's side of the harness: packed log-likelihoods and greedy generation on token ids,
+    the same on every process (their inputs are global arrays: `decode.to_device`)."""
+
+    def __init__(self, model, tokenizer, max_length: int):
+        self.model = with_exec(model, off_mesh(model.ex))  # (no mesh is set here)
+        self.graphdef, self.state = nnx.split(self.model)
+        self.tokenizer, self.max_length = tokenizer, max_length
+
+    def loglikelihood(self, requests: list[tuple[list[int], list[int]]], rows: int) -> list[tuple[float, bool]]:
+        """(sum of log p(continuation | context), whether greedy decoding gives the continuation)
+        per (context, continuation) pair of token ids."""
+        items = []  # (input tokens, targets, how many of the last targets are scored)
+        for ctx, cont in requests:
+            if not cont:
+                raise ValueError("loglikelihood: an empty continuation has no tokens to score")
+            seq = (list(ctx) + list(cont))[-(self.max_length + 1):]
+            items.append((seq[:-1], seq[1:], min(len(cont), len(seq) - 1)))
+        if not items:
+            return []
+        length = row_length(max(len(x) for x, _, _ in items), self.max_length)
+        layout = pack([len(x) for x, _, _ in items], length)
+        out: list[tuple[float, bool] | None] = [None] * len(items)
+        for start in range(0, len(layout), rows):
+            batch = layout[start:start + rows]
+            arrays = np.zeros((4, rows, length), np.int32)  # tokens, targets, positions, segments
+            where = []
+            for r, members in enumerate(batch):
+                at = 0
+                for seg, i in enumerate(members, start=1):
+                    x, t, n = items[i]
+                    arrays[:, r, at:at + len(x)] = (x, t, np.arange(len(x)), np.full(len(x), seg))
+                    where.append((i, r, at + len(x) - n, at + len(x)))
+                    at += len(x)
+            logp, greedy = _score(self.graphdef, self.state, *(decode.to_device(a) for a in arrays))
+            logp, greedy = decode.to_host(logp), decode.to_host(greedy)
+            for i, r, a, b in where:
+                out[i] = (float(logp[r, a:b].astype(np.float64).sum()), bool(greedy[r, a:b].all()))
+        return out
+
+    def generate(self, prompts: list[list[int]], until: list[str], max_tokens: int, eos: int | None) -> list[str]:
+        """Greedy continuations (text), each stopped at eos or cut before the first `until` string."""
+        def stop(tokens):
+            text = self.tokenizer.decode(tokens)
+            return any(s in text for s in until)
+
+        tokens = decode.generate(self.model, prompts, max_new_tokens=max_tokens, eos_id=eos,
+                                 stop=stop if until else None)
+        return [postprocess_generated_text(self.tokenizer.decode(t), until, None) for t in tokens]
+
+
+def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()):
+    """(cfg, model, tokenizer, step) of a gattn run directory, or of a Hugging Face model folder
+    (converted into a temporary run first)."""
+    from gattn.data.tokenizer import load_tokenizer  # noqa: PLC0415
+    from gattn.train import rundir  # noqa: PLC0415
+
+    workdir = Path(workdir)
+    if not (workdir / "config.json").is_file():
+        raise ConfigError("workdir", str(workdir), "a gattn run directory or a Hugging Face model folder "
+                          "(no config.json there)")
+    if "architectures" in json.loads((workdir / "config.json").read_text()):  # a Hugging Face folder
+        from gattn.interop import convert  # noqa: PLC0415
+
+        if jax.process_count() > 1:
+            raise ConfigError("workdir", str(workdir), "a gattn run directory when several processes run: "
+                              f"convert it once first (python -m gattn.convert from-hf {workdir} --workdir RUN)")
+        run = Path(tempfile.mkdtemp(prefix="gattn-lm-eval-")) / "run"
+        convert.from_hf(workdir, run)
+        workdir = run
+    cfg, model, step = rundir.load(workdir, step, list(overrides))
+    return cfg, model, load_tokenizer(cfg, workdir), step
+
+
+@register_model("gattn")
+class GattnLM(TemplateLM):
+    """A gattn run as an lm-eval model (module docstring)."""
+
+    def __init__(self, workdir: str, step: int | None = None, batch_size: int | str = 8,
+                 max_length: int | None = None, max_gen_toks: int = 256, overrides: str = "", **unused):
+        super().__init__()
+        if str(batch_size).startswith("auto"):
+            batch_size = 8
+        self.rows, self.max_gen_toks = int(batch_size), int(max_gen_toks)
+        for name, value in (("batch_size", self.rows), ("max_gen_toks", self.max_gen_toks)):
+            if value < 1:
+                raise ConfigError(name, value, "a positive integer")
+        cfg, model, self.gattn_tokenizer, self.step = load(
+            workdir, None if step is None else int(step), [o for o in str(overrides).split(";") if o])
+        self.cfg, self.workdir = cfg, str(workdir)
+        self.max_len = int(max_length) if max_length else cfg.train.seq_len
+        self.scorer = Scorer(model, self.gattn_tokenizer, self.max_len)
+        eos = self.gattn_tokenizer.eos_id()
+        self.eos = None if eos is None or eos < 0 else int(eos)
+        self.bos = self.gattn_tokenizer.bos_id() if cfg.data.bos else None
+        if jax.process_index() == 0:
+            _LIVE.append(self)
+
+    # ------------------------------------------------------------------ what lm-eval asks of a model
+    @property
+    def eot_token_id(self) -> int:
+        if self.eos is None:
+            raise ConfigError("data.tokenizer", self.workdir, "a tokenizer with an end-of-text token "
+                              "(lm-eval's requests end in it)")
+        return self.eos
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.bos if self.bos is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self.max_len
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.cfg.data.tokenizer or self.workdir)
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        ids = self.gattn_tokenizer.encode(string)
+        return [self.bos] + ids if self.bos is not None and add_special_tokens is not False else ids
+
+    def tok_decode(self, tokens, **kwargs) -> str:
+        return self.gattn_tokenizer.decode([tokens] if isinstance(tokens, int) else tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        out = self._run("loglikelihood", {"pairs": [[list(c), list(x)] for _, c, x in requests]})
+        for (key, _, _), answer in zip(requests, out):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for i, (string,) in enumerate(req.args for req in requests):
+            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(string, add_special_tokens=False), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, ctx, cont))
+                owners.append(i)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=True)
+        totals = [0.0] * len(requests)
+        for i, (logp, _) in zip(owners, scores):
+            totals[i] += logp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        eos_text = self.tok_decode(self.eos) if self.eos is not None else None
+        groups: dict[tuple, list[int]] = {}  # rows of one batch share their stop strings and length
+        settings = []
+        for i, (context, gen_kwargs) in enumerate(req.args for req in requests):
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+            if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
+                raise ConfigError("generation_kwargs", {k: gen_kwargs.get(k) for k in ("do_sample", "temperature")},
+                                  "greedy decoding (do_sample false, temperature 0): gattn's harness model "
+                                  "does not sample")
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+            max_tokens = int(kwargs.pop("max_gen_toks"))
+            if max_tokens >= self.max_length:
+                raise ConfigError("max_gen_toks", max_tokens, f"below max_length ({self.max_length})")
+            settings.append((context, until, max_tokens))
+            groups.setdefault((tuple(until), max_tokens), []).append(i)
+        out = [""] * len(requests)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until")
+        for (until, max_tokens), members in groups.items():
+            for start in range(0, len(members), self.rows):
+                rows = members[start:start + self.rows]
+                prompts = [self.tok_encode(settings[i][0])[-(self.max_length - max_tokens):] for i in rows]
+                texts = self._run("generate", {"prompts": prompts, "until": list(until), "max_tokens": max_tokens})
+                for i, text in zip(rows, texts):
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                bar.update(len(rows))
+        bar.close()
+        return out
+
+    # ------------------------------------------------------------------ every process, the same work
+    def _run(self, kind: str, payload: dict):
+        """Does `kind` of work on every process (process 0 tells the others first)."""
+        message = {"kind": kind, "rows": self.rows, **payload}
+        if jax.process_count() > 1:
+            from gattn.train import hosts  # noqa: PLC0415
+
+            hosts.broadcast_json(message)
+        return self._execute(message)
+
+    def _execute(self, m: dict):
+        if m["kind"] == "loglikelihood":
+            return self.scorer.loglikelihood([(c, x) for c, x in m["pairs"]], m["rows"])
+        if m["kind"] == "generate":
+            return self.scorer.generate(m["prompts"], m["until"], m["max_tokens"], self.eos)
+        raise ValueError(f"unknown harness message {m['kind']!r}")
+
+    def follow(self) -> None:
+        """A process other than 0: does the work process 0 broadcasts, until it says stop."""
+        from gattn.train import hosts  # noqa: PLC0415
+
+        while (m := hosts.broadcast_json(None))["kind"] != "stop":
+            self._execute(m)
+
+    def release(self) -> None:
+        """Process 0, when the harness is done: lets the followers go."""
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            from gattn.train import hosts  # noqa: PLC0415
+
+            hosts.broadcast_json({"kind": "stop"})
+
+
+def release_all() -> None:
+    while _LIVE:
+        _LIVE.pop().release()
+
+
+def json_safe(results: dict) -> dict:
+    """lm-eval's results dict without what JSON cannot hold (samples, functions, numpy scalars)."""
+    drop = {"samples"}
+    return json.loads(json.dumps({k: v for k, v in results.items() if k not in drop}, default=_plain))
+
+
+def _plain(x):
+    if isinstance(x, (np.integer, np.floating, np.bool_)):
+        return x.item()
+    if dataclasses.is_dataclass(x):
+        return dataclasses.asdict(x)
+    return str(x)

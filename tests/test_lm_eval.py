@@ -1,0 +1,212 @@
+"""lm-evaluation-harness over gattn (gattn/eval/harness.py, python -m gattn.lm_eval): the same
+log-likelihoods, generations and metrics as lm-eval's own Hugging Face backend on a tiny Qwen3,
+the paper's benchmarks from local files, packing, and several processes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+lm_eval = pytest.importorskip("lm_eval")  # (in the test extra; a missing one fails the parity test below)
+
+from gattn.eval import code_eval, harness, lm_tasks  # noqa: E402
+
+TASKS = ["local_arc_easy", "local_hellaswag", "local_gsm8k", "local_mmlu_abstract_algebra", "rolling"]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def fixture_data(root: Path) -> Path:
+    """A few records of each benchmark, in its Hugging Face dataset's schema (what `datasets`'
+    to_json writes), under the layout gattn/eval/lm_tasks.py reads."""
+    arc = [{"id": f"q{i}", "question": q, "choices": {"text": c, "label": list("ABCD")}, "answerKey": "ABCD"[a]}
+           for i, (q, c, a) in enumerate([("What is the gate?", ["a sigmoid", "a tree", "a cat", "a sum"], 0),
+                                          ("What scales attention?", ["input", "the gate", "the sum", "noise"], 1),
+                                          ("Which is a number?", ["gate", "tree", "42", "input"], 2)])]
+    for split in ("train", "validation", "test"):
+        write_jsonl(root / "arc_easy" / f"{split}.jsonl", arc)
+    hellaswag = [{"ind": i, "activity_label": "Gating", "ctx_a": "The attention gate", "ctx_b": "is",
+                  "ctx": "The attention gate is", "endings": ["a sigmoid of the input.", "a tree.", "42.", "the answer"],
+                  "label": str(i % 4), "split": "val", "split_type": "indomain", "source_id": f"s{i}"} for i in range(3)]
+    for split in ("train", "validation"):
+        write_jsonl(root / "hellaswag" / f"{split}.jsonl", hellaswag)
+    gsm = [{"question": "What is 12 + 30?", "answer": "12 + 30 = 42\n#### 42"},
+           {"question": "What is the gate?", "answer": "a sigmoid\n#### 1"}]
+    for split in ("train", "test"):
+        write_jsonl(root / "gsm8k" / f"{split}.jsonl", gsm)
+    mmlu = [{"question": "What is the gate?", "subject": "abstract_algebra", "choices": ["a sigmoid", "a tree", "a cat", "a sum"], "answer": 0},
+            {"question": "12 + 30?", "subject": "abstract_algebra", "choices": ["41", "42", "43", "44"], "answer": 1}]
+    for split in ("test", "dev"):
+        write_jsonl(root / "mmlu" / "abstract_algebra" / f"{split}.jsonl", mmlu)
+    write_jsonl(root / "humaneval" / "test.jsonl", [
+        {"task_id": "t/0", "prompt": "def add(a, b):\n", "entry_point": "add", "canonical_solution": "    return a + b\n",
+         "test": "def check(f):\n    assert f(2, 3) == 5\n"}])
+    return root
+
+
+def task_folder(data: Path, folder: Path) -> Path:
+    """The local tasks, plus a rolling-loglikelihood task over the gsm8k file (lm-eval's wikitext kind)."""
+    lm_tasks.write(data, folder)
+    (folder / "rolling.yaml").write_text(
+        "task: rolling\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data / 'gsm8k' / 'test.jsonl'}\noutput_type: loglikelihood_rolling\ntest_split: test\n"
+        "doc_to_text: ''\ndoc_to_target: '{{question}} {{answer}}'\nmetric_list:\n"
+        "  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A tiny random Qwen3ForCausalLM saved with transformers, with a byte-level BPE tokenizer.json
+    that transformers loads as it is (PreTrainedTokenizerFast: Qwen2Tokenizer would replace its
+    pre-tokenizer with Qwen's)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    root = tmp_path_factory.mktemp("lm_eval")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    text = ["Question: What is the gate? Answer: a sigmoid of the input.\n",
+            "The attention gate is a sigmoid. 12 + 30 = 42 #### 42\n"] * 50
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   max_position_embeddings=256, rms_norm_eps=1e-6, eos_token_id=0,
+                                   attn_implementation="eager")
+    model = transformers.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(root / "hf")
+    tok.save(str(root / "hf" / "tokenizer.json"))
+    (root / "hf" / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<eos>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    data = fixture_data(root / "data")
+    return root / "hf", data, task_folder(data, root / "tasks")
+
+
+def _evaluate(model, folder, tasks=TASKS):
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=1, task_manager=TaskManager(include_path=str(folder)),
+                                   log_samples=True, gen_kwargs="max_gen_toks=12", random_seed=0, numpy_random_seed=0,
+                                   torch_random_seed=0, fewshot_random_seed=0)
+
+
+def _responses(results, task):
+    return [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
+
+
+def _metrics(results, task):
+    return {k: float(v) for k, v in results["results"][task].items() if "," in k and "stderr" not in k}
+
+
+def test_gattn_equals_lm_evals_hf_backend_on_a_tiny_qwen3(qwen3):
+    """Every log-likelihood (multiple choice, few-shot, rolling windows) to 1e-4, the same greedy
+    generations, identical metrics; the model is the Hugging Face folder itself (converted on load)."""
+    from lm_eval.models.huggingface import HFLM
+
+    hf_dir, _, folder = qwen3
+    ours = _evaluate(harness.GattnLM(workdir=str(hf_dir), batch_size=4), folder)
+    theirs = _evaluate(HFLM(pretrained=str(hf_dir), dtype="float32", batch_size=4, max_length=256, device="cpu"), folder)
+    scored = 0
+    for task in TASKS:
+        a, b = _responses(ours, task), _responses(theirs, task)
+        assert len(a) == len(b) > 0
+        for x, y in zip(a, b):
+            if task == "local_gsm8k":
+                assert x == y  # the same greedy text, cut at the same stop string
+                continue
+            x, y = np.asarray([r[0][0] if isinstance(r[0], list) else r[0] for r in x], float), \
+                np.asarray([r[0][0] if isinstance(r[0], list) else r[0] for r in y], float)
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+            scored += x.size
+        assert _metrics(ours, task) == pytest.approx(_metrics(theirs, task), rel=1e-6), task
+    assert scored >= 30
+    assert any(len(s["resps"][0][0]) for s in ours["samples"]["local_gsm8k"])  # generations are not empty
+
+
+def test_packing_fills_rows_and_keeps_every_request_exact(qwen3):
+    """Requests of mixed lengths packed several to a row (segment ids, positions restarting) give
+    the log-likelihood of each request run alone, and is_greedy is True where greedy decoding
+    reproduces the continuation."""
+    hf_dir, _, _ = qwen3
+    lm = harness.GattnLM(workdir=str(hf_dir), batch_size=2)
+    rng = np.random.default_rng(0)
+    reqs = [(list(map(int, rng.integers(1, 300, n))), list(map(int, rng.integers(1, 300, m))))
+            for n, m in [(30, 3), (12, 5), (50, 1), (7, 2), (40, 4), (25, 1), (60, 2), (9, 9)]]
+    layout = harness.pack([len(c) + len(x) - 1 for c, x in reqs], harness.row_length(68, 256))
+    assert len(layout) < len(reqs) and sorted(i for row in layout for i in row) == list(range(len(reqs)))
+    alone = [lm.scorer.loglikelihood([r], 1)[0] for r in reqs]
+    packed = lm.scorer.loglikelihood(reqs, 2)
+    np.testing.assert_allclose([p[0] for p in packed], [a[0] for a in alone], atol=1e-5)
+    from gattn.eval import decode
+
+    ctx = reqs[0][0]
+    toks = decode.generate(lm.scorer.model, [ctx], max_new_tokens=3)[0]  # greedy continuation
+    assert lm.scorer.loglikelihood([(ctx, toks)], 1)[0][1] is True
+    assert lm.scorer.loglikelihood([(ctx, toks[:-1] + [(toks[-1] + 1) % 300])], 1)[0][1] is False
+
+
+def test_registered_as_gattn_and_refuses_sampling(qwen3):
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    hf_dir, _, _ = qwen3
+    lm = get_model("gattn").create_from_arg_string(f"workdir={hf_dir},batch_size=2,max_gen_toks=4")
+    assert isinstance(lm, harness.GattnLM) and lm.rows == 2
+    req = Instance("generate_until", {}, ("Question:", {"do_sample": True, "temperature": 0.7}), 0)
+    with pytest.raises(Exception, match="generation_kwargs.*greedy"):
+        lm.generate_until([req])
+
+
+def test_local_tasks_name_a_missing_file_and_code_runs_only_when_allowed(tmp_path, monkeypatch):
+    data = fixture_data(tmp_path / "data")
+    lm_tasks.check_files(["local_arc_easy", "local_gsm8k", "local_mmlu_abstract_algebra"], data)
+    (data / "gsm8k" / "train.jsonl").unlink()
+    with pytest.raises(Exception, match=r"--data-dir.*gsm8k/train.jsonl.*local_gsm8k"):
+        lm_tasks.check_files(["local_arc_easy", "local_gsm8k"], data)
+    fixture_data(data)
+    with pytest.raises(Exception, match=r"mmlu/anatomy/dev.jsonl.*local_mmlu_anatomy"):
+        lm_tasks.check_files(["paper_table4"], data)
+    written = lm_tasks.tasks(data)
+    assert len([n for n in written if n.startswith("local_mmlu_")]) == 57
+    assert len([n for n in written if n.startswith("local_ceval_")]) == 52
+    assert len([n for n in written if n.startswith("local_cmmlu_")]) == 67
+    # HumanEval's pass@1 runs completions in a subprocess, only with the opt-in.
+    monkeypatch.delenv(code_eval.ENV, raising=False)
+    with pytest.raises(PermissionError, match="--allow-code-execution"):
+        code_eval.pass_at_k(["assert add(2, 3) == 5"], [["def add(a, b):\n    return a + b\n"]])
+    monkeypatch.setenv(code_eval.ENV, "1")
+    assert code_eval.pass_at_k(["assert add(2, 3) == 5"], [["def add(a, b):\n    return a + b\n"]]) == 1.0
+    assert code_eval.pass_at_k(["assert add(2, 3) == 5"], [["def add(a, b):\n    return a * b\n"]]) == 0.0
+    assert not code_eval.passes("while True:\n    pass\n", timeout=1)
+
+
+def test_the_command_scores_a_converted_model_and_humaneval_with_the_opt_in(qwen3, tmp_path):
+    """`python -m gattn.lm_eval` is lm-eval's command line with --model gattn and --data-dir."""
+    hf_dir, data, _ = qwen3
+    out = subprocess.run([sys.executable, "-m", "gattn.lm_eval", "--model_args", f"workdir={hf_dir}",
+                          "--tasks", "local_arc_easy,local_humaneval", "--data-dir", str(data), "--limit", "2",
+                          "--gen_kwargs", "max_gen_toks=8", "--allow-code-execution",
+                          "--output_path", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "local_arc_easy" in out.stdout and "local_humaneval" in out.stdout
+    saved = list((tmp_path / "out").rglob("results_*.json"))
+    assert saved and "pass_at_k,create_test" in json.loads(saved[0].read_text())["results"]["local_humaneval"]
+    refused = subprocess.run([sys.executable, "-m", "gattn.lm_eval", "--model", "hf", "--model_args", "pretrained=x",
+                              "--tasks", "local_arc_easy"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert refused.returncode == 2 and "--model" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
