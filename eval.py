@@ -1,6 +1,7 @@
 """Evaluate a run's checkpoint, or compare runs:
 
     python eval.py --workdir DIR [--step N] [--tasks FILE.jsonl,...] [--shots K] [--config.FIELD=VALUE ...]
+    python eval.py --workdir DIR --lm-eval paper_table4 --data-dir DATA [--shots K] [--limit N]
     python eval.py --compare DIR1 DIR2 ... [--out DIR]
     python eval.py --workdir DIR --ruler --lengths 512,1024,2048,4096 [--config.model.yarn.factor=4]
     python eval.py --ruler --lengths 512,1024,2048,4096 --compare DIR1 DIR2 ... [RULER.json ...]
@@ -10,7 +11,9 @@ run's own config (DIR/config.json) plus any overrides, and writes DIR/eval/resul
 DIR/eval/results.md and PNG figures: perplexity per held-out domain and, per layer and overall,
 the gate score and its histogram, F-Attn (first-token attention, per head, sink-head share),
 M-Act (max hidden activation), SDPA-output sparsity before and after the gate, and per-head
-attention maps. --tasks adds few-shot evaluation (gattn/eval/fewshot.py). --compare prints a
+attention maps. --tasks adds few-shot evaluation (gattn/eval/fewshot.py). --lm-eval scores
+lm-evaluation-harness tasks instead (gattn/eval/harness.py; the paper's benchmarks from local
+files with --data-dir) and writes DIR/eval/lm_eval.json and lm_eval.md. --compare prints a
 Table-4-like table across runs (evaluating those without results) and overlays their per-layer
 curves in one figure. --ruler runs the RULER-style long-context benchmark instead (gattn/eval/ruler.py)
 at the given lengths and writes ruler.json, ruler.md and ruler.png: per task and length, the
@@ -52,9 +55,17 @@ def main(argv=None):
     ap.add_argument("--batch-rows", type=int, help="rows per forward pass of the measurements (lower it "
                     "for long sequences: each layer's [rows, heads, S, S] attention is in memory at once)")
     ap.add_argument("--tasks", help="comma-separated few-shot task files (JSONL, see README)")
-    ap.add_argument("--shots", type=int, default=0, help="in-context examples per few-shot prompt")
+    ap.add_argument("--shots", type=int, help="in-context examples per few-shot prompt (default: 0 for "
+                    "--tasks, each task's own for --lm-eval)")
     ap.add_argument("--limit", type=int, help="evaluate only the first N examples of each task")
     ap.add_argument("--no-figures", action="store_true")
+    harness = ap.add_argument_group("lm-evaluation-harness (gattn/eval/harness.py, docs/evaluation.md)")
+    harness.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-eval tasks or groups, e.g. "
+                         "paper_table4 or local_hellaswag,local_gsm8k; instead of the measurements")
+    harness.add_argument("--data-dir", help="the benchmark files of the local_* tasks (docs/evaluation.md)")
+    harness.add_argument("--allow-code-execution", action="store_true", help="let local_humaneval run "
+                         "the model's code (a subprocess per completion, with a timeout)")
+    harness.add_argument("--lm-batch-size", type=int, default=8, help="rows per forward pass of --lm-eval")
     ruler = ap.add_argument_group("long context (RULER-style, gattn/eval/ruler.py)")
     ruler.add_argument("--ruler", action="store_true", help="run the long-context benchmark instead")
     ruler.add_argument("--lengths", type=_lengths, help="context lengths in tokens, e.g. 512,1024,2048,4096")
@@ -77,10 +88,13 @@ def main(argv=None):
                  "--batch-rows, --tasks and --limit (or run them without --ruler)")
     if args.ruler:
         return _ruler(args, overrides)
+    if args.lm_eval or args.data_dir or args.allow_code_execution:
+        return _lm_eval(args, overrides, ap)
     for name in ("max_batches", "map_len", "limit", "batch_rows"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", value, "expected a positive integer")
+    args.shots = 0 if args.shots is None else args.shots
     if args.shots < 0:
         raise ConfigError("--shots", args.shots, "expected >= 0")
     if args.tasks:  # every task file is read and checked before any model loads (exit 2, at once)
@@ -107,6 +121,32 @@ def main(argv=None):
     print(evaluate.report(results))
     print(json.dumps({"results": str(evaluate.out_path(args.workdir, args.out) / "results.json"),
                       "figures": results.get("figures", [])}))
+    return 0
+
+
+def _lm_eval(args, overrides, ap):
+    if not args.lm_eval:
+        ap.error("--data-dir and --allow-code-execution go with --lm-eval TASKS")
+    if args.compare or args.tasks or args.max_batches is not None:
+        ap.error("--lm-eval scores one run's checkpoint: drop --compare, --tasks and --max-batches")
+    for name in ("shots", "limit", "lm_batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "shots" else 1):
+            raise ConfigError(f"--{name.replace('_', '-')}", value, "a non-negative integer" if name == "shots"
+                              else "a positive integer")
+    if args.data_dir and not Path(args.data_dir).is_dir():
+        raise ConfigError("--data-dir", args.data_dir, "an existing folder of benchmark files (docs/evaluation.md)")
+    from gattn.lm_eval import require  # noqa: PLC0415
+
+    require()
+    from gattn.eval import harness  # noqa: PLC0415
+
+    res = harness.evaluate(args.workdir, args.lm_eval.split(","), step=args.step, overrides=overrides,
+                           num_fewshot=args.shots, limit=args.limit, batch_size=args.lm_batch_size,
+                           data_dir=args.data_dir, allow_code=args.allow_code_execution, out_dir=args.out)
+    print(res["table"])
+    out = Path(args.out) if args.out else Path(args.workdir) / "eval"
+    print(json.dumps({"results": str(out / "lm_eval.json")}))
     return 0
 
 

@@ -119,7 +119,14 @@ def main(argv=None) -> int:
     ap.add_argument("--grace", type=float, default=90.0, help="seconds the others get to exit by themselves "
                     "after a worker failed, before they are killed")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] or -m MODULE [ARGS...]")
-    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The command starts at the first argument that is not the launcher's (argparse's REMAINDER
+    # does not take one that starts with "-", such as -m MODULE).
+    i = 0
+    while i < len(argv) and argv[i].split("=")[0] in ("--processes", "--local-devices", "--grace", "-h", "--help"):
+        i += 1 if "=" in argv[i] or argv[i] in ("-h", "--help") else 2
+    args = ap.parse_args(argv[:i])
+    args.command = argv[i:]
     if args.processes < 1 or args.local_devices < 1:
         ap.error("--processes and --local-devices must be positive")
     if not args.command:

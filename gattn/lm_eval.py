@@ -28,6 +28,14 @@ from gattn import cli
 from gattn.config import ConfigError
 
 
+def require() -> None:
+    """lm-eval is installed, else one line saying how to install it."""
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ConfigError("lm-eval", "not installed", "installed: pip install 'gattn[lm-eval]' (lm-evaluation-harness)")
+
+
 def _value(args: list[str], flag: str) -> str | None:
     """The value of lm-eval flag `flag` in `args` (`--flag v` or `--flag=v`)."""
     for i, a in enumerate(args):
@@ -54,6 +62,7 @@ def main(argv=None) -> int:
     if _value(rest, "--model_args") is None:
         raise ConfigError("--model_args", None, "workdir=RUN (a gattn run directory or a Hugging Face folder), "
                           "optionally ,step=N,batch_size=B,max_length=L,max_gen_toks=T")
+    require()
     cli.start_distributed(ours)
     import jax  # noqa: PLC0415
     from lm_eval.utils import simple_parse_args_string  # noqa: PLC0415

@@ -153,3 +153,15 @@ def test_native_logs_go_to_the_workdir_or_beside_a_remote_one(monkeypatch, tmp_p
     assert cluster.log_path(str(tmp_path / "run"), 3) == tmp_path / "run" / "logs" / "process_3.log"
     remote = cluster.log_path("gs://bucket/runs/moe", 0)
     assert remote.name == "process_0.log" and remote.parent.name == "moe" and "gs:" not in str(remote)
+
+
+def test_the_launcher_runs_a_module_as_its_docstring_says(monkeypatch):
+    """`python -m gattn.launch --processes 2 -m MODULE ...` (argparse's REMAINDER refused the -m)."""
+    from gattn import launch
+
+    seen = {}
+    monkeypatch.setattr(launch, "launch", lambda command, p, d, grace: seen.update(command=command, p=p, d=d) or 0)
+    assert launch.main(["--processes", "2", "--local-devices=3", "-m", "gattn.lm_eval", "--tasks", "x"]) == 0
+    assert seen == {"command": ["-m", "gattn.lm_eval", "--tasks", "x"], "p": 2, "d": 3}
+    assert launch.main(["--processes", "1", "train.py", "--processes", "9"]) == 0
+    assert seen["command"] == ["train.py", "--processes", "9"] and seen["p"] == 1

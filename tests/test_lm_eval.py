@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-lm_eval = pytest.importorskip("lm_eval")  # (in the test extra; a missing one fails the parity test below)
+import lm_eval  # noqa: E402 (the test extra installs gattn[lm-eval])
 
 from gattn.eval import code_eval, harness, lm_tasks  # noqa: E402
 
@@ -70,8 +70,8 @@ def qwen3(tmp_path_factory):
     """A tiny random Qwen3ForCausalLM saved with transformers, with a byte-level BPE tokenizer.json
     that transformers loads as it is (PreTrainedTokenizerFast: Qwen2Tokenizer would replace its
     pre-tokenizer with Qwen's)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     root = tmp_path_factory.mktemp("lm_eval")
@@ -210,3 +210,53 @@ def test_the_command_scores_a_converted_model_and_humaneval_with_the_opt_in(qwen
     refused = subprocess.run([sys.executable, "-m", "gattn.lm_eval", "--model", "hf", "--model_args", "pretrained=x",
                               "--tasks", "local_arc_easy"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert refused.returncode == 2 and "--model" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
+
+MOE_CONFIG = """
+from gattn.config import Config, DataConfig, ModelConfig, MoESpec, TrainConfig
+
+def get_config():
+    return Config(
+        model=ModelConfig(vocab_size=512, d_model=32, num_layers=2, q_heads=4, kv_heads=2, head_dim=8, d_ff=64,
+                          moe=MoESpec(num_experts=4, top_k=2, expert_width=16) if MOE else None),
+        train=TrainConfig(batch_size=4, seq_len=64, steps=3, warmup_steps=1, log_every=1, eval_every=3,
+                          checkpoint_every=3),
+        data=DataConfig(code_max_bytes=200_000, eval_batches=1, eval_batch_size=2))
+"""
+
+
+@pytest.mark.slow
+def test_trained_runs_gated_and_moe_score_through_eval_py_and_two_processes_agree(tmp_path):
+    """eval.py --lm-eval on gattn-trained runs (G1 elementwise; an MoE), and python -m gattn.lm_eval
+    on 1 process x 4 devices and on 2 processes x 2 devices: the same responses, the same metrics."""
+    data = fixture_data(tmp_path / "data")
+    tasks = "local_arc_easy,local_gsm8k,local_mmlu_abstract_algebra"
+    runs = {}
+    for name, moe in (("gated", False), ("moe", True)):
+        (tmp_path / f"{name}.py").write_text(f"MOE = {moe}\n" + MOE_CONFIG)
+        train = subprocess.run([sys.executable, "train.py", "--config", str(tmp_path / f"{name}.py"), "--variant",
+                                "sdpa_elementwise", "--workdir", str(tmp_path / name), "--quiet"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert train.returncode == 0, train.stderr[-2000:]
+        out = subprocess.run([sys.executable, "eval.py", "--workdir", str(tmp_path / name), "--lm-eval", tasks,
+                              "--data-dir", str(data), "--shots", "1"], capture_output=True, text=True, cwd=ROOT,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[name] = json.loads((tmp_path / name / "eval" / "lm_eval.json").read_text())
+        assert runs[name]["step"] == 3 and runs[name]["variant"] == "sdpa_elementwise"
+        assert 0.0 <= runs[name]["results"]["local_arc_easy"]["acc,none"] <= 1.0
+        assert "exact_match,strict-match" in runs[name]["results"]["local_gsm8k"]
+    common = ["-m", "gattn.lm_eval", "--model_args", f"workdir={tmp_path / 'gated'}", "--tasks", tasks,
+              "--data-dir", str(data), "--num_fewshot", "1", "--gen_kwargs", "max_gen_toks=8", "--log_samples"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    one = subprocess.run([sys.executable, *common, "--output_path", str(tmp_path / "one")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "gattn.launch", "--processes", "2", "--local-devices", "2",
+                          *common, "--output_path", str(tmp_path / "two")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-3000:]
+    for task in tasks.split(","):
+        a, b = (sorted((json.loads(x) for f in (tmp_path / d).rglob(f"samples_{task}_*.jsonl")
+                        for x in f.read_text().splitlines()), key=lambda s: s["doc_id"]) for d in ("one", "two"))
+        assert a and [s["resps"] for s in a] == [s["resps"] for s in b], task

@@ -7,7 +7,8 @@
 `workdir` is a gattn run directory (its latest checkpoint, or `step=N`) or a Hugging Face model
 folder, converted in memory by gattn.interop.convert. Model arguments: workdir, step, batch_size
 (rows per forward pass, default 8), max_length (default the run's train.seq_len), max_gen_toks
-(default 256), overrides (gattn config overrides, `;`-separated, as eval.py's --config.FIELD=VALUE).
+(default 256, or half of max_length if that is less), overrides (gattn config overrides,
+`;`-separated, as eval.py's --config.FIELD=VALUE).
 
 How each request type runs:
   loglikelihood          the requests are packed, several per row with segment ids and positions
@@ -36,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -117,9 +119,17 @@ class Scorer:
         self.graphdef, self.state = nnx.split(self.model)
         self.tokenizer, self.max_length = tokenizer, max_length
 
-    def loglikelihood(self, requests: list[tuple[list[int], list[int]]], rows: int) -> list[tuple[float, bool]]:
+    def score(self, arrays_4xBxL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One packed batch (tokens, targets, positions, segment ids): (log p(target), target is the argmax)."""
+        logp, greedy = _score(self.graphdef, self.state, *(decode.to_device(a) for a in arrays_4xBxL))
+        return decode.to_host(logp), decode.to_host(greedy)
+
+    def loglikelihood(self, requests: list[tuple[list[int], list[int]]], rows: int,
+                      score=None) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether greedy decoding gives the continuation)
-        per (context, continuation) pair of token ids."""
+        per (context, continuation) pair of token ids; `score` runs each packed batch (default
+        `self.score`)."""
+        score = score or self.score
         items = []  # (input tokens, targets, how many of the last targets are scored)
         for ctx, cont in requests:
             if not cont:
@@ -142,8 +152,7 @@ class Scorer:
                     arrays[:, r, at:at + len(x)] = (x, t, np.arange(len(x)), np.full(len(x), seg))
                     where.append((i, r, at + len(x) - n, at + len(x)))
                     at += len(x)
-            logp, greedy = _score(self.graphdef, self.state, *(decode.to_device(a) for a in arrays))
-            logp, greedy = decode.to_host(logp), decode.to_host(greedy)
+            logp, greedy = score(arrays)
             for i, r, a, b in where:
                 out[i] = (float(logp[r, a:b].astype(np.float64).sum()), bool(greedy[r, a:b].all()))
         return out
@@ -187,18 +196,24 @@ class GattnLM(TemplateLM):
     """A gattn run as an lm-eval model (module docstring)."""
 
     def __init__(self, workdir: str, step: int | None = None, batch_size: int | str = 8,
-                 max_length: int | None = None, max_gen_toks: int = 256, overrides: str = "", **unused):
+                 max_length: int | None = None, max_gen_toks: int | None = None, overrides: str = "", **unused):
         super().__init__()
         if str(batch_size).startswith("auto"):
             batch_size = 8
-        self.rows, self.max_gen_toks = int(batch_size), int(max_gen_toks)
-        for name, value in (("batch_size", self.rows), ("max_gen_toks", self.max_gen_toks)):
-            if value < 1:
-                raise ConfigError(name, value, "a positive integer")
+        self.rows = int(batch_size)
+        if jax.process_count() > 1:  # the followers load when process 0 does (its restore is collective)
+            if jax.process_index() == 0:
+                _client().key_value_set("gattn/harness/load", "1")
+            else:
+                _client().blocking_key_value_get("gattn/harness/load", WAIT_MS)
         cfg, model, self.gattn_tokenizer, self.step = load(
             workdir, None if step is None else int(step), [o for o in str(overrides).split(";") if o])
         self.cfg, self.workdir = cfg, str(workdir)
         self.max_len = int(max_length) if max_length else cfg.train.seq_len
+        self.max_gen_toks = int(max_gen_toks) if max_gen_toks else min(256, self.max_len // 2)
+        for name, value in (("batch_size", self.rows), ("max_gen_toks", self.max_gen_toks), ("max_length", self.max_len)):
+            if value < 1:
+                raise ConfigError(name, value, "a positive integer")
         self.scorer = Scorer(model, self.gattn_tokenizer, self.max_len)
         eos = self.gattn_tokenizer.eos_id()
         self.eos = None if eos is None or eos < 0 else int(eos)
@@ -234,7 +249,7 @@ class GattnLM(TemplateLM):
         return self.gattn_tokenizer.decode([tokens] if isinstance(tokens, int) else tokens)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        out = self._run("loglikelihood", {"pairs": [[list(c), list(x)] for _, c, x in requests]})
+        out = self.scorer.loglikelihood([(c, x) for _, c, x in requests], self.rows, score=self._score)
         for (key, _, _), answer in zip(requests, out):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
@@ -289,38 +304,104 @@ class GattnLM(TemplateLM):
     # ------------------------------------------------------------------ every process, the same work
     def _run(self, kind: str, payload: dict):
         """Does `kind` of work on every process (process 0 tells the others first)."""
-        message = {"kind": kind, "rows": self.rows, **payload}
+        message = {"kind": kind, **payload}
         if jax.process_count() > 1:
-            from gattn.train import hosts  # noqa: PLC0415
-
-            hosts.broadcast_json(message)
+            _send(message)
         return self._execute(message)
 
+    def _score(self, arrays: np.ndarray):
+        if jax.process_count() == 1:
+            return self.scorer.score(arrays)
+        return self._run("score", {"arrays": arrays.tolist()})
+
     def _execute(self, m: dict):
-        if m["kind"] == "loglikelihood":
-            return self.scorer.loglikelihood([(c, x) for c, x in m["pairs"]], m["rows"])
+        if m["kind"] == "score":
+            return self.scorer.score(np.asarray(m["arrays"], np.int32))
         if m["kind"] == "generate":
             return self.scorer.generate(m["prompts"], m["until"], m["max_tokens"], self.eos)
         raise ValueError(f"unknown harness message {m['kind']!r}")
 
     def follow(self) -> None:
-        """A process other than 0: does the work process 0 broadcasts, until it says stop."""
-        from gattn.train import hosts  # noqa: PLC0415
-
-        while (m := hosts.broadcast_json(None))["kind"] != "stop":
+        """A process other than 0: does the work process 0 sends, until it says stop."""
+        while (m := _receive())["kind"] != "stop":
             self._execute(m)
 
     def release(self) -> None:
         """Process 0, when the harness is done: lets the followers go."""
         if jax.process_count() > 1 and jax.process_index() == 0:
-            from gattn.train import hosts  # noqa: PLC0415
+            _send({"kind": "stop"})
 
-            hosts.broadcast_json({"kind": "stop"})
+
+# Messages from process 0. A follower waits for each in JAX's key-value store, which has no
+# deadline (process 0 may spend minutes between two batches: building a task's prompts, running
+# HumanEval's tests), and then takes it in a collective broadcast, which has one.
+_sent = [0]
+WAIT_MS = 7 * 24 * 3600 * 1000
+
+
+def _client():
+    from jax._src import distributed  # noqa: PLC0415
+
+    return distributed.global_state.client
+
+
+def _send(message: dict) -> None:
+    from gattn.train import hosts  # noqa: PLC0415
+
+    _sent[0] += 1
+    _client().key_value_set(f"gattn/harness/{_sent[0]}", "1")
+    hosts.broadcast_json(message)
+
+
+def _receive() -> dict:
+    from gattn.train import hosts  # noqa: PLC0415
+
+    _sent[0] += 1
+    _client().blocking_key_value_get(f"gattn/harness/{_sent[0]}", WAIT_MS)
+    return hosts.broadcast_json(None)
 
 
 def release_all() -> None:
     while _LIVE:
         _LIVE.pop().release()
+
+
+def evaluate(workdir: str | Path, tasks: list[str], *, step: int | None = None, overrides: list[str] = (),
+             num_fewshot: int | None = None, limit: int | None = None, batch_size: int = 8,
+             data_dir: str | Path | None = None, allow_code: bool = False,
+             out_dir: str | Path | None = None) -> dict:
+    """lm-eval's `simple_evaluate` of `tasks` on `workdir`'s checkpoint; writes lm_eval.json (lm-eval's
+    results, configs and versions, and which checkpoint) and lm_eval.md (its table) to `out_dir`
+    (default WORKDIR/eval). `data_dir`: the local benchmark files of the local_* tasks."""
+    import lm_eval as harness_lib  # noqa: PLC0415
+    from lm_eval.tasks import TaskManager  # noqa: PLC0415
+    from lm_eval.utils import make_table  # noqa: PLC0415
+
+    from gattn.eval import code_eval, lm_tasks  # noqa: PLC0415
+
+    folder = lm_tasks.write(data_dir, tempfile.mkdtemp(prefix="gattn-tasks-")) if data_dir else None
+    manager = TaskManager(include_path=str(folder) if folder else None)
+    known = set(manager.all_tasks)
+    for task in tasks:
+        if task not in known:
+            raise ConfigError("--lm-eval", task, "a task or group lm-eval knows" + (
+                "" if data_dir else " (the paper's local_* tasks need --data-dir)"))
+    if data_dir:
+        lm_tasks.check_files(tasks, data_dir)
+    if allow_code:
+        os.environ[code_eval.ENV] = "1"
+    lm = GattnLM(workdir=str(workdir), step=step, batch_size=batch_size, overrides=";".join(overrides))
+    results = harness_lib.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                          task_manager=manager, confirm_run_unsafe_code=allow_code)
+    out = {"workdir": str(workdir), "step": lm.step, "variant": lm.cfg.variant, "tasks": list(tasks),
+           "num_fewshot": num_fewshot, "limit": limit, **json_safe(results)}
+    out_dir = Path(out_dir) if out_dir else Path(workdir) / "eval"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "lm_eval.json").write_text(json.dumps(out, indent=1))
+    table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
+    (out_dir / "lm_eval.md").write_text(table)
+    out["table"] = table
+    return out
 
 
 def json_safe(results: dict) -> dict:
