@@ -82,13 +82,12 @@ def tasks(root: Path, docs: int) -> Path:
     return folder
 
 
-def run(model, folder: Path) -> tuple[int, float]:
+def run(model, manager) -> tuple[int, float]:
     import lm_eval
-    from lm_eval.tasks import TaskManager
 
     start = time.perf_counter()
     res = lm_eval.simple_evaluate(model=model, tasks=["local_arc_easy", "rolling", "local_gsm8k"], num_fewshot=1,
-                                  task_manager=TaskManager(include_path=str(folder)), gen_kwargs="max_gen_toks=16",
+                                  task_manager=manager, gen_kwargs="max_gen_toks=16",
                                   log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                                   fewshot_random_seed=0, verbosity="ERROR")
     seconds = time.perf_counter() - start
@@ -104,11 +103,13 @@ def main() -> None:
     args = ap.parse_args()
     import torch
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
     from gattn.eval import harness
 
     root = Path(tempfile.mkdtemp(prefix="bench-lm-eval-"))
     hf, folder = build(root, args.layers, args.width), tasks(root, args.docs)
+    manager = TaskManager(include_path=str(folder), include_defaults=False)
     out = {"docs": args.docs, "layers": args.layers, "width": args.width, "batch": args.batch,
            "torch_threads": torch.get_num_threads()}
     for name, make in (("gattn", lambda: harness.GattnLM(workdir=str(hf), batch_size=args.batch, max_length=1024)),
@@ -118,7 +119,7 @@ def main() -> None:
         model = make()
         load = time.perf_counter() - start
         for attempt in ("cold", "warm"):
-            n, seconds = run(model, folder)
+            n, seconds = run(model, manager)
             seconds += load if attempt == "cold" else 0.0
             out[f"{name}_{attempt}"] = {"requests": n, "seconds": round(seconds, 2), "requests_per_s": round(n / seconds, 1)}
     for attempt in ("cold", "warm"):

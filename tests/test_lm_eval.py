@@ -101,7 +101,7 @@ def qwen3(tmp_path_factory):
 def _evaluate(model, folder, tasks=TASKS):
     from lm_eval.tasks import TaskManager
 
-    return lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=1, task_manager=TaskManager(include_path=str(folder)),
+    return lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=1, task_manager=TaskManager(include_path=str(folder), include_defaults=False),
                                    log_samples=True, gen_kwargs="max_gen_toks=12", random_seed=0, numpy_random_seed=0,
                                    torch_random_seed=0, fewshot_random_seed=0)
 
@@ -260,3 +260,29 @@ def test_trained_runs_gated_and_moe_score_through_eval_py_and_two_processes_agre
         a, b = (sorted((json.loads(x) for f in (tmp_path / d).rglob(f"samples_{task}_*.jsonl")
                         for x in f.read_text().splitlines()), key=lambda s: s["doc_id"]) for d in ("one", "two"))
         assert a and [s["resps"] for s in a] == [s["resps"] for s in b], task
+
+
+def test_eval_py_lm_eval_refuses_bad_flags_before_loading_a_model(tmp_path, capsys):
+    from gattn import cli
+
+    from conftest import entry_point
+
+    main = entry_point("eval").main
+
+    def refused(*args):
+        capsys.readouterr()
+        try:
+            code = cli.run_cli(main, list(map(str, args)))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+        return code, capsys.readouterr().err
+
+    code, err = refused("--workdir", tmp_path, "--data-dir", tmp_path)
+    assert code == 2 and "--lm-eval" in err
+    code, err = refused("--workdir", tmp_path, "--lm-eval", "local_arc_easy", "--data-dir", tmp_path / "nope")
+    assert code == 2 and "--data-dir" in err and len(err.strip().splitlines()) == 1
+    code, err = refused("--workdir", tmp_path, "--lm-eval", "local_no_such_task")
+    assert code == 2 and "'--lm-eval' = 'local_no_such_task'" in err and "--data-dir" in err
+    fixture_data(tmp_path / "data")
+    code, err = refused("--workdir", tmp_path, "--lm-eval", "paper_table4", "--data-dir", tmp_path / "data")
+    assert code == 2 and "hellaswag" not in err and "local_mmlu_anatomy" in err  # (no model was needed)

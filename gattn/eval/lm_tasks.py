@@ -24,6 +24,7 @@ completion with the task's tests in a subprocess with a timeout, and only when t
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 from pathlib import Path
@@ -53,10 +54,16 @@ def subjects(group: str) -> dict[str, Path]:
         return {p.stem.removeprefix("mmlu_"): p for p in sorted((LM_EVAL_TASKS / "mmlu" / "default").glob("mmlu_*.yaml"))}
     if group == "ceval":
         return {p.stem.removeprefix("ceval-valid_"): p for p in sorted((LM_EVAL_TASKS / "ceval").glob("ceval-valid_*.yaml"))}
+    return {s: LM_EVAL_TASKS / "cmmlu" / "_default_template_yaml" for s in _cmmlu_subjects()}
+
+
+@functools.lru_cache(maxsize=1)
+def _cmmlu_subjects() -> dict[str, str]:
+    """{English name: Chinese name} of CMMLU's subjects, from lm-eval's own generator script."""
     spec = importlib.util.spec_from_file_location("cmmlu_configs", LM_EVAL_TASKS / "cmmlu" / "_generate_configs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {s: LM_EVAL_TASKS / "cmmlu" / "_default_template_yaml" for s in module.SUBJECTS}
+    return dict(module.SUBJECTS)
 
 
 def _splits(path: Path) -> list[str]:
@@ -106,11 +113,8 @@ def tasks(data_dir: str | Path) -> dict[str, dict]:
     return out
 
 
-def _cmmlu_description(subject: str) -> str:
-    spec = importlib.util.spec_from_file_location("cmmlu_configs", LM_EVAL_TASKS / "cmmlu" / "_generate_configs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return f"以下是关于{module.SUBJECTS[subject]}的单项选择题，请直接给出正确答案的选项。\n\n"
+def _cmmlu_description(subject: str) -> str:  # (lm-eval's, as its generator script writes it)
+    return f"以下是关于{_cmmlu_subjects()[subject]}的单项选择题，请直接给出正确答案的选项。\n\n"
 
 
 class _Dumper(yaml.SafeDumper):
