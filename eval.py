@@ -12,7 +12,7 @@ DIR/eval/results.md and PNG figures: perplexity per held-out domain and, per lay
 the gate score and its histogram, F-Attn (first-token attention, per head, sink-head share),
 M-Act (max hidden activation), SDPA-output sparsity before and after the gate, and per-head
 attention maps. --tasks adds few-shot evaluation (gattn/eval/fewshot.py). --lm-eval scores
-lm-evaluation-harness tasks instead (gattn/eval/harness.py; the paper's benchmarks from local
+lm-evaluation-harness tasks instead (gattn/interop/harness.py; the paper's benchmarks from local
 files with --data-dir) and writes DIR/eval/lm_eval.json and lm_eval.md. --compare prints a
 Table-4-like table across runs (evaluating those without results) and overlays their per-layer
 curves in one figure. --ruler runs the RULER-style long-context benchmark instead (gattn/eval/ruler.py)
@@ -59,7 +59,7 @@ def main(argv=None):
                     "--tasks, each task's own for --lm-eval)")
     ap.add_argument("--limit", type=int, help="evaluate only the first N examples of each task")
     ap.add_argument("--no-figures", action="store_true")
-    harness = ap.add_argument_group("lm-evaluation-harness (gattn/eval/harness.py, docs/evaluation.md)")
+    harness = ap.add_argument_group("lm-evaluation-harness (gattn/interop/harness.py, docs/evaluation.md)")
     harness.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-eval tasks or groups, e.g. "
                          "paper_table4 or local_hellaswag,local_gsm8k; instead of the measurements")
     harness.add_argument("--data-dir", help="the benchmark files of the local_* tasks (docs/evaluation.md)")
@@ -139,7 +139,7 @@ def _lm_eval(args, overrides, ap):
     from gattn.lm_eval import require  # noqa: PLC0415
 
     require()
-    from gattn.eval import harness  # noqa: PLC0415
+    from gattn.interop import harness  # noqa: PLC0415
 
     res = harness.evaluate(args.workdir, args.lm_eval.split(","), step=args.step, overrides=overrides,
                            num_fewshot=args.shots, limit=args.limit, batch_size=args.lm_batch_size,

@@ -105,7 +105,7 @@ def main() -> None:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from gattn.eval import harness
+    from gattn.interop import harness
 
     root = Path(tempfile.mkdtemp(prefix="bench-lm-eval-"))
     hf, folder = build(root, args.layers, args.width), tasks(root, args.docs)

@@ -1,5 +1,5 @@
 """`python -m gattn.lm_eval`: lm-evaluation-harness's own command line, with gattn's model class
-`gattn` registered (gattn/eval/harness.py) and the paper's benchmarks on local files.
+`gattn` registered (gattn/interop/harness.py) and the paper's benchmarks on local files.
 
     python -m gattn.lm_eval --model_args workdir=RUN --tasks paper_table4 --data-dir DATA
     python -m gattn.lm_eval --model gattn --model_args workdir=RUN,step=2000 --tasks local_gsm8k \\
@@ -14,7 +14,7 @@ gattn's own:
   --allow-code-execution    let local_humaneval run the model's code (a subprocess per completion,
                             with a timeout); also passes lm-eval's --confirm_run_unsafe_code
   --distributed / --coordinator / --num-processes / --process-id   several hosts: process 0 runs
-                            the harness, the others follow it (gattn/eval/harness.py)
+                            the harness, the others follow it (gattn/interop/harness.py)
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     import jax  # noqa: PLC0415
     from lm_eval.utils import simple_parse_args_string  # noqa: PLC0415
 
-    from gattn.eval import code_eval, harness, lm_tasks  # noqa: PLC0415 (registers the model "gattn")
+    from gattn.eval import code_eval, lm_tasks  # noqa: PLC0415
+    from gattn.interop import harness  # noqa: PLC0415 (registers the model "gattn")
 
     args = ["--model", "gattn", *rest] if _value(rest, "--model") is None else rest
     if ours.data_dir:

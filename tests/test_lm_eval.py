@@ -1,4 +1,4 @@
-"""lm-evaluation-harness over gattn (gattn/eval/harness.py, python -m gattn.lm_eval): the same
+"""lm-evaluation-harness over gattn (gattn/interop/harness.py, python -m gattn.lm_eval): the same
 log-likelihoods, generations and metrics as lm-eval's own Hugging Face backend on a tiny Qwen3,
 the paper's benchmarks from local files, packing, and several processes."""
 
@@ -16,7 +16,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import lm_eval  # noqa: E402 (the test extra installs gattn[lm-eval])
 
-from gattn.eval import code_eval, harness, lm_tasks  # noqa: E402
+from gattn.eval import code_eval, lm_tasks  # noqa: E402
+from gattn.interop import harness  # noqa: E402
 
 TASKS = ["local_arc_easy", "local_hellaswag", "local_gsm8k", "local_mmlu_abstract_algebra", "rolling"]
 
