@@ -2,7 +2,7 @@
 backend, on the same tiny Qwen3 (built here with transformers, converted by gattn on load) and the
 same generated tasks.
 
-    python bench/lm_eval.py [--docs 200] [--layers 4] [--width 256] [--batch 16]
+    python bench/harness.py [--docs 200] [--layers 4] [--width 256] [--batch 16]
 
 Tasks: an ARC-style multiple-choice task (`--docs` questions x 4 choices, 1-shot: loglikelihood),
 a rolling-perplexity task over the same texts (loglikelihood_rolling) and a GSM8K-style generation
