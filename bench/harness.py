@@ -29,29 +29,12 @@ WORDS = "the gate attention sigmoid input output head query key value layer mode
 
 
 def build(root: Path, layers: int, width: int) -> Path:
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from test_lm_eval import build_qwen3
 
-    text = [f"Question: {WORDS} ? Answer: x\n#### {i}\n" for i in range(100)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=1000, special_tokens=["<eos>"],
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=1024, hidden_size=width, intermediate_size=3 * width,
-                                   num_hidden_layers=layers, num_attention_heads=width // 32, num_key_value_heads=width // 64,
-                                   head_dim=32, max_position_embeddings=1024, eos_token_id=0,
-                                   attn_implementation="eager")
-    model = transformers.Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-    model.save_pretrained(root / "hf")
-    tok.save(str(root / "hf" / "tokenizer.json"))
-    (root / "hf" / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<eos>", "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return root / "hf"
+    return build_qwen3(root / "hf", [f"Question: {WORDS} ? Answer: x\n#### {i}\n" for i in range(100)], 1000, 0.05,
+                       vocab_size=1024, hidden_size=width, intermediate_size=3 * width, num_hidden_layers=layers,
+                       num_attention_heads=width // 32, num_key_value_heads=width // 64, head_dim=32,
+                       max_position_embeddings=1024)
 
 
 def tasks(root: Path, docs: int) -> Path:

@@ -66,35 +66,40 @@ def task_folder(data: Path, folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """A tiny random Qwen3ForCausalLM saved with transformers, with a byte-level BPE tokenizer.json
-    that transformers loads as it is (PreTrainedTokenizerFast: Qwen2Tokenizer would replace its
-    pre-tokenizer with Qwen's)."""
+def build_qwen3(folder: Path, text: list[str], pieces: int, std: float, **dims) -> Path:
+    """A random Qwen3ForCausalLM (transformers' Qwen3Config `dims`, weights ~ N(0, std)) saved in
+    `folder` with a byte-level BPE tokenizer.json of `pieces` pieces trained on `text` (eos
+    '<eos>', id 0) that transformers loads as it is (PreTrainedTokenizerFast: Qwen2Tokenizer would
+    replace its pre-tokenizer with Qwen's). The bench (bench/harness.py) builds its model here too."""
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    root = tmp_path_factory.mktemp("lm_eval")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    text = ["Question: What is the gate? Answer: a sigmoid of the input.\n",
-            "The attention gate is a sigmoid. 12 + 30 = 42 #### 42\n"] * 50
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=pieces, special_tokens=["<eos>"],
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=256, rms_norm_eps=1e-6, eos_token_id=0,
-                                   attn_implementation="eager")
-    model = transformers.Qwen3ForCausalLM(cfg)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(eos_token_id=0, attn_implementation="eager", **dims))
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(root / "hf")
-    tok.save(str(root / "hf" / "tokenizer.json"))
-    (root / "hf" / "tokenizer_config.json").write_text(json.dumps(
+            p.normal_(0, std)
+    model.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<eos>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A tiny random Qwen3 (build_qwen3), the fixture benchmark files and their task folder."""
+    root = tmp_path_factory.mktemp("lm_eval")
+    text = ["Question: What is the gate? Answer: a sigmoid of the input.\n",
+            "The attention gate is a sigmoid. 12 + 30 = 42 #### 42\n"] * 50
+    build_qwen3(root / "hf", text, 300, 0.2, vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                rms_norm_eps=1e-6)
     data = fixture_data(root / "data")
     return root / "hf", data, task_folder(data, root / "tasks")
 
