@@ -6,7 +6,8 @@
         --data-dir DATA --num_fewshot 5 --batch_size 16 --output_path RUN/eval/lm_eval --log_samples
     python -m gattn.launch --processes 2 --local-devices 4 -m gattn.lm_eval --model_args workdir=RUN ...
 
-Every argument but gattn's own is lm-eval's (`lm-eval run --help`); `--model gattn` is the default.
+Every argument but gattn's own is lm-eval's (`lm-eval run --help`); `--model gattn` is the default,
+and so is `--batch_size 8` (rows per forward pass, each packed with requests; lm-eval's own is 1).
 gattn's own:
   --data-dir DIR            the benchmark files of the local_* tasks (gattn/eval/lm_tasks.py,
                             docs/evaluation.md); their task YAMLs are written for --include_path,
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
     from gattn.interop import harness  # noqa: PLC0415 (registers the model "gattn")
 
     args = ["--model", "gattn", *rest] if _value(rest, "--model") is None else rest
+    if _value(rest, "--batch_size") is None:  # lm-eval's default is 1 row per forward pass; gattn packs rows
+        args += ["--batch_size", "8"]
     if ours.data_dir:
         if _value(rest, "--include_path"):
             raise ConfigError("--include_path", _value(rest, "--include_path"), "absent with --data-dir (gattn "

@@ -211,6 +211,7 @@ def test_the_command_scores_a_converted_model_and_humaneval_with_the_opt_in(qwen
                           "--output_path", str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "local_arc_easy" in out.stdout and "local_humaneval" in out.stdout
+    assert "batch_size: 8" in out.stdout  # gattn's default rows per pass, not lm-eval's 1
     saved = list((tmp_path / "out").rglob("results_*.json"))
     assert saved and "pass_at_k,create_test" in json.loads(saved[0].read_text())["results"]["local_humaneval"]
     refused = subprocess.run([sys.executable, "-m", "gattn.lm_eval", "--model", "hf", "--model_args", "pretrained=x",
