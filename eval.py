@@ -98,6 +98,9 @@ def main(argv=None):
     if args.shots < 0:
         raise ConfigError("--shots", args.shots, "expected >= 0")
     if args.tasks:  # every task file is read and checked before any model loads (exit 2, at once)
+        from gattn.lm_eval import require  # noqa: PLC0415
+
+        require()  # (the task files are scored through lm-eval)
         from gattn.eval import fewshot  # noqa: PLC0415
 
     for task in args.tasks.split(",") if args.tasks else ():
@@ -113,7 +116,8 @@ def main(argv=None):
     options = analysis.Options(sink_threshold=args.sink_threshold, map_layers=args.map_layers,
                                map_len=args.map_len, batch_rows=args.batch_rows)
     kwargs = dict(options=options, max_batches=args.max_batches, figures=not args.no_figures,
-                  tasks=args.tasks.split(",") if args.tasks else (), shots=args.shots, limit=args.limit)
+                  tasks=args.tasks.split(",") if args.tasks else (), shots=args.shots, limit=args.limit,
+                  harness_model=_harness_model if args.tasks else None)
     if args.compare:
         print(evaluate.compare(args.compare, out_dir=args.out, overrides=overrides, **kwargs))
         return 0
@@ -122,6 +126,14 @@ def main(argv=None):
     print(json.dumps({"results": str(evaluate.out_path(args.workdir, args.out) / "results.json"),
                       "figures": results.get("figures", [])}))
     return 0
+
+
+def _harness_model(cfg, model, tokenizer, workdir, step):
+    """gattn's lm-eval model over a checkpoint evaluate() has restored (the --tasks files)."""
+    from gattn.interop import harness  # noqa: PLC0415
+
+    return harness.GattnLM(workdir=str(workdir), loaded=(cfg, model, tokenizer, step),
+                           max_gen_toks=min(64, cfg.train.seq_len // 2))
 
 
 def _lm_eval(args, overrides, ap):

@@ -22,17 +22,18 @@ from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer
 from gattn.eval import analysis, plots, sinks
 from gattn.model import sharding
-from gattn.model.transformer import off_mesh, with_exec
 from gattn.train import checkpoint, rundir, trainer
 
 
 def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[str] = (),
              options: analysis.Options | None = None, max_batches: int | None = None,
-             tasks: list[str] = (), shots: int = 0, limit: int | None = None,
+             tasks: list[str] = (), shots: int = 0, limit: int | None = None, harness_model=None,
              out_dir: str | Path | None = None, figures: bool = True) -> dict:
     """Evaluates `workdir`'s checkpoint and writes results.json, results.md and the figures to
     `out_dir` (default WORKDIR/eval). `max_batches`: held-out batches per domain for the
-    measurements (default: all of `data.eval_batches`); perplexity always uses all of them."""
+    measurements (default: all of `data.eval_batches`); perplexity always uses all of them. `tasks`
+    (few-shot task files, gattn/eval/fewshot.py) are scored through lm-eval with the model
+    `harness_model(cfg, model, tokenizer, workdir, step)` returns (eval.py's: gattn's GattnLM)."""
     workdir = Path(workdir)
     options = options or analysis.Options()
     asked = measured_with(options, max_batches)
@@ -61,15 +62,11 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
                "measured_on": {"batches": len(chosen), "rows": sum(len(b["tokens"]) for b in chosen),
                                "seq_len": cfg.train.seq_len},
                "measured_with": asked}
-    if tasks:
+    if tasks:  # scored by lm-eval through `harness_model(cfg, model, tokenizer, workdir, step)` (eval.py's)
         from gattn.eval import fewshot  # noqa: PLC0415
 
-        # Prompts longer than the trained length lose tokens from their left end.
-        one = with_exec(model, off_mesh(model.ex))
-        bos = tokenizer.bos_id() if cfg.data.bos else None  # as every training document opens
-        results["fewshot"] = {Path(t).stem: fewshot.evaluate_task(one, tokenizer, t, shots=shots, limit=limit,
-                                                                  max_len=cfg.train.seq_len, bos=bos)
-                              for t in tasks}
+        results["fewshot"] = fewshot.evaluate_tasks(harness_model(cfg, model, tokenizer, workdir, step), tasks,
+                                                    shots=shots, limit=limit)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     (out_dir / "results.md").write_text(report(results))
     if figures:

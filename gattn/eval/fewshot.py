@@ -1,34 +1,32 @@
-"""Few-shot evaluation from local JSONL task files: multiple choice by log-likelihood (HellaSwag /
-MMLU / C-Eval / CMMLU style) and greedy generation scored by exact match (GSM8K style).
+"""Few-shot evaluation from local JSONL task files, scored by lm-evaluation-harness (the same
+model class and scoring as `eval.py --lm-eval`, gattn/interop/harness.py): multiple choice by
+log-likelihood (HellaSwag / MMLU / C-Eval / CMMLU style) and greedy generation scored by exact
+match (GSM8K style). Each file becomes an lm-eval task (`task_config`).
 
 A task is a JSONL file, one example per line; its kind follows from the fields:
 
     multiple choice  {"context": "...", "choices": ["...", "..."], "answer": 1}
     generation       {"context": "...", "answer": "...", "stop": ["\\n"]}        ("stop" optional)
 
-k-shot prompts take k examples from the dev split, the file NAME.dev.jsonl next to NAME.jsonl,
-drawn per example with a fixed seed, each written as context + gold answer + `separator`, then
-the example's context. A choice or answer is appended to its context as is, so include its leading
+k-shot prompts take k examples from the dev split, the file NAME.dev.jsonl next to NAME.jsonl
+(lm-eval's sampler, a fixed seed), each written as context + gold answer + a blank line, then the
+example's context. A choice or answer is appended to its context as is, so include its leading
 space (" Paris"). Multiple choice reports acc (highest summed log-probability of the choice's
-tokens) and acc_norm (log-probability per byte of the choice, as lm-evaluation-harness does);
-generation reports exact_match (the output up to the first stop string, stripped, equals the
-stripped answer) and, when every answer is a number, exact_match_number (the last number in the
-output equals it).
+tokens) and acc_norm (log-probability per byte of the choice, lm-eval's); generation reports
+exact_match (the output up to the first stop string or 64 tokens, at most half the run's
+train.seq_len, stripped, equals the stripped answer) and,
+when every answer is a number, exact_match_number (the last number in the output equals it,
+commas ignored). The examples of a generation task share one "stop" list (lm-eval stops a task's
+generations on one list).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-
-from gattn.eval import decode
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -44,6 +42,9 @@ def load_task(path: str | Path) -> tuple[list[dict], list[dict]]:
     kinds = {_kind(ex, path, i) for i, ex in enumerate(examples + dev)}
     if len(kinds) != 1:
         raise ValueError(f"{path}: mixes multiple-choice and generation examples")
+    if kinds == {"generation"} and len({tuple(ex.get("stop", [])) for ex in examples}) > 1:
+        raise ValueError(f"{path}: 'stop' differs between examples; a generation task has one list of "
+                         "stop strings (split the file by its stop strings)")
     return examples, dev
 
 
@@ -80,148 +81,58 @@ def _kind(ex: dict, path: Path, i: int) -> str:
     return "generation"
 
 
-def gold(ex: dict) -> str:
-    return ex["choices"][ex["answer"]] if "choices" in ex else ex["answer"]
-
-
-def prompt(ex: dict, dev: list[dict], shots: int, seed: int, separator: str = "\n\n") -> str:
-    """The k-shot prompt for `ex`: `shots` dev examples (drawn with `seed`) with their answers,
-    then the example's context."""
-    if shots > len(dev):
-        raise ValueError(f"{shots} shots need a dev split of at least {shots} examples (NAME.dev.jsonl); "
-                         f"it has {len(dev)}")
-    picks = np.random.default_rng(seed).choice(len(dev), shots, replace=False) if shots else []
-    return "".join(dev[i]["context"] + gold(dev[i]) + separator for i in picks) + ex["context"]
-
-
-def split_tokens(tokenizer, context: str, continuation: str, bos: int | None = None) -> tuple[list[int], list[int]]:
-    """(context tokens, continuation tokens) whose concatenation is the tokenization of the whole
-    text (as lm-evaluation-harness does: tokens that merge across the boundary go to the
-    continuation). `bos` (a data.bos run's BOS id) opens the context, as it opens every training
-    document."""
-    start = [] if bos is None else [bos]
-    whole = start + tokenizer.encode(context + continuation)
-    ctx = start + tokenizer.encode(context)
-    n = len(ctx)
-    while n and whole[:n] != ctx[:n]:
-        n -= 1
-    if n == len(whole):  # the continuation merged into the context's last token
-        n -= 1
-    return whole[:n], whole[n:]
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _token_logprobs(graphdef, state, tokens_BxL, segment_ids_BxL):
-    """log p(token[t+1] | tokens[..t]) for every position: [B, L-1] (float32)."""
-    logits = nnx.merge(graphdef, state)(tokens_BxL[:, :-1], None, segment_ids_BxL[:, :-1])
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, tokens_BxL[:, 1:, None], axis=-1)[..., 0]
-
-
-def _last(ids: list[int], n: int, bos: int | None) -> list[int]:
-    """The last `n` of `ids`, keeping a leading `bos` when it has to cut."""
-    if len(ids) <= n:
-        return list(ids)
-    return [bos] + list(ids[len(ids) - n + 1:]) if bos is not None and ids and ids[0] == bos else list(ids[-n:])
-
-
-def loglikelihood(model, requests: list[tuple[list[int], list[int]]], *, batch_size: int = 8,
-                  max_len: int | None = None, bos: int | None = None) -> list[float]:
-    """Sum of log p(continuation tokens | context tokens) for each (context, continuation) pair,
-    batched (rows right-padded to a multiple of 32 tokens, padding has segment id 0). A pair longer
-    than `max_len` loses tokens from the left of its context (after its leading `bos`, if any)."""
-    graphdef, state = nnx.split(model)
-    out = []
-    for start in range(0, len(requests), batch_size):
-        chunk = requests[start:start + batch_size]
-        seqs = []
-        for ctx, cont in chunk:
-            if not cont:
-                raise ValueError("loglikelihood: an empty continuation has no tokens to score")
-            seq = list(ctx) + list(cont)
-            if max_len is not None:
-                seq = _last(seq, max_len, bos)
-            seqs.append((seq, min(len(cont), len(seq) - 1)))
-        length = decode.round_up(max(len(s) for s, _ in seqs), 32)
-        tokens = np.zeros((batch_size, length), np.int32)
-        segments = np.zeros((batch_size, length), np.int32)
-        for row, (seq, _) in enumerate(seqs):
-            tokens[row, :len(seq)], segments[row, :len(seq)] = seq, 1
-        logp = np.asarray(_token_logprobs(graphdef, state, jnp.asarray(tokens), jnp.asarray(segments)))
-        # Token t is predicted at index t - 1: the continuation is indices [len - n - 1, len - 1).
-        out += [float(logp[row, len(seq) - n - 1: len(seq) - 1].sum()) for row, (seq, n) in enumerate(seqs)]
-    return out
-
-
-def multiple_choice(model, tokenizer, examples, prompts, *, batch_size=8, max_len=None, bos=None) -> dict:
-    requests, owners = [], []
-    for i, (ex, p) in enumerate(zip(examples, prompts)):
-        for choice in ex["choices"]:
-            requests.append(split_tokens(tokenizer, p, choice, bos))
-            owners.append(i)
-    scores = loglikelihood(model, requests, batch_size=batch_size, max_len=max_len, bos=bos)
-    per_example = [[] for _ in examples]
-    for i, s in zip(owners, scores):
-        per_example[i].append(s)
-    acc = [int(np.argmax(s) == ex["answer"]) for s, ex in zip(per_example, examples)]
-    norm = [int(np.argmax(np.asarray(s) / [max(len(c.encode()), 1) for c in ex["choices"]]) == ex["answer"])
-            for s, ex in zip(per_example, examples)]
-    return {"kind": "multiple_choice", "n": len(examples), "acc": float(np.mean(acc)),
-            "acc_norm": float(np.mean(norm)), "chance": float(np.mean([1 / len(ex["choices"]) for ex in examples])),
-            "examples": [{"loglik": s, "correct": bool(a)} for s, a in zip(per_example, acc)]}
-
-
-def _cut(text: str, stops: list[str]) -> str:
-    cuts = [text.index(s) for s in stops if s in text]
-    return text[:min(cuts)] if cuts else text
-
-
-def generation(model, tokenizer, examples, prompts, *, max_new_tokens=64, batch_size=8,
-               max_len=None, bos=None) -> dict:
-    """Greedy decoding with the kv cache (gattn.eval.decode), stopped at eos or the first stop
-    string; `bos` opens each prompt."""
-    eos = tokenizer.eos_id() if tokenizer.eos_id() >= 0 else None
-    # Rows of one batch share a stop rule: batch the examples by their stop strings.
-    groups: dict[tuple, list[int]] = {}
-    for i, ex in enumerate(examples):
-        groups.setdefault(tuple(ex.get("stop", [])), []).append(i)
-    outputs = [""] * len(examples)
-    for stops, members in groups.items():
-        stop = (lambda toks, stops=stops: any(s in tokenizer.decode(toks) for s in stops)) if stops else None
-        for start in range(0, len(members), batch_size):
-            rows = members[start:start + batch_size]
-            ids = [([] if bos is None else [bos]) + tokenizer.encode(prompts[i]) for i in rows]
-            if max_len is not None:
-                ids = [_last(x, max_len - max_new_tokens, bos) for x in ids]
-            for i, toks in zip(rows, decode.generate(model, ids, max_new_tokens=max_new_tokens,
-                                                     eos_id=eos, stop=stop)):
-                outputs[i] = _cut(tokenizer.decode(toks), list(stops))
-    em = [int(o.strip() == ex["answer"].strip()) for o, ex in zip(outputs, examples)]
-    result = {"kind": "generation", "n": len(examples), "exact_match": float(np.mean(em))}
-    if all(NUMBER.fullmatch(ex["answer"].strip()) for ex in examples):
-        last = [NUMBER.findall(o) for o in outputs]
-        result["exact_match_number"] = float(np.mean(
-            [bool(n) and _number(n[-1]) == _number(ex["answer"].strip()) for n, ex in zip(last, examples)]))
-    result["examples"] = [{"output": o, "correct": bool(e)} for o, e in zip(outputs, em)]
-    return result
-
-
-def _number(text: str) -> float:
-    return float(text.replace(",", ""))
-
-
-def evaluate_task(model, tokenizer, path: str | Path, *, shots: int = 0, seed: int = 0,
-                  limit: int | None = None, batch_size: int = 8, max_len: int | None = None,
-                  max_new_tokens: int = 64, bos: int | None = None) -> dict:
-    """Scores the examples of the task file `path` (the first `limit`) with `shots`-shot prompts,
-    each opened by `bos` (the BOS id of a data.bos run, which trained on documents that open with it)."""
+def task_config(path: str | Path) -> dict:
+    """The lm-eval task (a config dict for `simple_evaluate`) that scores task file `path`."""
+    path = Path(path).absolute()
     examples, dev = load_task(path)
-    examples = examples[:limit]
-    prompts = [prompt(ex, dev, shots, seed + i) for i, ex in enumerate(examples)]
+    dev_path = path.with_name(path.name.removesuffix(".jsonl") + ".dev.jsonl")
+    files = {"test": str(path), **({"dev": str(dev_path)} if dev else {})}
+    cfg = {"task": f"jsonl_{path.stem}", "dataset_path": "json", "dataset_name": None,
+           "dataset_kwargs": {"data_files": files}, "test_split": "test", "fewshot_split": "dev" if dev else None,
+           "doc_to_text": "context", "target_delimiter": "", "fewshot_delimiter": "\n\n", "metadata": {"version": 1}}
     if "choices" in examples[0]:
-        res = multiple_choice(model, tokenizer, examples, prompts, batch_size=batch_size, max_len=max_len,
-                              bos=bos)
-    else:
-        res = generation(model, tokenizer, examples, prompts, max_new_tokens=max_new_tokens,
-                         batch_size=batch_size, max_len=max_len, bos=bos)
-    return {"task": str(path), "shots": shots, **res}
+        return {**cfg, "output_type": "multiple_choice", "doc_to_choice": "choices", "doc_to_target": "answer",
+                "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]}
+    strip = {"name": "strip", "filter": [{"function": "regex", "regex_pattern": r"(?s)^\s*(.*?)\s*$"},
+                                         {"function": "take_first"}]}
+    number = {"name": "number", "filter": [{"function": "regex", "regex_pattern": NUMBER.pattern, "group_select": -1},
+                                           {"function": "take_first"}]}
+    numeric = all(NUMBER.fullmatch(ex["answer"].strip()) for ex in examples)
+    # The shots show each answer as written; exact match ignores the whitespace around it.
+    return {**cfg, "output_type": "generate_until", "doc_to_target": "answer",
+            "generation_kwargs": {"until": list(examples[0].get("stop", [])), "do_sample": False},
+            "filter_list": [strip, number] if numeric else [strip],
+            "metric_list": [{"metric": "exact_match",
+                             "regexes_to_ignore": [r"^\s+", r"\s+$", *([","] if numeric else [])]}]}
+
+
+def evaluate_tasks(lm, paths: list[str | Path], *, shots: int = 0, limit: int | None = None) -> dict:
+    """{task name: result} of the task files `paths` scored through lm-eval with `lm` (an lm-eval
+    model, e.g. gattn's GattnLM): kind, n, shots, acc / acc_norm / chance or exact_match
+    (/ exact_match_number), and per example its log-likelihoods or output and whether it was right."""
+    import lm_eval  # noqa: PLC0415
+    from lm_eval.tasks import TaskManager  # noqa: PLC0415
+
+    configs = {Path(p).stem: task_config(p) for p in paths}
+    res = lm_eval.simple_evaluate(model=lm, tasks=list(configs.values()), num_fewshot=shots, limit=limit,
+                                  log_samples=True, task_manager=TaskManager(include_defaults=False),
+                                  verbosity="ERROR")
+    out = {}
+    for name, cfg in configs.items():
+        metrics, samples = res["results"][cfg["task"]], res["samples"][cfg["task"]]
+        base = {"task": str(Path(cfg["dataset_kwargs"]["data_files"]["test"])), "shots": shots}
+        if cfg["output_type"] == "multiple_choice":
+            samples = sorted(samples, key=lambda s: s["doc_id"])
+            out[name] = {**base, "kind": "multiple_choice", "n": len(samples), "acc": float(metrics["acc,none"]),
+                         "acc_norm": float(metrics["acc_norm,none"]),
+                         "chance": float(np.mean([1 / len(s["doc"]["choices"]) for s in samples])),
+                         "examples": [{"loglik": [float(r[0][0]) for r in s["resps"]], "correct": bool(s["acc"])}
+                                      for s in samples]}
+            continue
+        strip = sorted((s for s in samples if s["filter"] == "strip"), key=lambda s: s["doc_id"])
+        out[name] = {**base, "kind": "generation", "n": len(strip),
+                     "exact_match": float(metrics["exact_match,strip"]),
+                     **({"exact_match_number": float(metrics["exact_match,number"])}
+                        if "exact_match,number" in metrics else {}),
+                     "examples": [{"output": s["filtered_resps"][0], "correct": bool(s["exact_match"])} for s in strip]}
+    return out

@@ -196,7 +196,8 @@ class GattnLM(TemplateLM):
     """A gattn run as an lm-eval model (module docstring)."""
 
     def __init__(self, workdir: str, step: int | None = None, batch_size: int | str = 8,
-                 max_length: int | None = None, max_gen_toks: int | None = None, overrides: str = "", **unused):
+                 max_length: int | None = None, max_gen_toks: int | None = None, overrides: str = "",
+                 loaded: tuple | None = None, **unused):
         super().__init__()
         if str(batch_size).startswith("auto"):
             batch_size = 8
@@ -206,7 +207,8 @@ class GattnLM(TemplateLM):
                 _client().key_value_set("gattn/harness/load", "1")
             else:
                 _client().blocking_key_value_get("gattn/harness/load", WAIT_MS)
-        cfg, model, self.gattn_tokenizer, self.step = load(
+        # `loaded`: (cfg, model, tokenizer, step) a caller has restored already (eval.py --tasks)
+        cfg, model, self.gattn_tokenizer, self.step = loaded or load(
             workdir, None if step is None else int(step), [o for o in str(overrides).split(";") if o])
         self.cfg, self.workdir = cfg, str(workdir)
         self.max_len = int(max_length) if max_length else cfg.train.seq_len
