@@ -42,12 +42,13 @@ def _lengths(text):
 
 def main(argv=None):
     cli.single_process("eval.py")
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpWithDefaults)
     ap.add_argument("--workdir", help="the run directory (holds config.json and checkpoints/)")
     ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     ap.add_argument("--compare", nargs="+", metavar="DIR", help="run directories to compare")
     ap.add_argument("--out", help="output folder (default DIR/eval; for --compare, COMMON_PARENT/compare)")
-    ap.add_argument("--max-batches", type=int, help="held-out batches per domain for the measurements")
+    ap.add_argument("--max-batches", type=int, help="held-out batches per domain for the measurements "
+                    "(default: all of the run's data.eval_batches)")
     ap.add_argument("--sink-threshold", type=float, default=0.3, help="F-Attn above which a head is a sink head")
     ap.add_argument("--map-layers", type=_layers, help="layers whose attention maps to draw, e.g. 0,5,11 "
                     "(default: first, middle, last)")

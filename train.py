@@ -16,7 +16,7 @@ from gattn import cli
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=cli.HelpWithDefaults)
     ap.add_argument("--config", required=True, help="a config file (configs/NAME.py), a preset name (tiny), or a run's config.json")
     ap.add_argument("--workdir", required=True, help="run directory (created; resumed if it exists)")
     ap.add_argument("--steps", type=int, help="total training steps (sets train.steps)")

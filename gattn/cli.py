@@ -10,6 +10,7 @@ The schema itself (the dataclasses and their checks) is `gattn.config`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -233,6 +234,17 @@ def parse_args(parser, argv=None, *, steps_set_train_steps: bool = False):
     if steps_set_train_steps and args.steps is not None:
         overrides.append(f"train.steps={args.steps}")
     return args, overrides
+
+
+class HelpWithDefaults(argparse.RawTextHelpFormatter):
+    """--help that keeps the description's line breaks and shows each option's default, where it
+    has one (not for flags, and not for None: such options say in their help what they default to)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, True, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:

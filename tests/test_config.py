@@ -262,3 +262,14 @@ def test_a_schedule_field_beside_an_lr_preset_is_refused():
             8e-3, "lr_preset=''")
     own = cli.apply_overrides(dense, ["train.learning_rate=8e-3", "train.lr_preset="])
     assert own.train.schedule == (8e-3, 3e-5, 20)
+
+
+def test_a_warmup_longer_than_the_run_names_the_flags_that_fix_it():
+    """(It said only 'expected fewer than steps (5)'.)"""
+    from gattn import cli
+
+    with pytest.raises(ConfigError, match=r"fewer than steps \(5\): --config.train.warmup_steps=N sets it, "
+                                          r"or raise --steps"):
+        cli.load("tiny", ["train.steps=5"])
+    with pytest.raises(ConfigError, match=r"lr_preset sets it; choose your own with --config.train.lr_preset=''"):
+        C.TrainConfig(steps=5, lr_preset="dense_400b")  # (its warmup: 1,000 steps)

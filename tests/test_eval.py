@@ -227,3 +227,13 @@ def test_ruler_with_yarn_and_a_table_5_comparison(runs, tmp_path, capsys):
 
     code, err = refused(capsys, "--workdir", run, "--ruler", "--lengths", "64,512")
     assert code == 2 and "--lengths" in err and "niah_single needs" in err
+
+
+def test_help_shows_the_defaults(capsys):
+    """(--help did not say what --max-batches or --sink-threshold default to.)"""
+    main = entry_point("eval").main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: all of the run's data.eval_batches)" in text
+    assert "sink head (default: 0.3)" in text and "(default: 64)" in text and "(default: 8)" in text

@@ -83,7 +83,10 @@ class TrainConfig:
         if floor > peak:
             raise ConfigError("min_learning_rate", floor, f"expected <= the max LR ({peak})")
         if warmup >= self.steps:
-            raise ConfigError("warmup_steps", warmup, f"expected fewer than steps ({self.steps})")
+            fix = ("lr_preset sets it; choose your own with --config.train.lr_preset='' "
+                   "--config.train.warmup_steps=N") if self.lr_preset else "--config.train.warmup_steps=N sets it"
+            raise ConfigError("warmup_steps", warmup, f"fewer than steps ({self.steps}): {fix}, or raise "
+                              "--steps (train.steps)")
 
     @property
     def schedule(self) -> tuple[float, float, int]:
