@@ -147,8 +147,6 @@ def _lm_eval(args, overrides, ap):
         if value is not None and value < (0 if name == "shots" else 1):
             raise ConfigError(f"--{name.replace('_', '-')}", value, "a non-negative integer" if name == "shots"
                               else "a positive integer")
-    if args.data_dir and not Path(args.data_dir).is_dir():
-        raise ConfigError("--data-dir", args.data_dir, "an existing folder of benchmark files (docs/evaluation.md)")
     from gattn.lm_eval import require  # noqa: PLC0415
 
     require()

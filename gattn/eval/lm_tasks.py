@@ -66,13 +66,15 @@ def _cmmlu_subjects() -> dict[str, str]:
     return dict(module.SUBJECTS)
 
 
-def _splits(path: Path) -> list[str]:
-    """The dataset splits an lm-eval task YAML (with its includes) reads."""
+@functools.lru_cache(maxsize=None)
+def _splits(path: Path) -> tuple[str, ...]:
+    """The dataset splits an lm-eval task YAML (with its includes) reads (read once per file: a
+    command builds the task list more than once)."""
     from lm_eval.tasks._yaml_loader import load_yaml  # noqa: PLC0415
 
     cfg = load_yaml(path, resolve_func=False)
-    return sorted({cfg[k] for k in ("training_split", "validation_split", "test_split", "fewshot_split")
-                   if cfg.get(k)})
+    return tuple(sorted({cfg[k] for k in ("training_split", "validation_split", "test_split", "fewshot_split")
+                         if cfg.get(k)}))
 
 
 def _task(name: str, include: Path, folder: Path, extra: dict | None = None) -> dict:
@@ -145,12 +147,16 @@ def write(data_dir: str | Path, folder: str | Path) -> Path:
 
 def check_files(task_names: list[str], data_dir: str | Path) -> None:
     """Every file the named local tasks or groups read exists, else one line naming the first missing."""
-    every = {c["task"]: c for c in tasks(data_dir).values() if "task" in c and "group" not in c}
-    groups = {f"{PREFIX}{g}": [t for t in every if t.startswith(f"{PREFIX}{g}_")] for g in GROUPS}
-    groups[TABLE4] = [t for g in ("hellaswag", "gsm8k") for t in [f"{PREFIX}{g}"]] + \
-        groups[f"{PREFIX}mmlu"] + groups[f"{PREFIX}ceval"]
+    every = {c.get("group") or c["task"]: c for c in tasks(data_dir).values()}
+
+    def leaves(name: str) -> list[str]:  # a group's tasks, as its YAML lists them
+        entry = every.get(name)
+        if entry is None:
+            return []
+        return [t for member in entry["task"] for t in leaves(member)] if "group" in entry else [name]
+
     for name in task_names:
-        for task in groups.get(name, [name] if name in every else []):
+        for task in leaves(name):
             for path in every[task]["dataset_kwargs"]["data_files"].values():
                 if not Path(path).is_file():
                     raise ConfigError("--data-dir", str(data_dir), f"a folder with {path} in it (task {task} reads "
