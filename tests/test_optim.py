@@ -169,3 +169,48 @@ def test_an_update_that_overflows_the_weights_is_skipped():
     assert np.isfinite(float(m["loss"])) and not bool(m["finite"])
     np.testing.assert_array_equal(state["params"]["lm_head"][...], before)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(state))
+
+
+def test_a_resume_with_more_steps_names_the_lr_jump_or_continues_from_the_lr_reached():
+    """Issue 34: resuming a finished 100-step run with 200 steps used to re-warm the LR silently
+    (the cosine recomputed for the new total). "recompute" still does, and says from what to
+    what; "constant" holds the LR reached; "decay" takes it to the floor by the last update."""
+    saved = TrainConfig(steps=100, learning_rate=4e-3, min_learning_rate=4e-5, warmup_steps=10)
+    count = 60  # resumed after 60 updates, the old schedule halfway down its cosine
+    before = float(optim.schedule(saved)(count))
+    longer = dataclasses.replace(saved, steps=200)
+
+    same, note = optim.continued(saved, saved, count)
+    assert same == saved and note == ""
+    cfg, note = optim.continued(longer, saved, count)
+    after = float(optim.schedule(longer)(count))
+    assert cfg == longer and after > 1.5 * before
+    assert f"from {before:.3g}" in note and f"to {after:.3g}" in note and "extend=constant" in note
+
+    held, note = optim.continued(dataclasses.replace(longer, extend="constant"), saved, count)
+    assert (held.continue_step, held.continue_lr) == (count, pytest.approx(before)) and "continues from" in note
+    lr = optim.schedule(held)
+    assert [float(lr(k)) for k in (count, 150, 199)] == pytest.approx([before] * 3)
+    assert float(lr(30)) == pytest.approx(float(optim.schedule(longer)(30)))  # before the continuation: as trained
+
+    decayed, _ = optim.continued(dataclasses.replace(longer, extend="decay"), saved, count)
+    lr = optim.schedule(decayed)
+    values = [float(lr(k)) for k in range(count, 200)]
+    assert values[0] == pytest.approx(before) and values[-1] == pytest.approx(4e-5)
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+    # A later resume at the same length goes on with the recorded continuation.
+    again, note = optim.continued(dataclasses.replace(longer, extend="constant"), held, 120)
+    assert (again.continue_step, again.continue_lr, note) == (count, held.continue_lr, "")
+
+
+def test_a_continuation_is_checked_field_by_field():
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(extend="rewarm")
+    assert e.value.field == "extend" and "'decay'" in e.value.allowed
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(continue_step=10, continue_lr=1e-4)
+    assert e.value.field == "continue_step" and "extend='constant' or 'decay'" in e.value.allowed
+    with pytest.raises(ConfigError) as e:
+        TrainConfig(steps=50, extend="constant", continue_step=50)
+    assert e.value.field == "continue_step" and "fewer than steps (50)" in e.value.allowed

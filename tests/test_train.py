@@ -263,3 +263,21 @@ def test_continued_training_starts_from_another_runs_parameters(config_file, tmp
     jax.tree.map(np.testing.assert_array_equal, start, src)
     first = losses(ext)[1][1]["loss"]
     assert first < losses(base)[1][1]["loss"]  # not a fresh start
+
+
+def test_a_resume_with_more_steps_can_hold_the_lr_it_had_reached(config_file, tmp_path, six_steps, capsys):
+    """Continued pretraining from a finished cosine: extend=constant keeps training at the LR the
+    run ended with (the floor) instead of re-warming, says so, and config.json records where the
+    continuation starts, so that a later resume keeps it."""
+    from gattn import cli
+    from gattn.train import rundir, trainer
+
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)  # CONFIG's cosine over 6 steps, finished
+    trainer.train(cli.load(config_file, ["train.steps=9", "train.extend=constant"]), run, progress=False)
+    assert "the LR continues from 3e-05" in capsys.readouterr().err
+    _, rows = losses(run)
+    assert [rows[s]["lr"] for s in (7, 8, 9)] == pytest.approx([3e-5] * 3)
+    assert rows[6]["lr"] == pytest.approx(3e-5) and rows[2]["lr"] > 1e-3  # what the 6-step run had
+    cfg = rundir.read_config(run)
+    assert (cfg.train.extend, cfg.train.continue_step, cfg.train.continue_lr) == ("constant", 6, pytest.approx(3e-5))

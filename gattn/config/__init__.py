@@ -11,7 +11,7 @@ Where each part lives (every name is importable from `gattn.config` itself):
     model.py      the architecture: ModelConfig, GateSpec, MoESpec, SwitchHeadsSpec, YarnSpec,
                   POSITION_FIELDS
     execution.py  how and where it is computed: ExecConfig, MOVED_TO_EXEC, MeshConfig
-    train.py      TrainConfig, LR_PRESETS
+    train.py      TrainConfig, LR_PRESETS, EXTEND
     data.py       DataConfig, BackcopySpec, BACKCOPY
     __init__.py   Config (the run: all of the above) and its dicts: from_dict, to_dict,
                   flat_fields, differences (a run's config.json)
@@ -31,10 +31,10 @@ from gattn.config.checks import (ATTENTION_IMPLS, DECODE_ERRORS, DTYPES, FFN_ACT
 from gattn.config.data import BACKCOPY, BackcopySpec, DataConfig
 from gattn.config.execution import MOVED_TO_EXEC, ExecConfig, MeshConfig
 from gattn.config.model import POSITION_FIELDS, GateSpec, ModelConfig, MoESpec, SwitchHeadsSpec, YarnSpec
-from gattn.config.train import LR_PRESETS, TrainConfig
+from gattn.config.train import EXTEND, LR_PRESETS, TrainConfig
 
 __all__ = [
-    "ATTENTION_IMPLS", "BACKCOPY", "DECODE_ERRORS", "DTYPES", "FFN_ACTIVATIONS", "FORMS", "GATE_ACTIVATIONS",
+    "ATTENTION_IMPLS", "BACKCOPY", "DECODE_ERRORS", "DTYPES", "EXTEND", "FFN_ACTIVATIONS", "FORMS", "GATE_ACTIVATIONS",
     "GRANULARITIES", "GROUPED_MATMULS", "LBL_SCOPES", "LR_PRESETS", "MOE_IMPLS", "MOVED_TO_EXEC", "POSITIONS", "POSITION_FIELDS",
     "REMAT_POLICIES", "SDPA_NONLINEARITIES", "SHARINGS", "SWITCH_TARGETS",
     "BackcopySpec", "Config", "ConfigError", "DataConfig", "ExecConfig", "GateSpec", "MeshConfig", "ModelConfig",

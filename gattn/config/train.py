@@ -18,6 +18,7 @@ LR_PRESETS = {
     "dense_1t": (5.3e-3, 5.3e-5, 1000),       # Table 2 rows 11, 13 (bsz 4096)
     "dense_high_lr": (8e-3, 8e-5, 1000),      # Table 2 rows 6-7, 10, 12, 14: the baseline diverges
 }
+EXTEND = ("recompute", "constant", "decay")  # what a resume with another `steps` does to the LR
 _SCHEDULE = ("learning_rate", "min_learning_rate", "warmup_steps")  # the order of a preset's values
 
 
@@ -48,6 +49,14 @@ class TrainConfig:
     # `init_step`) with a fresh optimizer and schedule. Ignored once this run has a checkpoint.
     init_from: str = ""
     init_step: int | None = None
+    # A resume that changes `steps` (gattn/train/optim.py `continued`): "recompute" fits the warmup
+    # + cosine to the new total, so the LR moves (the trainer says from what to what); "constant"
+    # keeps the LR the run had reached; "decay" takes it down to min_learning_rate by a cosine over
+    # the new steps. The trainer records where such a continuation starts (the optimizer's update
+    # count) and its LR in continue_step / continue_lr; set them by hand to continue from any update.
+    extend: str = "recompute"
+    continue_step: int = 0
+    continue_lr: float = 0.0
 
     def __post_init__(self):
         _integer("seed", self.seed, zero_ok=True)
@@ -70,6 +79,14 @@ class TrainConfig:
             _integer("init_step", self.init_step)
             if not self.init_from:
                 raise ConfigError("init_step", self.init_step, "only with init_from (a run directory)")
+        _choice("extend", self.extend, EXTEND)
+        _integer("continue_step", self.continue_step, zero_ok=True)
+        _positive("continue_lr", self.continue_lr, zero_ok=True)
+        if self.continue_step and self.extend == "recompute":
+            raise ConfigError("continue_step", self.continue_step, "0 with extend='recompute' (a continuation "
+                              "is extend='constant' or 'decay' from that update)")
+        if self.continue_step >= self.steps:
+            raise ConfigError("continue_step", self.continue_step, f"fewer than steps ({self.steps})")
         if self.lr_preset:
             _choice("lr_preset", self.lr_preset, tuple(LR_PRESETS))
             # The preset sets the schedule: a value given beside it would be ignored silently.

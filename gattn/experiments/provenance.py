@@ -48,6 +48,9 @@ COMMON = {
     "train.lr_preset": "none: learning_rate, min_learning_rate and warmup_steps are the schedule",
     "train.init_from": "none: a new run (pretraining)",
     "train.init_step": "the source run's latest checkpoint",
+    "train.extend": "ours: a resume with more steps refits the cosine to them (docs/training.md)",
+    "train.continue_step": "none: the schedule as trained (a continuation starts here; docs/training.md)",
+    "train.continue_lr": "none: the schedule as trained (a continuation's LR; docs/training.md)",
 }
 # Settings that change neither the trained model nor its training: how often to log, evaluate and
 # save, and when a run stops on non-finite losses.

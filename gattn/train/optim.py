@@ -1,6 +1,10 @@
-"""AdamW with the paper's schedule: linear warmup to the max LR, cosine decay to a floor."""
+"""AdamW with the paper's schedule: linear warmup to the max LR, cosine decay to a floor; and
+what a resume that changes the number of steps does to it (`continued`)."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +22,49 @@ def schedule(cfg: TrainConfig) -> optax.Schedule:
     peak, floor, warmup = cfg.schedule
     curve = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=warmup,
                                                decay_steps=cfg.steps, end_value=floor)
-    return lambda count: curve(count + 1)
+    if not cfg.continue_step:
+        return lambda count: curve(count + 1)
+    # A continuation (`continued`): from update count `continue_step` on, `continue_lr`, held
+    # ("constant") or taken by a cosine to the floor at the last update ("decay").
+    start, lr0 = cfg.continue_step, cfg.continue_lr
+    span = max(cfg.steps - 1 - start, 1)
+
+    def tail(count):
+        if cfg.extend == "constant":
+            return jnp.full((), lr0, jnp.float32)
+        t = jnp.clip((count - start) / span, 0.0, 1.0)
+        return floor + (lr0 - floor) * 0.5 * (1 + jnp.cos(math.pi * t))
+
+    return lambda count: jnp.where(count < start, curve(count + 1), tail(count))
+
+
+def continued(cfg: TrainConfig, saved: TrainConfig | None, count: int) -> tuple[TrainConfig, str]:
+    """The schedule a run resumed at optimizer update count `count` trains with, and a note for
+    the user ('' when there is nothing to say). `saved`: the train config of the checkpoint.
+
+    Same `steps` as the checkpoint: its continuation (if any) goes on. Other `steps`: with
+    extend="recompute" the cosine is refitted to the new total and the note gives the LR of the
+    next update before and after; with "constant" or "decay" the LR the checkpoint's schedule had
+    reached is kept or decayed from (continue_step / continue_lr record where, in config.json).
+    A continuation set by hand (continue_step > 0) is taken as given."""
+    if saved is None or cfg.continue_step:
+        return cfg, ""
+    if saved.steps == cfg.steps:
+        if saved.continue_step and saved.continue_step <= count:
+            return dataclasses.replace(cfg, extend=saved.extend, continue_step=saved.continue_step,
+                                       continue_lr=saved.continue_lr), ""
+        return cfg, ""
+    before = float(schedule(saved)(count))
+    change = f"train.steps {saved.steps} -> {cfg.steps} at update {count + 1}"
+    if cfg.extend == "recompute":
+        after = float(schedule(cfg)(count))
+        return cfg, (f"note: {change}: the warmup + cosine is recomputed for {cfg.steps} steps, so the LR goes "
+                     f"from {before:.3g} (the checkpoint's schedule) to {after:.3g}; --config.train.extend=constant "
+                     f"keeps {before:.3g}, --config.train.extend=decay decays it to {cfg.schedule[1]:.3g} by step "
+                     f"{cfg.steps}")
+    new = dataclasses.replace(cfg, continue_step=count, continue_lr=before)
+    how = "held" if cfg.extend == "constant" else f"then decays by a cosine to {cfg.schedule[1]:.3g} at step {cfg.steps}"
+    return new, f"note: {change}: the LR continues from {before:.3g} (extend={cfg.extend!r}: {how})"
 
 
 def schedule_count(opt_state) -> jax.Array:

@@ -427,6 +427,11 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
     if restored is not None:
         state, data_state, meta = restored
         pipeline.set_state(data, data_state)
+        saved = from_dict(Config, meta["config"]).train if meta.get("config") else None
+        train_cfg, note = optim.continued(t, saved, int(optim.schedule_count(state["opt_state"])))
+        cfg, t = dataclasses.replace(cfg, train=train_cfg), train_cfg  # (config.json records a continuation)
+        if note and hosts.primary():
+            print(note, file=sys.stderr, flush=True)
     elif source_step is not None:
         state = {**state, "params": init_from.params(cfg, state["params"], source_step)}
     start = int(state["step"])
