@@ -116,8 +116,8 @@ def test_verdicts_follow_the_numbers_both_ways():
     text = better["gated_beats_baseline"]["text"]
     assert "supports it" in text and "18.00 ± 0.10 vs baseline 20.00 ± 0.10 (3 seeds)" in text
     assert "2.00 lower, by more than the seed spread (0.10)" in text
-    assert "v_elementwise vs k_elementwise not tested (the study has no k_elementwise run)" in \
-        better["position_order"]["text"]
+    assert "v_elementwise vs k_elementwise not tested (the study has no k_elementwise run: add it to " \
+        "Study.variants (--variants))" in better["position_order"]["text"]
 
     worse = verdicts([group("baseline", 18.0, f_attn=0.1, m_act=10.0),
                       group("sdpa_elementwise", 20.0, f_attn=0.5, m_act=100.0)])
@@ -274,3 +274,120 @@ def test_diverged_seeds_leave_the_final_loss_and_the_lr_claim_inconclusive():
     assert top["sdpa_elementwise"]["final_loss_per_seed"] == [3.0, 3.01, 9.9]
     lr_claim = verdicts(study.aggregate(s, records))["gating_tolerates_higher_lr"]
     assert lr_claim["verdict"] == "inconclusive" and "lost seeds at the highest LR" in lr_claim["text"]
+
+
+def test_gated_and_reference_default_to_the_study_s_own_variants():
+    """Unset, `gated` is sdpa_elementwise when the study runs it, else its only gated variant (else
+    sdpa_elementwise); `reference` likewise baseline, else its only ungated variant; set, they stay."""
+    from gattn.config import Config, TrainConfig
+
+    base = Config(train=TrainConfig(steps=10, warmup_steps=2))
+
+    def roles(names, **kwargs):
+        s = study.Study(base=base, variants=names, seeds=(0,), **kwargs)
+        return s.gated_variant, s.reference_variant
+
+    assert roles(("baseline", "sdpa_elementwise")) == ("sdpa_elementwise", "baseline")
+    assert roles(("baseline", "sdpa_headwise")) == ("sdpa_headwise", "baseline")
+    assert roles(("baseline", "sdpa_headwise", "sdpa_elementwise")) == ("sdpa_elementwise", "baseline")
+    assert roles(("sdpa_rmsnorm", "sdpa_headwise")) == ("sdpa_headwise", "sdpa_rmsnorm")  # the only ungated one
+    assert roles(("baseline", "sdpa_headwise", "v_elementwise")) == ("sdpa_elementwise", "baseline")  # two: none
+    assert roles(("baseline", "sdpa_headwise", "v_elementwise"), gated="v_elementwise") == ("v_elementwise",
+                                                                                           "baseline")
+    assert roles(("sdpa_headwise", "sdpa_elementwise"), reference="sdpa_elementwise") == ("sdpa_headwise",
+                                                                                          "sdpa_elementwise")
+    with pytest.raises(ConfigError, match="reference.*its default, baseline, is also `gated`"):
+        roles(("baseline", "sdpa_elementwise"), gated="baseline")
+    # The report's claims use them: a study of the headwise gate tests the claims about gating.
+    s = study.Study(base=base, variants=("baseline", "sdpa_headwise"), seeds=(0,))
+    groups = [group("baseline", 20.0, f_attn=0.5, m_act=100.0, lr=s.reference_lr),
+              group("sdpa_headwise", 18.0, f_attn=0.1, m_act=10.0, lr=s.reference_lr)]
+    by = {c["claim"]: c for c in study.report.clip_claims(s, [{**g, "clip": s.clips[0]} for g in groups])}
+    assert by["gated_beats_baseline"]["verdict"] == "supported"
+    assert by["gating_removes_sink_and_massive_activations"]["verdict"] == "supported"
+
+
+def test_an_untested_claim_says_which_field_and_flag_would_test_it():
+    groups = [group("baseline", 20.0, f_attn=0.5, m_act=100.0), group("sdpa_headwise", 18.0, f_attn=0.1, m_act=10.0),
+              group("v_elementwise", 19.0)]
+    by = verdicts(groups)  # gated: sdpa_elementwise, which the study does not run
+    fix = ("sdpa_elementwise vs baseline not tested (needs the gated variant sdpa_elementwise, which this study "
+           "does not run: set Study.gated (--gated) to one of sdpa_headwise, v_elementwise, or add sdpa_elementwise "
+           "to Study.variants (--variants))")
+    for key in ("gated_beats_baseline", "gating_removes_sink_and_massive_activations", "gating_tolerates_higher_lr"):
+        assert by[key]["verdict"] == "untested" and fix in by[key]["text"], key
+    assert by["gating_removes_sink_and_massive_activations"]["text"].count(fix) == 1  # once for F-Attn and M-Act
+    assert "(the study has no sdpa_elementwise or sdpa_head_shared run: add them to Study.variants (--variants))" \
+        in by["head_specific_beats_shared"]["text"]
+    no_reference = {c["claim"]: c for c in study.claims(groups[1:], 1e-3, gated="sdpa_headwise")}
+    assert ("needs the reference baseline, which this study does not run: set Study.reference (--reference) to "
+            "one of v_elementwise, or add baseline to Study.variants (--variants)") in \
+        no_reference["gated_beats_baseline"]["text"]
+    one_lr = {c["claim"]: c for c in study.claims(groups, 1e-3, gated="sdpa_headwise")}
+    assert "set Study.learning_rates (--lrs) to two or more" in one_lr["gating_tolerates_higher_lr"]["text"]
+    lost = verdicts([group("baseline", 20.0), group("sdpa_elementwise", 18.0, diverged=3)])
+    assert "(every seed of one of them diverged)" in lost["gated_beats_baseline"]["text"]
+
+
+def test_the_command_line_builds_a_study_without_a_study_file(tmp_path, monkeypatch):
+    from gattn.experiments.study import command
+
+    s, args = command.parse(["--variants", "baseline,sdpa_headwise", "--seeds", "0,1", "--lrs", "1e-3,3e-3",
+                             "--steps", "200", "--config", "tiny", "--config.model.d_model=64",
+                             "--workdir", str(tmp_path)])
+    assert (s.variants, s.seeds, s.learning_rates) == (("baseline", "sdpa_headwise"), (0, 1), (1e-3, 3e-3))
+    assert s.base.train.steps == 200 and s.base.model.d_model == 64 and s.base.model.num_layers == 4  # tiny's
+    assert (s.gated_variant, s.reference_variant) == ("sdpa_headwise", "baseline")
+    assert [str(c.path) for c in study.cells(s)][:2] == ["runs/baseline/lr_0.001/seed_0",
+                                                         "runs/baseline/lr_0.001/seed_1"]
+    plain, _ = command.parse(["--workdir", str(tmp_path), "--steps", "2", "--config.train.warmup_steps=1"])
+    assert plain.variants == ("baseline", "sdpa_elementwise") and plain.seeds == (0, 1, 2)
+    assert plain.lrs == (3e-3,) and plain.sink_points == 2
+    # With a study file the flags replace its fields; overrides apply to its base.
+    preset, _ = command.parse(["table4_tiny", "--variants", "baseline,sdpa_headwise", "--seeds", "3",
+                               "--gated", "sdpa_headwise", "--config.model.d_ff=128", "--workdir", str(tmp_path)])
+    assert preset.variants == ("baseline", "sdpa_headwise") and preset.seeds == (3,) and preset.gated == "sdpa_headwise"
+    assert preset.base.train.steps == 300 and preset.base.model.d_ff == 128  # the file's steps
+    stab, _ = command.parse(["lr_stability_tiny", "--variants", "baseline,sdpa_headwise", "--workdir", str(tmp_path)])
+    assert stab.gated == "" and stab.gated_variant == "sdpa_headwise"  # the file's gated is not in --variants
+    # main runs the study the flags describe.
+    seen = []
+    monkeypatch.setattr(command, "run", lambda st, workdir, progress: seen.append((st, workdir)))
+    assert command.main(["--variants", "baseline,sdpa_headwise", "--seeds", "0", "--steps", "60",
+                         "--workdir", str(tmp_path)]) == 1  # (run said it was stopped)
+    assert seen[0][0].variants == ("baseline", "sdpa_headwise") and seen[0][0].base.train.steps == 60
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--variants baseline,no_such_gate", "'--variants' = 'no_such_gate' is not allowed: expected comma-separated "
+                                         r"registered variants \(baseline, "),
+    ("--variants baseline,baseline", "'--variants' = 'baseline,baseline'.*each once"),
+    ("--lrs 1e-3,fast", "'--lrs' = 'fast' is not allowed: expected comma-separated numbers > 0"),
+    ("--lrs 0", "'--lrs' = '0' is not allowed: expected comma-separated numbers > 0"),
+    ("--seeds 0,1.5", "'--seeds' = '1.5' is not allowed: expected comma-separated integers >= 0"),
+    ("--seeds -1", "'--seeds' = '-1' is not allowed"),
+    ("--steps 0", "'--steps' = '0' is not allowed: expected an integer >= 1"),
+    ("--steps ten", "'--steps' = 'ten' is not allowed: expected an integer >= 1"),
+    ("--gated sdpa_headwise", r"'--gated' = 'sdpa_headwise' is not allowed: expected one of the study's variants "
+                              r"\(baseline, sdpa_elementwise\)"),
+    ("--reference nope", "'--reference' = 'nope' is not allowed: expected a registered variant"),
+    ("--config.variant=sdpa_headwise", "choose the variants with --variants"),
+])
+def test_bad_flags_are_one_line_naming_the_flag(flags, message, tmp_path):
+    from gattn.experiments.study import command
+
+    with pytest.raises(ConfigError, match=message):
+        command.parse(flags.split() + ["--workdir", str(tmp_path)])
+
+
+def test_the_command_line_s_errors_and_help(tmp_path):
+    """A bad flag is one line on stderr and exit 2, before anything trains; --help shows the defaults."""
+    proc = subprocess.run([sys.executable, "-m", "gattn.study", "--variants", "baseline,nope", "--workdir",
+                           str(tmp_path / "s")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "'--variants' = 'nope'" in proc.stderr
+    assert not (tmp_path / "s").exists()
+    text = subprocess.run([sys.executable, "-m", "gattn.study", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120).stdout
+    for default in ("the study file's base, else tiny", "else baseline,sdpa_elementwise", "else 0,1,2", "--gated",
+                    "--reference", "--lrs"):
+        assert default in " ".join(text.split()), default

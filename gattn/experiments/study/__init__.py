@@ -9,7 +9,7 @@ the command and what it writes: command.py).
     stats     aggregate (mean ± std over seeds), compare (a difference against the seed spread)
     claims    Claim, CLAIMS (the paper's claims as data), claims (their verdicts)
     report    table, stability_table, write_report, markdown
-    command   main (the command line)
+    command   main (the command line), parse (the study a command line describes; nothing trains)
 
 (`claims` here is the function; the module is gattn.experiments.study.claims.)
 """

@@ -8,9 +8,11 @@ beats), and how they are compared (`test`):
     "lr"    divergence of its one pair across the study's learning rates (then the final losses)
 
 A pair names registered variants, or the roles GATED and REFERENCE, which a study sets
-(`Study.gated`, `Study.reference`; by default sdpa_elementwise and baseline), so that the generic
-claims (gating beats the baseline, removes the sink, tolerates a higher LR) can be pointed at other
-variants. `CLAIMS` is the paper's table; a study may bring its own (`Study.claims`).
+(`Study.gated`, `Study.reference`; by default sdpa_elementwise and baseline, or the study's only
+gated and only ungated variant when it runs no sdpa_elementwise or no baseline), so that the
+generic claims (gating beats the baseline, removes the sink, tolerates a higher LR) can be pointed
+at other variants. `CLAIMS` is the paper's table; a study may bring its own (`Study.claims`). A
+claim the study cannot test says why and which field (and flag) would make it testable.
 """
 
 from __future__ import annotations
@@ -79,16 +81,44 @@ def claims(groups: list[dict], reference_lr: float, *, table: tuple[Claim, ...] 
     stand for `gated` and `reference`."""
     roles = {GATED: gated, REFERENCE: reference}
     at = {g["variant"]: g for g in groups if g["lr"] == reference_lr}
+    ran = list(dict.fromkeys(g["variant"] for g in groups))
     out = []
     for claim in table:
         pairs = [(roles.get(a, a), roles.get(b, b)) for a, b in claim.pairs]
+        missing = {roles.get(n, n): _missing(n, roles, ran) for p in claim.pairs for n in p
+                   if roles.get(n, n) not in ran}  # the variants it needs that the study does not run
         if claim.test == "ppl":
-            out.append(_ppl_claim(claim, pairs, at))
+            out.append(_ppl_claim(claim, pairs, at, missing))
         elif claim.test == "sink":
-            out.append(_sink_claim(claim, *pairs[0], at))
+            out.append(_sink_claim(claim, *pairs[0], at, missing))
         else:
-            out.append(_lr_claim(claim, *pairs[0], groups))
+            out.append(_lr_claim(claim, *pairs[0], groups, missing))
     return out
+
+
+def _missing(name: str, roles: dict, ran: list[str]) -> str:
+    """Why a claim naming the role `name` cannot be tested by a study of the variants `ran`, and
+    the field (and flag) that would make it testable ("" for a variant named by itself: `_why`)."""
+    if name not in roles:
+        return ""
+    field, what = ("gated", "gated variant") if name == GATED else ("reference", "reference")
+    other = roles[REFERENCE if name == GATED else GATED]
+    choices = [v for v in ran if v != other]
+    fix = (f"set Study.{field} (--{field}) to one of {', '.join(choices)}, or add {roles[name]} to Study.variants "
+           "(--variants)" if choices else f"add {roles[name]} to Study.variants (--variants)")
+    return f"needs the {what} {roles[name]}, which this study does not run: {fix}"
+
+
+def _why(names: tuple[str, ...], missing: dict) -> str:
+    """Why a comparison of `names` cannot be tested because the study does not run some of them
+    ("" if it runs them all); `missing`: the variants it does not run, with `_missing`'s reason."""
+    absent = [n for n in dict.fromkeys(names) if n in missing]
+    plain = [n for n in absent if not missing[n]]
+    reasons = [missing[n] for n in absent if missing[n]]
+    if plain:
+        reasons.append(f"the study has no {' or '.join(plain)} run: add {'it' if len(plain) == 1 else 'them'} "
+                       "to Study.variants (--variants)")
+    return "; ".join(reasons)
 
 
 def _compare_groups(better: dict | None, worse: dict | None, metric: str) -> dict:
@@ -101,11 +131,10 @@ def _compare_groups(better: dict | None, worse: dict | None, metric: str) -> dic
     return c
 
 
-def _pair_text(c: dict, a: str, b: str, what: str, digits: int = 2, present=()) -> str:
+def _pair_text(c: dict, a: str, b: str, what: str, digits: int = 2, missing: dict | None = None) -> str:
+    """One comparison in words; `missing`: the variants the study does not run (`_why`)."""
     if c["verdict"] == "untested":
-        missing = [v for v in (a, b) if v not in present]
-        why = (f"the study has no {' or '.join(missing)} run" if missing else "every seed of one of them diverged")
-        return f"{a} vs {b} not tested ({why})"
+        return f"{a} vs {b} not tested ({_why((a, b), missing or {}) or 'every seed of one of them diverged'})"
     n = min(c["better"]["n"], c["worse"]["n"])
     beyond = abs(c["diff"]) > c["spread"]
     rel = ("lower, by more than" if c["diff"] > 0 else "higher, by more than") if beyond else "within"
@@ -130,16 +159,16 @@ def _combine(verdicts: list[str]) -> str:
     return "inconclusive"
 
 
-def _ppl_claim(claim: Claim, pairs: list[tuple[str, str]], at: dict) -> dict:
+def _ppl_claim(claim: Claim, pairs: list[tuple[str, str]], at: dict, missing: dict) -> dict:
     parts = [(a, b, _compare_groups(at.get(a), at.get(b), "ppl_avg")) for a, b in pairs]
     verdict = _combine([c["verdict"] for _, _, c in parts])
-    details = "; ".join(_pair_text(c, a, b, "PPL", present=at) for a, b, c in parts)
+    details = "; ".join(_pair_text(c, a, b, "PPL", missing=missing) for a, b, c in parts)
     return {"claim": claim.key, "title": claim.title, "verdict": verdict,
             "comparisons": [{"better": a, "worse": b, **c} for a, b, c in parts],
             "text": f"**{claim.title}.** {WORDS[verdict]}: {details}."}
 
 
-def _sink_claim(claim: Claim, gated: str, reference: str, at: dict) -> dict:
+def _sink_claim(claim: Claim, gated: str, reference: str, at: dict, missing: dict) -> dict:
     """Sinks and massive activations: lower F-Attn and M-Act with the gate. "Removes": lower by
     more than the seed spread and at most REMOVED x the reference's (the paper: F-Attn 0.467 ->
     0.048, M-Act 1053 -> 94); merely lower is "partly supported"."""
@@ -148,7 +177,7 @@ def _sink_claim(claim: Claim, gated: str, reference: str, at: dict) -> dict:
     verdicts, texts = [], []
     for what, c in parts:
         v = c["verdict"]
-        texts.append(_pair_text(c, gated, reference, what, 3, present=at))
+        texts.append(_pair_text(c, gated, reference, what, 3, missing=missing))
         if v == "supported" and c["better"]["mean"] > REMOVED * c["worse"]["mean"]:
             v = "partly supported"
             texts[-1] += (f", but not removed ({c['better']['mean'] / c['worse']['mean']:.0%} of the baseline's; "
@@ -166,7 +195,7 @@ def _sink_claim(claim: Claim, gated: str, reference: str, at: dict) -> dict:
     return {"claim": claim.key, "title": claim.title, "verdict": verdict,
             "parts": {"sink": verdicts[0], "m_act": verdicts[1]}, "no_sink_in_reference": bool(no_sink),
             "comparisons": [{"metric": c["metric"], **c} for _, c in parts],
-            "text": f"**{claim.title}.** {WORDS[verdict]}: {'; '.join(texts)}."}
+            "text": f"**{claim.title}.** {WORDS[verdict]}: {'; '.join(dict.fromkeys(texts))}."}
 
 
 def _no_sink(ref: dict | None) -> str:
@@ -185,7 +214,7 @@ def _no_sink(ref: dict | None) -> str:
     return ""
 
 
-def _lr_claim(claim: Claim, gated: str, reference: str, groups: list[dict]) -> dict:
+def _lr_claim(claim: Claim, gated: str, reference: str, groups: list[dict], missing: dict) -> dict:
     """Gating tolerates a higher learning rate: a learning rate at which the reference diverged
     and the gated model did not (and none the other way round). The rows' "baseline_*" keys are
     the reference's."""
@@ -197,7 +226,10 @@ def _lr_claim(claim: Claim, gated: str, reference: str, groups: list[dict]) -> d
              "baseline_final_loss": by[(reference, lr)]["final_loss"],
              "gated_final_loss": by[(gated, lr)]["final_loss"]} for lr in lrs]
     if len(lrs) < 2:
-        verdict, details = "untested", f"it needs {reference} and {gated} at two or more learning rates"
+        why = _why((gated, reference), missing)
+        verdict, details = "untested", (f"{gated} vs {reference} not tested ({why})" if why else
+                                        f"it needs {reference} and {gated} at two or more learning rates: set "
+                                        "Study.learning_rates (--lrs) to two or more")
     else:
         gated_better = [r["lr"] for r in rows if r["baseline_diverged"] > r["gated_diverged"]]
         base_better = [r["lr"] for r in rows if r["gated_diverged"] > r["baseline_diverged"]]

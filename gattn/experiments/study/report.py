@@ -57,7 +57,7 @@ def clip_claims(study: Study, groups: list[dict]) -> list[dict]:
     out = []
     for clip in study.clips:
         for c in claims([g for g in groups if g.get("clip", clip) == clip], study.reference_lr, table=study.claims,
-                        gated=study.gated, reference=study.reference):
+                        gated=study.gated_variant, reference=study.reference_variant):
             if len(study.clips) > 1:
                 c = {**c, "claim": f"{c['claim']}@grad_clip={clip:g}", "grad_clip": clip,
                      "text": f"*{_clip_words(clip)}:* {c['text']}"}
@@ -107,6 +107,7 @@ def write_report(study: Study, records: list[dict], root: Path) -> dict:
     timed = [r["seconds"] for r in records if "seconds" in r]
     seconds = {k: sum(t[k] for t in timed) for k in ("train", "measure")} if timed else None
     report = {"study": describe(study), "groups": all_groups, "claims": verdicts, "figures": figures,
+              "roles": {"gated": study.gated_variant, "reference": study.reference_variant},
               "seconds": seconds,
               "cells": [{k: v for k, v in r.items() if k not in ("measurements", "losses")} for r in all_records]}
     (root / "report.json").write_text(json.dumps(report, indent=1))
@@ -159,6 +160,10 @@ def markdown(report: dict) -> str:
                           for g in curves]
                 lines.append("")
     lines += ["## The paper's claims at this scale", ""]
+    if report.get("roles"):
+        r = report["roles"]
+        lines += [f"The claims about gating compare {r['gated']} (`Study.gated`, `--gated`) with {r['reference']} "
+                  "(`Study.reference`, `--reference`).", ""]
     lines += [c["text"] + "\n" for c in report["claims"]]
     lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in report["figures"]]
     return "\n".join(lines) + "\n"

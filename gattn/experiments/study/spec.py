@@ -39,10 +39,11 @@ class Study:
     # ({lr} and {seed} required when the study has several of them).
     cell_dir: str = "runs/{variant}/lr_{lr:g}/seed_{seed}"
     # The claims and their verdicts (claims.py): a table of claims whose pairs name variants, or
-    # the roles GATED and REFERENCE, which are these two variants.
+    # the roles GATED and REFERENCE, which are these two variants ("": the study's own, see
+    # `gated_variant` and `reference_variant`).
     claims: tuple[Claim, ...] = CLAIMS
-    gated: str = PAPER_GATED
-    reference: str = PAPER_REFERENCE
+    gated: str = ""
+    reference: str = ""
     # `--config.FIELD=VALUE` overrides applied to each cell after its variant, so that an override
     # can tweak a variant (as train.py's `--variant X --config.model.gate...` does). A study file's
     # command-line overrides apply to `base` instead (see `load`).
@@ -53,12 +54,11 @@ class Study:
             raise ConfigError("base", self.base, "expected a gattn.config.Config")
         if not self.variants or len(set(self.variants)) != len(self.variants):
             raise ConfigError("variants", self.variants, "expected distinct registered variant names")
-        for field in ("variants", "gated", "reference"):
-            for v in (self.variants if field == "variants" else (getattr(self, field),)):
-                if v not in variants.REGISTRY:
-                    raise ConfigError(field, v, f"expected registered names ({', '.join(variants.REGISTRY)})")
-        if self.gated == self.reference:
-            raise ConfigError("gated", self.gated, "expected a variant other than `reference`")
+        named = [("variants", v) for v in self.variants] + [(f, getattr(self, f)) for f in ("gated", "reference")
+                                                            if getattr(self, f)]  # ("": the study's own)
+        for field, v in named:
+            if v not in variants.REGISTRY:
+                raise ConfigError(field, v, f"expected registered names ({', '.join(variants.REGISTRY)})")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or \
                 any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in self.seeds):
             raise ConfigError("seeds", self.seeds, "expected distinct integers >= 0")
@@ -84,6 +84,25 @@ class Study:
         _check_cell_dir(self)
         for cell in cells(self):  # every cell's config is checked before anything trains
             cell_config(self, cell)
+        if self.gated_variant == self.reference_variant:
+            if self.gated and self.reference:
+                raise ConfigError("gated", self.gated, "expected a variant other than `reference`")
+            chosen, unset = ("gated", "reference") if self.gated else ("reference", "gated")
+            raise ConfigError(unset, "", f"its default, {self.gated_variant}, is also `{chosen}`: "
+                              f"set `{unset}` to another variant")
+
+    @property
+    def gated_variant(self) -> str:
+        """What the role GATED stands for: `gated` if set; else sdpa_elementwise when the study
+        runs it, else the study's only gated variant (other than the reference), else
+        sdpa_elementwise (and the claims that need it say how to choose)."""
+        return self.gated or _default_role(self, PAPER_GATED, gated=True, other=self.reference)
+
+    @property
+    def reference_variant(self) -> str:
+        """What the role REFERENCE stands for: `reference` if set; else baseline when the study
+        runs it, else the study's only ungated variant (other than the gated one), else baseline."""
+        return self.reference or _default_role(self, PAPER_REFERENCE, gated=False, other=self.gated)
 
     @property
     def lrs(self) -> tuple[float, ...]:
@@ -108,6 +127,16 @@ class Study:
     def tokens(self) -> int:
         t = self.base.train
         return t.steps * t.batch_size * t.seq_len
+
+
+def _default_role(study: Study, paper: str, *, gated: bool, other: str) -> str:
+    """The paper's variant for a role if the study runs it, else the study's only variant that is
+    (or is not) gated apart from `other` (the other role, if set), else the paper's."""
+    if paper in study.variants and paper != other:
+        return paper
+    fits = [v for v in study.variants
+            if v != other and (variants.apply(v, study.base.model).gate is not None) == gated]
+    return fits[0] if len(fits) == 1 else paper
 
 
 @dataclass(frozen=True)
