@@ -223,3 +223,45 @@ def test_a_scanned_model_generates_what_its_unscanned_twin_generates(model):
     assert len(model.init_cache(2, 8)["k"]) == cfg.num_layers
     want = decode.generate(model, PROMPTS, max_new_tokens=6, max_len=16)
     assert decode.generate(scanned, PROMPTS, max_new_tokens=6, max_len=16) == want
+
+
+def test_sampling_is_reproducible_equals_the_reference_and_compiles_once(model):
+    """With temperature > 0 the cached path draws what the full-forward reference draws with the
+    same key (row r's draw at step i uses fold_in(fold_in(key, r), i)); another key draws other
+    tokens; new temperatures, top_p values and keys reuse the compiled step; a tiny top_p is
+    greedy decoding; row 0 alone draws what it draws in a batch."""
+    def gen(seed, temperature=1.5, top_p=0.9, prompts=PROMPTS):
+        return decode.generate(model, prompts, max_new_tokens=8, max_len=16, temperature=temperature,
+                               top_p=top_p, key=jax.random.key(seed))
+
+    drawn = gen(0)
+    assert drawn == gen(0) == decode.generate_without_cache(
+        model, PROMPTS, max_new_tokens=8, max_len=16, temperature=1.5, top_p=0.9, key=jax.random.key(0))
+    assert drawn != gen(1)
+    # Row r's key is fold_in(key, r) in any batch: row 0 alone draws as row 0 of three.
+    np.testing.assert_array_equal(decode.row_keys(jax.random.key(0), 1), decode.row_keys(jax.random.key(0), 3)[:1])
+    greedy = decode.generate(model, PROMPTS, max_new_tokens=8, max_len=16)
+    assert drawn != greedy and gen(2, top_p=1e-6) == greedy  # the nucleus is then the argmax alone
+    compiled = decode._step._cache_size()
+    gen(5, temperature=0.7, top_p=0.5)
+    assert decode._step._cache_size() == compiled
+
+
+def test_nucleus_keeps_the_most_probable_tokens_that_first_reach_top_p():
+    logits_1x4 = jnp.log(jnp.asarray([[0.1, 0.5, 0.3, 0.1]]))
+    kept = lambda p: np.isfinite(np.asarray(decode._nucleus(logits_1x4, jnp.float32(p))))[0].tolist()  # noqa: E731
+    assert kept(0.5) == [False, True, False, False]
+    assert kept(0.6) == [False, True, True, False]
+    assert kept(0.85) == [True, True, True, True]  # the two 0.1s tie at the cut: both stay
+    assert kept(1.0) == [True, True, True, True]
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=1.0, top_p=0.0), "top_p"), (dict(temperature=1.0, top_p=1.5), "top_p"),
+    (dict(temperature=1.0), "key")])
+def test_bad_sampling_settings_are_one_config_error(model, kw, field):
+    from gattn.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        decode.generate(model, PROMPTS, max_new_tokens=2, **kw)

@@ -167,7 +167,8 @@ def validation_batches(cfg) -> dict[str, list[dict]]:
 
 
 class Tokenizer:
-    """The task's vocabulary behind the methods gattn calls on a tokenizer (<s> decodes as '^')."""
+    """The task's vocabulary as a gattn tokenizer (gattn.data.tokenizer.Tokenizer): <s> is its
+    BOS (every sequence opens with it) and decodes as '^'; it has no end-of-text token."""
 
     def __init__(self, chars: str):
         self.chars = chars
@@ -181,6 +182,9 @@ class Tokenizer:
 
     def eos_id(self) -> int:
         return -1
+
+    def bos_id(self) -> int:
+        return START
 
     def get_piece_size(self) -> int:
         return len(self.chars) + 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from typing import Protocol, runtime_checkable
 
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import sentencepiece as spm
@@ -19,10 +20,30 @@ INIT_FROM_TOKENIZER = "init_from.model"  # a continued run's copy of its source'
 HF_TOKENIZER_DIR = "hf"  # WORKDIR/tokenizer/hf/: a converted model's tokenizer.json (gattn/interop/convert.py)
 
 
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What gattn calls on a tokenizer: SentencePiece's processor's methods, which `HFTokenizer`
+    and `backcopy.Tokenizer` also have. Special ids are -1 where the tokenizer has none."""
+
+    def encode(self, text: str) -> list[int]:
+        """The text's token ids, no special tokens added."""
+
+    def decode(self, ids) -> str:
+        """The text of token ids (special tokens included)."""
+
+    def eos_id(self) -> int:
+        """The end-of-text id (-1: none)."""
+
+    def bos_id(self) -> int:
+        """The id that opens a document (-1: none)."""
+
+    def get_piece_size(self) -> int:
+        """The number of ids, special tokens included."""
+
+
 class HFTokenizer:
-    """A Hugging Face tokenizer.json behind the SentencePiece methods gattn calls: encode (no
-    special tokens added), decode, eos_id and bos_id (-1 if none; from tokenizer_config.json
-    beside it: Qwen's names no bos_token), get_piece_size."""
+    """A Hugging Face tokenizer.json as a `Tokenizer`: encode adds no special tokens; eos_id and
+    bos_id come from tokenizer_config.json beside it (-1 if none: Qwen's names no bos_token)."""
 
     def __init__(self, path: Path):
         from tokenizers import Tokenizer  # noqa: PLC0415
@@ -85,7 +106,7 @@ def _train_spm(lines, model, vocab_size: int) -> None:
         shuffle_input_sentence=True, max_sentence_length=16384, num_threads=2, minloglevel=2)
 
 
-def read_tokenizer(path: Path, field: str = "data.tokenizer") -> spm.SentencePieceProcessor | HFTokenizer:
+def read_tokenizer(path: Path, field: str = "data.tokenizer") -> Tokenizer:
     """A Hugging Face tokenizer.json (by its suffix) or a SentencePiece .model; a file that is
     neither is one line naming `field` and what the file is not (not sentencepiece's INTERNAL
     error)."""
@@ -138,8 +159,7 @@ def tokenizer_path(cfg, workdir: Path, *, fresh: bool = False) -> Path:
     return found or paths[0]
 
 
-def load_tokenizer(cfg, workdir: Path, *, fresh: bool = False,
-                   path: Path | None = None) -> spm.SentencePieceProcessor | HFTokenizer:
+def load_tokenizer(cfg, workdir: Path, *, fresh: bool = False, path: Path | None = None) -> Tokenizer:
     """The tokenizer of `tokenizer_path` (or `path`: the file process 0 chose): a SentencePiece
     processor, trained on first use when it is the cached one, or a Hugging Face tokenizer.json
     (`HFTokenizer`). Unless `fresh`, a file that is not the one the run recorded is refused

@@ -1,0 +1,132 @@
+"""`python -m gattn.generate`: text in, text out, from any gattn run or Hugging Face model folder.
+
+    python -m gattn.generate --workdir RUN "The attention gate" "def add(a, b):"
+    python -m gattn.generate --workdir HF_FOLDER --prompts-file prompts.jsonl --json
+    python -m gattn.generate --workdir RUN "Once" --temperature 0.8 --top-p 0.95 --seed 1 --step 2000
+
+RUN is a gattn run directory (its latest checkpoint, or --step) or a Hugging Face model folder
+(converted in memory, as python -m gattn.lm_eval does). Each prompt is encoded with the run's
+tokenizer, after BOS where the run's documents open with one (data.bos, or Bigram-Backcopy's <s>);
+an empty prompt is that BOS alone, or EOS (gattn's documents follow one). All prompts run as one
+batch through the kv-cache decoder (gattn.eval.decode), each row as it would alone, and each
+stops at the tokenizer's EOS (not printed) or after --max-tokens tokens. Greedy by default;
+--temperature > 0 samples from the --top-p nucleus, the same tokens for the same --seed.
+
+Output: each prompt's continuation (after a `==> prompt <==` line when there are several), or
+with --json one line per prompt: {"prompt", "completion", "tokens" (the generated ids)}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from gattn import cli
+from gattn.config import BACKCOPY, ConfigError
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a file: a .jsonl's {"prompt": ...} objects, else one prompt per line (blank
+    lines skipped in both)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--prompts-file", str(path), "an existing file (one prompt per line, or a .jsonl "
+                          'of {"prompt": ...})')
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    if path.suffix != ".jsonl":
+        return [line for _, line in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ConfigError("--prompts-file", f"{path}:{n}", 'a JSON object with a string "prompt" on every '
+                              "non-blank line of a .jsonl (a plain text file: any other suffix)")
+        prompts.append(row["prompt"])
+    return prompts
+
+
+def opening(cfg, tokenizer) -> int | None:
+    """The BOS id every prompt opens with where the run's documents open with one (data.bos, or
+    Bigram-Backcopy's <s>), else None."""
+    bos = tokenizer.bos_id()
+    return bos if (cfg.data.bos or cfg.data.source == BACKCOPY) and bos >= 0 else None
+
+
+def encode(tokenizer, texts: list[str], bos: int | None) -> list[list[int]]:
+    """Each prompt's token ids, after `bos` if given; an empty prompt without BOS is EOS."""
+    start = [] if bos is None else [bos]
+    prompts = [start + tokenizer.encode(t) for t in texts]
+    eos = tokenizer.eos_id()
+    if any(not p for p in prompts) and eos < 0:
+        raise ConfigError("prompt", "", "a non-empty prompt (this run's tokenizer has neither BOS nor EOS to "
+                          "open an empty one)")
+    return [p or [eos] for p in prompts]
+
+
+def complete(cfg, model, tokenizer, texts: list[str], *, max_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0) -> list[dict]:
+    """{"prompt", "completion", "tokens"} per prompt: one batched decode of all of them."""
+    import jax  # noqa: PLC0415
+
+    from gattn.eval import decode  # noqa: PLC0415
+    from gattn.model.transformer import off_mesh, with_exec  # noqa: PLC0415
+
+    prompts = encode(tokenizer, texts, opening(cfg, tokenizer))
+    eos = tokenizer.eos_id()
+    tokens = decode.generate(with_exec(model, off_mesh(model.ex)), prompts, max_new_tokens=max_tokens,
+                             eos_id=eos if eos >= 0 else None, temperature=temperature, top_p=top_p,
+                             key=jax.random.key(seed))
+    return [{"prompt": text, "completion": tokenizer.decode(t), "tokens": t} for text, t in zip(texts, tokens)]
+
+
+def main(argv=None) -> int:
+    cli.single_process("python -m gattn.generate")
+    ap = argparse.ArgumentParser(prog="python -m gattn.generate", description=__doc__,
+                                 formatter_class=cli.HelpWithDefaults)
+    ap.add_argument("prompts", nargs="*", help="prompt texts (and/or --prompts-file)")
+    ap.add_argument("--workdir", required=True, help="a gattn run directory or a Hugging Face model folder")
+    ap.add_argument("--prompts-file", help='more prompts: one per line, or a .jsonl of {"prompt": ...}')
+    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt, at most")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (default: %(default)s)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of most probable "
+                    "tokens whose probability reaches this (1: every token; default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="the sampling key: jax.random.key(seed) (default: %(default)s)")
+    ap.add_argument("--step", type=int, help="the checkpoint to load (default: the latest)")
+    ap.add_argument("--json", action="store_true", help='one JSON line per prompt: {"prompt", "completion", "tokens"}')
+    args, overrides = cli.parse_args(ap, argv)
+    texts = list(args.prompts) + (read_prompts(args.prompts_file) if args.prompts_file else [])
+    if not texts:
+        raise ConfigError("prompts", [], "at least one prompt (arguments, or --prompts-file)")
+    if args.max_tokens < 1:
+        raise ConfigError("--max-tokens", args.max_tokens, "an integer >= 1")
+    from gattn.eval import decode  # noqa: PLC0415
+
+    decode.check_sampling(args.temperature, args.top_p, ("--temperature", "--top-p"))  # before the model loads
+    from gattn.lm_eval import require  # noqa: PLC0415
+
+    require()  # gattn.interop.harness, whose `load` reads runs and Hugging Face folders, imports lm-eval
+    from gattn.interop import harness  # noqa: PLC0415
+
+    cfg, model, tokenizer, _ = harness.load(args.workdir, args.step, overrides)
+    rows = complete(cfg, model, tokenizer, texts, max_tokens=args.max_tokens, temperature=args.temperature,
+                    top_p=args.top_p, seed=args.seed)
+    for row in rows:
+        if args.json:
+            print(json.dumps(row, ensure_ascii=False))
+        elif len(rows) > 1:
+            head = " ".join(row["prompt"].split())
+            head = head if len(head) <= 60 else head[:57] + "..."
+            print(f"==> {head} <==\n{row['completion']}\n")
+        else:
+            print(row["completion"])
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run_entry_point(main)
