@@ -19,6 +19,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from gattn.data.tokenizer import read_tokenizer
 from gattn.interop import convert, hf_config, weights
 from gattn.train import rundir
 from gattn.config import ConfigError
@@ -43,6 +44,39 @@ def tokenizer_file(tmp_path_factory):
     return path
 
 
+# Text the exported tokenizers must read as gattn's do: code, leading and repeated spaces, digits,
+# Unicode beyond the training text (byte fallback), special tokens' text, nothing.
+TEXTS = ["def f(x):\n    return x + 1\n", "  leading spaces", " x", "a  b   c\t\td", "12345 digits 3.14",
+         "héllo wörld — ünïcode ✓ 日本語 🙂", "<s> and </s> as text", ""]
+
+
+@pytest.fixture(scope="module")
+def spm_file(tmp_path_factory):
+    """A SentencePiece model trained as gattn trains its own (BPE, byte fallback; 300 pieces)."""
+    import io
+
+    from gattn.data import tokenizer
+
+    lines = ["def f(x):", "    return x + 1", "The attention gate is a sigmoid of the input.", "  leading spaces",
+             "12345 digits", "héllo wörld ünïcode"] * 40
+    model = io.BytesIO()
+    tokenizer._train_spm(iter(lines), model, 300)
+    path = tmp_path_factory.mktemp("spm") / "spm.model"
+    path.write_bytes(model.getvalue())
+    return path
+
+
+def assert_same_ids(out, gattn_tokenizer, bos=None):
+    """AutoTokenizer loads folder `out` as it is and encodes (and decodes) TEXTS as `gattn_tokenizer` does."""
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    for text in TEXTS:
+        ids = gattn_tokenizer.encode(text)
+        assert tok(text, add_special_tokens=False)["input_ids"] == ids, text
+        assert tok(text)["input_ids"] == ([] if bos is None else [bos]) + ids, text
+        assert tok.decode(ids) == gattn_tokenizer.decode(ids), text
+    return tok
+
+
 def randomize(model, seed=0, norm_center=1.0):
     """Every weight random (norms around `norm_center`), so a misplaced tensor changes the logits."""
     g = torch.Generator().manual_seed(seed)
@@ -64,14 +98,14 @@ def save(model, path: Path, tokenizer_file, config_update=None):
     return path
 
 
-def hf_logits(model) -> np.ndarray:
+def hf_logits(model, tokens=TOKENS) -> np.ndarray:
     with torch.no_grad():
-        return model(torch.tensor(TOKENS)).logits.float().numpy()
+        return model(torch.as_tensor(tokens)).logits.float().numpy()
 
 
-def gattn_logits(workdir) -> np.ndarray:
+def gattn_logits(workdir, tokens=TOKENS) -> np.ndarray:
     model = rundir.load(workdir).model
-    return np.asarray(model(jnp.asarray(TOKENS)))
+    return np.asarray(model(jnp.asarray(tokens)))
 
 
 def release_forward(self, hidden_states, position_embeddings, attention_mask=None, **kwargs):
@@ -167,6 +201,11 @@ def test_qwen3_logits_match_and_export_back(tie, yarn, tmp_path, tokenizer_file)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
     np.testing.assert_allclose(hf_logits(again), ours, **TOL)
     assert (tmp_path / "back" / "tokenizer.json").read_bytes() == tokenizer_file.read_bytes()
+    # The copied tokenizer loads as it is (not rebuilt as the model type's Qwen2Tokenizer), and its eos
+    # is the model's.
+    tok = read_tokenizer(tmp_path / "run" / "tokenizer" / "hf" / "tokenizer.json")
+    assert_same_ids(tmp_path / "back", tok)
+    assert again.generation_config.eos_token_id == again.config.eos_token_id == tok.eos_id() >= 0
 
 
 def test_qwen3_next_logits_match_and_export_back(tmp_path, tokenizer_file):
@@ -277,7 +316,7 @@ def test_bad_folders_are_refused_and_nothing_is_written(tmp_path, tokenizer_file
     cfg["data"]["tokenizer"] = str(tmp_path / "gone.model")
     (tmp_path / "run" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="data.tokenizer"):
-        convert.to_hf(tmp_path / "run", tmp_path / "export")
+        convert.to_hf(tmp_path / "run", tmp_path / "export", layout="release")
     assert not (tmp_path / "export").exists() and not list(tmp_path.glob(".*partial"))
 
 
@@ -292,7 +331,8 @@ def test_export_refuses_what_no_layout_holds(tmp_path, tokenizer_file):
         hf_config.export_layout(ModelConfig(gate=GateSpec()), "qwen3_next")
     with pytest.raises(ConfigError, match="model.gate.*layout qwen3 holds no gate"):
         hf_config.export_layout(ModelConfig(gate=GateSpec(), qk_norm=True), "qwen3")
-    assert hf_config.export_layout(ModelConfig(gate=GateSpec(granularity="headwise"), qk_norm=True)) == "release"
+    assert hf_config.export_layout(ModelConfig(gate=GateSpec(granularity="headwise"), qk_norm=True),
+                                   "release") == "release"
     assert hf_config.export_layout(ModelConfig(gate=GateSpec(), qk_norm=True)) == "qwen3_next"
     assert hf_config.export_layout(ModelConfig(qk_norm=False)) == "llama"
 
@@ -412,3 +452,94 @@ def test_bad_json_and_a_hugging_face_folder_given_to_to_hf_are_one_line(tmp_path
     (src / "config.json").write_text("[1, 2]")
     with pytest.raises(ConversionError, match=r"config.json: expected a JSON object, not a list"):
         convert.read_hf(src)
+
+
+def test_a_sentencepiece_run_exports_a_folder_transformers_loads_as_is(tmp_path, tokenizer_file, spm_file):
+    """A run with gattn's own tokenizer (a SentencePiece model; data.bos) -> to-hf: AutoTokenizer and
+    AutoModelForCausalLM load the folder as it is, read text as gattn does, compute gattn's logits and
+    generate; config.json and generation_config.json name the tokenizer's special ids."""
+    cfg = transformers.LlamaConfig(**DIMS, attn_implementation="eager")
+    convert.from_hf(save(randomize(transformers.LlamaForCausalLM(cfg)), tmp_path / "hf", tokenizer_file),
+                    tmp_path / "run")
+    run = json.loads((tmp_path / "run" / "config.json").read_text())
+    run["data"].update(tokenizer=str(spm_file), bos=True)
+    (tmp_path / "run" / "config.json").write_text(json.dumps(run))
+    out = convert.to_hf(tmp_path / "run", tmp_path / "out")
+    assert {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "generation_config.json"} <= {
+        p.name for p in out.iterdir()}
+    sp = read_tokenizer(spm_file)
+    tok = assert_same_ids(out, sp, bos=sp.bos_id())
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    special = (sp.bos_id(), sp.eos_id(), sp.pad_id())
+    for c in (model.config, model.generation_config):
+        assert (c.bos_token_id, c.eos_token_id, c.pad_token_id) == special
+    prompt = torch.tensor([tok(text)["input_ids"][:6] for text in (TEXTS[0], TEXTS[5])])
+    with torch.no_grad():  # to TOKENS' length: gattn's forward reuses what the other tests compiled
+        generated = model.generate(prompt, max_new_tokens=TOKENS.shape[1] - 6, do_sample=False)
+    assert generated.shape == TOKENS.shape
+    ours = gattn_logits(tmp_path / "run", generated.numpy())
+    np.testing.assert_allclose(hf_logits(model, generated), ours, **TOL)
+    for row, greedy in zip(generated[:, 6:].numpy(), ours[:, 5:-1].argmax(-1)):  # gattn's picks, to EOS; then pad
+        n = list(row).index(sp.eos_id()) + 1 if sp.eos_id() in row else len(row)
+        np.testing.assert_array_equal(row[:n], greedy[:n])
+        assert (row[n:] == sp.pad_id()).all()
+
+
+def test_a_backcopy_run_exports_its_character_vocabulary():
+    """The Bigram-Backcopy task's characters, each a token, with <s> opening every sequence."""
+    import tempfile
+
+    from gattn.config import Config, DataConfig
+    from gattn.data import backcopy
+
+    cfg = Config(data=DataConfig(source="bigram_backcopy"))
+    ours = backcopy.Tokenizer(" etaoin\nsh<>/")  # (the task's are the docs' most frequent characters)
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "backcopy.json").write_text(ours.to_json())
+        files = convert.export_tokenizer(cfg, Path(d) / "backcopy.json", 64)
+        for name, data in files.items():
+            (Path(d) / name).write_bytes(data)
+        (Path(d) / "config.json").write_text(json.dumps({"model_type": "llama"}))
+        tok = transformers.AutoTokenizer.from_pretrained(d)
+    text = "the <s> note\u2603 </s>"  # (a character it lacks is dropped)
+    assert tok(text)["input_ids"] == [backcopy.START] + ours.encode(text)
+    assert convert.special_token_ids(files)["bos_token_id"] == backcopy.START
+
+
+def test_a_headwise_run_has_no_auto_layout_and_loads_as_qwen3_next(tmp_path, tokenizer_file, capsys):
+    """auto never writes the release layout (transformers cannot load it without the release's
+    code): it refuses in one line naming the explicit layouts. qwen3_next holds a headwise gate
+    repeated over each head's dims, and transformers computes gattn's logits from it."""
+    model, flags = release_model("headwise")
+    convert.from_hf(save(model, tmp_path / "hf", tokenizer_file, flags), tmp_path / "run")
+    capsys.readouterr()
+    assert convert.main(["to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "auto")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'--layout' = 'auto'" in err and "headwise" in err
+    assert "--layout qwen3_next writes it loadable as is" in err and "--layout release writes" in err
+    assert not (tmp_path / "auto").exists()
+    convert.to_hf(tmp_path / "run", tmp_path / "next", layout="qwen3_next")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "next", attn_implementation="eager")
+    np.testing.assert_allclose(hf_logits(again), gattn_logits(tmp_path / "run"), **TOL)
+
+
+def test_layout_refusals_name_the_field_and_a_layout_that_holds_the_run():
+    from gattn.config import GateSpec, ModelConfig, SwitchHeadsSpec
+
+    elementwise, headwise = GateSpec(), GateSpec(granularity="headwise")
+    cases = [  # (model, --layout, what the one line says)
+        (ModelConfig(gate=elementwise), "qwen3_next", r"'model.qk_norm' = False .*True for layout qwen3_next "
+         r"\(Qwen3-Next normalises q and k\); --layout release writes .*own modeling code"),
+        (ModelConfig(gate=elementwise), "auto", r"'--layout' = 'auto' .*qwen3_next needs model.qk_norm=True.*"
+         r"--layout release writes"),
+        (ModelConfig(gate=headwise), "auto", r"this run's is headwise\): --layout release writes"),
+        (ModelConfig(), "qwen3", r"'model.qk_norm' = False .*Qwen3 normalises q and k\); --layout llama \(what auto"),
+        (ModelConfig(qk_norm=True), "llama", r"'model.qk_norm' = True .*Llama has no QK-norm\); --layout qwen3 "),
+        (ModelConfig(), "qwen3_next", r"'model.gate' = None .*layout qwen3_next holds a G1 gate.*--layout llama"),
+        (ModelConfig(gate=elementwise, qk_norm=True), "llama", r"layout llama holds no gate; --layout qwen3_next"),
+        (ModelConfig(rope_dim=16, qk_norm=True), "qwen3", r"'model.rope_dim' = 16 .*only qwen3_next"),
+        (ModelConfig(switch_heads=SwitchHeadsSpec()), "auto",
+         r"'model.switch_heads' .*no layout has switch-head attention")]
+    for cfg, layout, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            hf_config.export_layout(cfg, layout)

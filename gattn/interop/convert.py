@@ -6,7 +6,10 @@
 `from-hf` reads a local Hugging Face model folder (config.json, safetensors shards or
 pytorch_model.bin files, tokenizer.json; nothing is downloaded) and writes a gattn run directory
 that eval.py restores and `train.py --init-from` continues: config.json, an Orbax checkpoint of
-the parameters (step 0) and the tokenizer under tokenizer/hf/. `to-hf` writes the reverse.
+the parameters (step 0) and the tokenizer under tokenizer/hf/. `to-hf` writes the reverse, with
+the run's tokenizer as files AutoTokenizer loads as they are; its --layout auto writes only a
+layout transformers loads as is (qwen3, llama, qwen3_next) and refuses a run none of them holds,
+naming the explicit layouts that do.
 
 Layouts (all Linear weights are [out, in]; gattn stores [in, out], so each is transposed):
 
@@ -15,10 +18,12 @@ Layouts (all Linear weights are [out, in]; gattn stores [in, out], so each is tr
     release      the paper's released models (Qwen3 modeling code with headwise_attn_output_gate /
                  elementwise_attn_output_gate, use_qk_norm, qkv_bias). The gate is packed into a
                  widened q_proj, per kv group g: rows [queries of the group's G heads | their gates],
-                 G gates per group (headwise) or G * head_dim (elementwise).
+                 G gates per group (headwise) or G * head_dim (elementwise). Written only on
+                 request: transformers loads it only with the release's own modeling code.
     qwen3_next   Qwen3NextForCausalLM with full-attention layers and dense MLPs only. q_proj rows per
-                 head: [query | gate] (elementwise). Every RMSNorm scales by (1 + w) with w
-                 zero-initialised: gattn stores 1 + w. Partial rotary embedding (rope_dim).
+                 head: [query | gate] (elementwise; a headwise gate is written with each head's row
+                 repeated head_dim times). Every RMSNorm scales by (1 + w) with w zero-initialised:
+                 gattn stores 1 + w. Partial rotary embedding (rope_dim).
 
 gattn's GQA grouping (query head h reads kv head h // G) and its rotate-half RoPE are Hugging
 Face's, so no head is permuted. Biases (attention_bias / qkv_bias) split as the weights do.
@@ -196,9 +201,10 @@ def _written(path: Path):
 def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layout: str = "auto",
           max_shard_bytes: int = 5 * 2**30) -> Path:
     """Writes run `workdir`'s checkpoint `step` (default: the latest) as a Hugging Face model
-    folder `out` (config.json, safetensors shards with an index when more than one, and the
-    tokenizer: a Hugging Face run's tokenizer.json, or a SentencePiece run's model file as
-    tokenizer.model). Returns `out`."""
+    folder `out` that transformers loads as it is (but for an explicit --layout release):
+    config.json and generation_config.json (the tokenizer's bos / eos / pad ids), safetensors
+    shards with an index when more than one, and the run's tokenizer (`export_tokenizer`).
+    Returns `out`."""
     import safetensors.numpy  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
@@ -210,12 +216,13 @@ def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layo
     cfg = rundir.read_config(workdir)
     layout = export_layout(cfg.model, layout)
     _check_new_folder(out, "--out")
-    tok = tokenizer_path(cfg, workdir)
+    max_len = cfg.train.seq_len if cfg.model.yarn is None else int(cfg.model.yarn.original_len * cfg.model.yarn.factor)
+    tokenizer_files = export_tokenizer(cfg, tokenizer_path(cfg, workdir), max_len)
+    special = special_token_ids(tokenizer_files)
     model = rundir.load(workdir, step, ["exec.scan_layers=false"]).model
     params = {path: np.asarray(var[...], np.float32) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     tensors = from_gattn(params, model.cfg, layout)
-    max_len = cfg.train.seq_len if cfg.model.yarn is None else int(cfg.model.yarn.original_len * cfg.model.yarn.factor)
-    config = hf_config(model.cfg, layout, max_len)
+    config = {**hf_config(model.cfg, layout, max_len), **special}
 
     shards, size = [[]], 0
     for name in tensors:
@@ -236,13 +243,129 @@ def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layo
             total = sum(t.nbytes for t in tensors.values())
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        if tok.suffix == ".json":
-            for name in HF_TOKENIZER_FILES:
-                if (tok.parent / name).is_file():
-                    shutil.copyfile(tok.parent / name, tmp / name)
-        elif tok.is_file():
-            shutil.copyfile(tok, tmp / "tokenizer.model")
+        for name, data in tokenizer_files.items():
+            (tmp / name).write_bytes(data)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(special, indent=2))
+    return out
+
+
+# --------------------------------------------------------------------------- to-hf: the tokenizer
+
+
+def export_tokenizer(cfg: Config, path: Path, max_len: int) -> dict[str, bytes]:
+    """The tokenizer files of an exported folder: AutoTokenizer loads them as they are and gives
+    the ids gattn's tokenizer gives. A converted run's tokenizer.json is copied with its
+    tokenizer_config.json (naming tokenizer_class PreTrainedTokenizerFast where it names none:
+    the model type's own class, e.g. Qwen2Tokenizer, would rebuild it); a SentencePiece model is
+    rewritten as a tokenizer.json (`_spm_tokenizer`) and kept as tokenizer.model; the
+    Bigram-Backcopy task's characters become one piece each."""
+    from tokenizers import Tokenizer, decoders, models  # noqa: PLC0415
+
+    from gattn.config import BACKCOPY  # noqa: PLC0415
+    from gattn.data import backcopy  # noqa: PLC0415
+
+    if not path.is_file():
+        raise ConversionError(f"tokenizer {path} is missing: to-hf writes the run's tokenizer with its "
+                              "weights (set data.tokenizer to the run's tokenizer file)")
+    if cfg.data.source == BACKCOPY:  # every sequence opens with <s>; unknown characters are dropped
+        chars = backcopy.Tokenizer.from_json(path.read_text()).chars
+        tok = Tokenizer(models.BPE(vocab={"<s>": backcopy.START, **{c: i + 1 for i, c in enumerate(chars)}},
+                                   merges=[]))
+        tok.decoder = decoders.Fuse()
+        return _fast_tokenizer_files(tok, {"bos_token": "<s>"}, True, max_len)
+    if path.suffix == ".json":
+        files = {name: (path.parent / name).read_bytes() for name in HF_TOKENIZER_FILES[1:]
+                 if (path.parent / name).is_file()}
+        files["tokenizer.json"] = path.read_bytes()
+        tc = read_json(path.parent / "tokenizer_config.json", files.get("tokenizer_config.json", b"{}"))
+        if "tokenizer_class" not in tc:
+            tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len, **tc}
+            files["tokenizer_config.json"] = json.dumps(tc, indent=2).encode()
+        return files
+    tok, special = _spm_tokenizer(path)
+    return {**_fast_tokenizer_files(tok, special, cfg.data.bos, max_len), "tokenizer.model": path.read_bytes()}
+
+
+def _fast_tokenizer_files(tok, special: dict[str, str], add_bos: bool, max_len: int) -> dict[str, bytes]:
+    """tokenizer.json and tokenizer_config.json of a `tokenizers` tokenizer with `special` tokens
+    ({"bos_token": "<s>", ...}). `add_bos` (data.bos: every training document opened with BOS)
+    makes encoding with special tokens prepend it. Special tokens' text is read as plain text
+    (split_special_tokens), as gattn's tokenizer reads it."""
+    from tokenizers import AddedToken, processors  # noqa: PLC0415
+
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special.values()])
+    if add_bos and "bos_token" in special:
+        bos = special["bos_token"]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special, "model_max_length": max_len,
+              "split_special_tokens": True, "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": tok.to_str(pretty=True).encode(),
+            "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+
+
+def _spm_tokenizer(path: Path):
+    """A SentencePiece BPE model (as gattn trains it) as a `tokenizers` BPE that gives the same ids:
+    its pieces in order; merges ranked by the merged piece's score, as SentencePiece merges the
+    adjacent pair whose union scores highest (byte pieces come only by fallback); the dummy-prefix
+    '▁' and the escaped spaces from the normalizer, and no pre-tokenizer (SentencePiece merges
+    across words: its whitespace-only pieces do). Returns (tokenizer, its special tokens).
+    Settings this does not reproduce are refused, naming the setting."""
+    from tokenizers import Tokenizer, decoders, models, normalizers  # noqa: PLC0415
+
+    try:  # (protobuf comes with tensorflow-datasets)
+        from google.protobuf.message import DecodeError  # noqa: PLC0415
+        from sentencepiece import sentencepiece_model_pb2 as pb  # noqa: PLC0415
+    except ImportError as e:
+        raise ConversionError(f"tokenizer {path}: reading a SentencePiece model's settings needs protobuf "
+                              f"({e}): pip install protobuf") from None
+    proto = pb.ModelProto()
+    try:
+        proto.ParseFromString(path.read_bytes())
+    except DecodeError as e:
+        raise ConversionError(f"tokenizer {path}: not a SentencePiece model ({e})") from None
+    t, n = proto.trainer_spec, proto.normalizer_spec
+    user_defined = [p.piece for p in proto.pieces if p.type == pb.ModelProto.SentencePiece.USER_DEFINED]
+    checks = [("model_type", pb.TrainerSpec.ModelType.Name(t.model_type), t.model_type == pb.TrainerSpec.BPE, "BPE"),
+              ("byte_fallback", t.byte_fallback, t.byte_fallback, "True"),
+              ("normalization_rule_name", n.name, n.name == "identity" and not n.precompiled_charsmap, "identity"),
+              ("remove_extra_whitespaces", n.remove_extra_whitespaces, not n.remove_extra_whitespaces, "False"),
+              ("escape_whitespaces", n.escape_whitespaces, n.escape_whitespaces, "True"),
+              ("treat_whitespace_as_suffix", t.treat_whitespace_as_suffix, not t.treat_whitespace_as_suffix, "False"),
+              ("user_defined_symbols", user_defined[:3], not user_defined, "none")]
+    for name, value, ok, allowed in checks:
+        if not ok:
+            raise ConversionError(f"tokenizer {path}: SentencePiece {name} = {value!r}; to-hf rewrites as a "
+                                  f"tokenizer.json only models trained as gattn trains them ({name} {allowed})")
+    vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    normal = sorted((-p.score, i, p.piece) for i, p in enumerate(proto.pieces)
+                    if p.type == pb.ModelProto.SentencePiece.NORMAL)
+    pieces = {piece for _, _, piece in normal}
+    merges = [(piece[:k], piece[k:]) for _, _, piece in normal for k in range(1, len(piece))
+              if piece[:k] in pieces and piece[k:] in pieces]
+    special = {f"{name}_token": proto.pieces[i].piece for name in ("bos", "eos", "pad", "unk")
+               if 0 <= (i := getattr(t, f"{name}_id")) < len(proto.pieces)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=special.get("unk_token"), byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁")] * n.add_dummy_prefix
+                                          + [normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + [decoders.Strip(content=" ", left=1)] * n.add_dummy_prefix)
+    return tok, special
+
+
+def special_token_ids(files: dict[str, bytes]) -> dict[str, int | None]:
+    """bos / eos / pad_token_id as the exported tokenizer_config.json names them (a token, or an
+    explicit NAME_token_id), for config.json and generation_config.json."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    tok = Tokenizer.from_str(files["tokenizer.json"].decode())
+    tc = json.loads(files.get("tokenizer_config.json", b"{}"))
+    out = {}
+    for name in ("bos", "eos", "pad"):
+        token = tc.get(f"{name}_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        out[f"{name}_token_id"] = tc.get(f"{name}_token_id", tok.token_to_id(token) if token else None)
     return out
 
 
@@ -269,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("workdir", help="gattn run directory")
     b.add_argument("--out", required=True, help="new folder to write")
     b.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    b.add_argument("--layout", default="auto", help=f"auto or one of {', '.join(LAYOUTS)}")
+    b.add_argument("--layout", default="auto",
+                   help=f"auto (a layout transformers loads as is) or one of {', '.join(LAYOUTS)}")
     b.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
     args = parser.parse_args(argv)
     try:

@@ -8,6 +8,10 @@ from __future__ import annotations
 from gattn.config import ConfigError, GateSpec, ModelConfig, YarnSpec
 
 LAYOUTS = ("qwen3", "llama", "release", "qwen3_next")
+NATIVE = ("qwen3", "llama", "qwen3_next")  # the layouts transformers loads as they are
+RELEASE_CAVEAT = ("--layout release writes the paper's released layout, which transformers loads only with "
+                  "the release's own modeling code (its modeling_qwen3.py, trust_remote_code=True), which "
+                  "gattn does not ship")
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3NextForCausalLM": "qwen3_next"}
 RELEASE_FLAGS = ("headwise_attn_output_gate", "elementwise_attn_output_gate", "use_qk_norm", "qkv_bias")
 # Hugging Face hidden_act -> gattn ffn_activation (jax.nn.gelu is the tanh approximation).
@@ -166,41 +170,81 @@ def hf_config(cfg: ModelConfig, layout: str, max_len: int) -> dict:
     return out
 
 
-def export_layout(cfg: ModelConfig, layout: str = "auto") -> str:
-    """The Hugging Face layout gattn model `cfg` is written in. auto: a layout transformers loads
-    natively where one exists (qwen3 / llama without a gate, qwen3_next for an elementwise gate
-    with QK-norm), else the authors' release layout. Models no layout holds are refused, naming
-    the field."""
+def native_layout(cfg: ModelConfig) -> str | None:
+    """The layout transformers loads as is that holds gattn model `cfg` unchanged (what
+    `--layout auto` picks), or None: a headwise gate, an elementwise gate without QK-norm, or
+    partial rotary embeddings without an elementwise gate and QK-norm."""
+    g, full_rope = cfg.gate, cfg.rope_dim in (None, cfg.head_dim)
+    if g is not None and g.granularity == "elementwise" and cfg.qk_norm:
+        return "qwen3_next"
+    if g is None and full_rope:
+        return "qwen3" if cfg.qk_norm else "llama"
+    return None
+
+
+def _why_not_native(cfg: ModelConfig) -> str:
     g = cfg.gate
-    checks = [("sdpa_nonlinearity", cfg.sdpa_nonlinearity, cfg.sdpa_nonlinearity == "none", "'none'"),
-              ("switch_heads", cfg.switch_heads, cfg.switch_heads is None, "None"),
-              ("moe", cfg.moe, cfg.moe is None, "None (MoE checkpoints are not converted yet)"),
-              ("sandwich_norm", cfg.sandwich_norm, not cfg.sandwich_norm, "False"),
-              ("output_clip", cfg.output_clip, cfg.output_clip is None, "None"),
+    if g is not None and g.granularity == "headwise":
+        return "qwen3_next holds an elementwise gate; this run's is headwise"
+    if g is not None:
+        return "qwen3_next needs model.qk_norm=True (Qwen3-Next normalises q and k); this run has no QK-norm"
+    return "of them only qwen3_next, which holds a G1 gate, has partial rotary embeddings (model.rope_dim)"
+
+
+def _instead(cfg: ModelConfig) -> str:
+    """What the user can write instead, for a refusal: the native layout, else the ways out."""
+    native = native_layout(cfg)
+    if native is not None:
+        return f"--layout {native} (what auto picks) holds this run"
+    ways = []
+    if cfg.gate is not None and cfg.gate.granularity == "headwise" and cfg.qk_norm:
+        ways.append("--layout qwen3_next writes it loadable as is, with each head's gate repeated over its "
+                    "head_dim rows (the same logits; from-hf reads it back as an elementwise gate)")
+    if cfg.rope_dim in (None, cfg.head_dim):
+        ways.append(RELEASE_CAVEAT)
+    return "; or ".join(ways) if ways else "no Hugging Face layout holds this run"
+
+
+def export_layout(cfg: ModelConfig, layout: str = "auto") -> str:
+    """The Hugging Face layout gattn model `cfg` is written in. auto: the layout transformers
+    loads as is that holds the model unchanged (`native_layout`), and a refusal that names the
+    explicit ways out where there is none (`--layout release` never comes silently: transformers
+    cannot load it without the release's code). Models no layout holds are refused, naming the field."""
+    g = cfg.gate
+    checks = [("sdpa_nonlinearity", cfg.sdpa_nonlinearity, cfg.sdpa_nonlinearity == "none",
+               "'none' to export to Hugging Face (no layout transforms the SDPA output but by a G1 gate)"),
+              ("switch_heads", cfg.switch_heads, cfg.switch_heads is None,
+               "None to export to Hugging Face (no layout has switch-head attention)"),
+              ("moe", cfg.moe, cfg.moe is None, "None (MoE checkpoints are not converted yet: dense models only)"),
+              ("sandwich_norm", cfg.sandwich_norm, not cfg.sandwich_norm,
+               "False to export to Hugging Face (no layout normalises the attention and FFN outputs)"),
+              ("output_clip", cfg.output_clip, cfg.output_clip is None,
+               "None to export to Hugging Face (no layout clips the branch outputs)"),
               ("gate", g, g is None or (g.fusable and g.granularity in ("elementwise", "headwise")),
-               "None or a head-specific, input-dependent sigmoid gate on the SDPA output (G1)")]
+               "None or a head-specific, input-dependent sigmoid gate on the SDPA output (G1: the "
+               "sdpa_elementwise and sdpa_headwise variants) to export to Hugging Face")]
     for name, value, ok, allowed in checks:
         if not ok:
-            raise ConfigError(f"model.{name}", value, f"{allowed} to export to Hugging Face")
+            raise ConfigError(f"model.{name}", value, allowed)
     if layout == "auto":
-        if g is None:
-            layout = "qwen3" if cfg.qk_norm else "llama"
-        elif g.granularity == "elementwise" and cfg.qk_norm:
-            layout = "qwen3_next"
-        else:
-            layout = "release"
+        if native_layout(cfg) is None:
+            raise ConfigError("--layout", "auto", "auto picks only a layout transformers loads as is "
+                              f"({', '.join(NATIVE)}), and none holds this run unchanged ({_why_not_native(cfg)}): "
+                              f"{_instead(cfg)}")
+        layout = native_layout(cfg)
     if layout not in LAYOUTS:
         raise ConfigError("--layout", layout, f"expected auto or one of {', '.join(LAYOUTS)}")
-    need = {"qwen3": (g is None, cfg.qk_norm), "llama": (g is None, not cfg.qk_norm),
-            "qwen3_next": (g is not None and g.granularity == "elementwise", cfg.qk_norm),
-            "release": (True, True)}[layout]
-    if not need[0]:
-        raise ConfigError("model.gate", g, f"layout {layout} holds "
-                          + ("no gate" if layout in ("qwen3", "llama") else "an elementwise gate"))
-    if not need[1]:
-        raise ConfigError("model.qk_norm", cfg.qk_norm, f"{not cfg.qk_norm} for layout {layout}")
-    if cfg.rope_dim is not None and cfg.rope_dim != cfg.head_dim and layout != "qwen3_next":
-        raise ConfigError("model.rope_dim", cfg.rope_dim, f"None (all of head_dim) for layout {layout}")
+    holds_gate = {"qwen3": g is None, "llama": g is None, "qwen3_next": g is not None, "release": True}[layout]
+    if not holds_gate:
+        what = "no gate" if layout in ("qwen3", "llama") else "a G1 gate (elementwise, or headwise repeated)"
+        raise ConfigError("model.gate", g, f"layout {layout} holds {what}; {_instead(cfg)}")
+    qk = {"qwen3": (True, "Qwen3 normalises q and k"), "llama": (False, "Llama has no QK-norm"),
+          "qwen3_next": (True, "Qwen3-Next normalises q and k")}.get(layout)
+    if qk is not None and cfg.qk_norm != qk[0]:
+        raise ConfigError("model.qk_norm", cfg.qk_norm, f"{qk[0]} for layout {layout} ({qk[1]}); {_instead(cfg)}")
+    if cfg.rope_dim not in (None, cfg.head_dim) and layout != "qwen3_next":
+        raise ConfigError("model.rope_dim", cfg.rope_dim, f"None (all of head_dim) for layout {layout}: of the "
+                          "layouts only qwen3_next (a G1 gate with QK-norm) has partial rotary embeddings")
     if cfg.rope_dim is not None and int(cfg.head_dim * (cfg.rope_dim / cfg.head_dim)) != cfg.rope_dim:
         raise ConfigError("model.rope_dim", cfg.rope_dim, f"a value transformers recovers from "
                           f"partial_rotary_factor = rope_dim / head_dim ({cfg.head_dim}) without rounding")

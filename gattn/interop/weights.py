@@ -118,13 +118,16 @@ def _split_q(w: np.ndarray, cfg: ModelConfig, layout: str) -> tuple[np.ndarray, 
 
 
 def _join_q(q: np.ndarray, gate: np.ndarray | None, cfg: ModelConfig, layout: str) -> np.ndarray:
-    """The inverse of `_split_q`."""
+    """The inverse of `_split_q`. In qwen3_next a headwise gate is written elementwise, each
+    head's row repeated over its head_dim rows: the same gate values, so the same logits."""
     hq, hk, k = cfg.q_heads, cfg.kv_heads, cfg.head_dim
     if gate is None:
         return q
     rest = q.shape[1:]
     if layout == "qwen3_next":
-        both = np.concatenate([q.reshape(hq, k, *rest), gate.reshape(hq, k, *rest)], axis=1)
+        per_head = gate.reshape(hq, -1, *rest)
+        per_head = np.repeat(per_head, k // per_head.shape[1], axis=1)
+        both = np.concatenate([q.reshape(hq, k, *rest), per_head], axis=1)
     else:
         both = np.concatenate([q.reshape(hk, -1, *rest), gate.reshape(hk, -1, *rest)], axis=1)
     return both.reshape(-1, *rest)
