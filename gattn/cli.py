@@ -416,11 +416,36 @@ def run_entry_point(main) -> None:
     one-line config errors; exits with its status. Entry points that do not run as several
     processes refuse to (see `single_process`)."""
     keep_jax_off_absent_tpu()  # first: a re-execution below inherits its setting
+    use_compilation_cache()
     ensure_malloc_tunables()
     raise SystemExit(run_cli(main))
 
 
 # --------------------------------------------------------------------------- process settings
+
+def compilation_cache_dir() -> str:
+    """Where JAX keeps compiled programs between runs: JAX_COMPILATION_CACHE_DIR if set, else
+    $XDG_CACHE_HOME/gattn/jax (~/.cache/gattn/jax); '' when GATTN_COMPILATION_CACHE=0."""
+    if os.environ.get("GATTN_COMPILATION_CACHE") == "0":
+        return ""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(home, "gattn", "jax")
+
+
+def use_compilation_cache() -> None:
+    """A persistent compilation cache for every entry point (exported, so child processes share
+    it): a resumed run, a rerun or another run of the same model and shapes loads its train step
+    instead of compiling it again (docs/training.md, "Start-up"). GATTN_COMPILATION_CACHE=0 turns
+    it off; JAX_COMPILATION_CACHE_DIR moves it."""
+    path = compilation_cache_dir()
+    if not path:
+        return
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    if "jax" in sys.modules:  # the entry module imported JAX already, which read the variable then
+        sys.modules["jax"].config.update("jax_compilation_cache_dir", path)
+
 
 # glibc serves buffers over 32 MB (the logits) by mmap/munmap, costing ~220 ms of page faults per
 # step on CPU (docs/performance.md). glibc reads this only at process start.

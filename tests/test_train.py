@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -281,3 +282,30 @@ def test_a_resume_with_more_steps_can_hold_the_lr_it_had_reached(config_file, tm
     assert rows[6]["lr"] == pytest.approx(3e-5) and rows[2]["lr"] > 1e-3  # what the 6-step run had
     cfg = rundir.read_config(run)
     assert (cfg.train.extend, cfg.train.continue_step, cfg.train.continue_lr) == ("constant", 6, pytest.approx(3e-5))
+    # The start-up stages of this resume, timed (WORKDIR/startup.json): the checkpoint is restored
+    # onto the state's shapes, with no initialisation compiled and run first.
+    stages = json.loads((run / "startup.json").read_text())
+    assert {"tokenizer", "dataset", "restore", "compile", "total"} <= set(stages) and "model" not in stages
+    assert stages["total"] >= stages["compile"] > 0
+
+
+def test_start_up_stages_are_announced_and_timed_and_the_compilation_cache_persists(tmp_path, capsys, monkeypatch):
+    """Issue 34: a start is no longer silent ("compiling the train step ... 12.3 s"), and every entry
+    point keeps compiled programs between runs in a persistent cache (~/.cache/gattn/jax)."""
+    from gattn import cli
+    from gattn.train.reports import Startup
+
+    startup = Startup(True)
+    with startup.stage("compile", "compiling the train step"):
+        time.sleep(0.05)
+    startup.write(tmp_path)
+    assert re.fullmatch(r"compiling the train step \.\.\. \d+\.\d s\n", capsys.readouterr().err)
+    assert json.loads((tmp_path / "startup.json").read_text())["compile"] >= 0.05
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert cli.compilation_cache_dir() == str(tmp_path / "cache" / "gattn" / "jax")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+    assert cli.compilation_cache_dir() == str(tmp_path / "mine")
+    monkeypatch.setenv("GATTN_COMPILATION_CACHE", "0")
+    assert cli.compilation_cache_dir() == ""

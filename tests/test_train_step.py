@@ -72,6 +72,7 @@ def test_the_host_reads_a_steps_scalars_after_dispatching_the_next_and_prepares_
             s = len([e for e in events if e[0] == "dispatch"]) + 1
             events.append(("dispatch", s))
             return new, {k: _Probe(v, s, events) for k, v in m.items()}
+        run.lower = step.lower  # (the trainer compiles the step before the loop)
         return run
 
     rows = synthetic.Rows.__next__
@@ -93,3 +94,32 @@ def test_the_host_reads_a_steps_scalars_after_dispatching_the_next_and_prepares_
     for s in late:
         assert events.index(("read", s)) > events.index(("dispatch", s + 1)), events
     assert threading.main_thread().name not in threads, threads
+
+
+def test_runs_that_differ_in_steps_or_lr_compile_the_same_program():
+    """Issue 34 (time to the first step): the LR schedule's numbers are arguments of the train
+    step, not constants, so a resume with more steps (or a rerun with another LR) finds its
+    program in the persistent compilation cache instead of compiling it again."""
+    import dataclasses
+
+    from gattn.model import sharding
+    from gattn.train import trainer
+
+    cfg = Config(model=tiny_model(vocab_size=64, num_layers=1),
+                 train=TrainConfig(batch_size=2, seq_len=16, steps=6, warmup_steps=1))
+    other = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=60, learning_rate=1e-3,
+                                                               extend="decay", continue_step=5, continue_lr=2e-4))
+    mesh = sharding.make_mesh(cfg.mesh)
+
+    def hlo(c):
+        graphdef, state = trainer.abstract_train_state(c, mesh)
+        step = trainer.make_train_step(c, graphdef, jax_shardings(state), mesh)
+        return step.lower(state, trainer.abstract_batch(c, sharding.batch_sharding(mesh))).as_text()
+
+    assert hlo(cfg) == hlo(other)
+
+
+def jax_shardings(state):
+    import jax
+
+    return jax.tree.map(lambda x: x.sharding, state)

@@ -64,6 +64,22 @@ def set_aside_rows(path: Path, resumed_step: int) -> int:
     return len(later)
 
 
+def summary_writer():
+    """tensorboardX's SummaryWriter, imported without torch: tensorboardX imports torch, when it is
+    installed (the test extra has it), only to accept torch tensors, and that costs ~3 s of every
+    start; gattn logs plain floats. (Nothing else imports in the meantime: the trainer's threads
+    start later.)"""
+    if "tensorboardX" not in sys.modules and "torch" not in sys.modules:
+        sys.modules["torch"] = None  # `import torch` raises ImportError while tensorboardX loads
+        try:
+            import tensorboardX  # noqa: F401, PLC0415
+        finally:
+            del sys.modules["torch"]
+    from tensorboardX import SummaryWriter  # noqa: PLC0415
+
+    return SummaryWriter
+
+
 class MetricsLog:
     """WORKDIR/metrics.jsonl (and TensorBoard). On resume, the rows past the restored step are
     moved to WORKDIR/metrics.set_aside.jsonl (`set_aside_rows`), with one line saying so."""
@@ -76,10 +92,8 @@ class MetricsLog:
         if self.path.exists() and (n := set_aside_rows(self.path, resumed_step)):
             print(f"note: this run continues from step {resumed_step}: the {n} metrics row(s) logged after "
                   f"it by the earlier run are moved to {workdir / SET_ASIDE}", file=sys.stderr, flush=True)
-        from tensorboardX import SummaryWriter  # noqa: PLC0415
-
         try:
-            self.tb = SummaryWriter(str(workdir / "tensorboard"))
+            self.tb = summary_writer()(str(workdir / "tensorboard"))
         except ImportError as e:  # a remote workdir's backend (cli.check_workdir checks it first)
             raise ConfigError("--workdir", str(workdir), f"a directory TensorBoard can write to: {e}") from None
 
@@ -102,17 +116,19 @@ class MetricsLog:
 
 
 class Progress:
-    """A tqdm bar with step, loss, tokens/s and ETA (or nothing, for tests)."""
+    """A tqdm bar with step, loss, tokens/s and ETA (or nothing, for tests), begun at the first step
+    read: the ETA is the training steps' alone, not the compile before them."""
 
     def __init__(self, enabled: bool, start: int, total: int):
-        self.bar = None
-        if enabled:
-            from tqdm import tqdm  # noqa: PLC0415
-
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=2.0)
+        self.bar, self.enabled, self.total = None, enabled, total
         self.last = start
 
     def update(self, step: int, loss: float, tokens_per_sec: float):
+        if self.enabled and self.bar is None:  # the bar's clock starts after the first step: its ETA
+            from tqdm import tqdm  # noqa: PLC0415   (tqdm's rate) leaves the compile out
+
+            self.bar = tqdm(total=self.total, initial=step, unit="step", dynamic_ncols=True, mininterval=2.0)
+            self.last = step
         if self.bar is not None:
             self.bar.update(step - self.last)
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_sec:,.0f}", refresh=False)

@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -15,27 +16,42 @@ from gattn.config import TrainConfig
 from gattn.model.layers import ROLES
 
 
-def schedule(cfg: TrainConfig) -> optax.Schedule:
-    """The LR of each update, by optax's count of the updates applied before it: update k = count
-    + 1 gets peak * k / warmup during warmup (the first update moves the weights, update `warmup`
-    has the peak), then a cosine reaches the floor at update `steps`."""
+NO_CONTINUATION = 2**31 - 1  # continue_step of a schedule without a continuation (no update reaches it)
+
+
+def schedule_values(cfg: TrainConfig) -> dict[str, np.float32]:
+    """The numbers that define the LR schedule of `cfg` (`lr_at`). The train step takes them as
+    arguments, not constants, so a run with other steps or another LR compiles the same program
+    and a resume with more steps loads it from the compilation cache."""
     peak, floor, warmup = cfg.schedule
-    curve = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=peak, warmup_steps=warmup,
-                                               decay_steps=cfg.steps, end_value=floor)
-    if not cfg.continue_step:
-        return lambda count: curve(count + 1)
-    # A continuation (`continued`): from update count `continue_step` on, `continue_lr`, held
-    # ("constant") or taken by a cosine to the floor at the last update ("decay").
-    start, lr0 = cfg.continue_step, cfg.continue_lr
-    span = max(cfg.steps - 1 - start, 1)
+    tail_floor = cfg.continue_lr if cfg.extend == "constant" else floor
+    values = {"peak": peak, "floor": floor, "warmup": warmup, "steps": cfg.steps,
+              "continue_step": cfg.continue_step or NO_CONTINUATION, "continue_lr": cfg.continue_lr,
+              "tail_floor": tail_floor}
+    return {k: np.float32(v) for k, v in values.items()}
 
-    def tail(count):
-        if cfg.extend == "constant":
-            return jnp.full((), lr0, jnp.float32)
-        t = jnp.clip((count - start) / span, 0.0, 1.0)
-        return floor + (lr0 - floor) * 0.5 * (1 + jnp.cos(math.pi * t))
 
-    return lambda count: jnp.where(count < start, curve(count + 1), tail(count))
+def lr_at(count, v: dict) -> jax.Array:
+    """The LR of update count + 1 under schedule values `v`: peak * k / warmup during warmup (the
+    first update moves the weights, update `warmup` has the peak), then a cosine that reaches the
+    floor at update `steps` (optax's warmup_cosine_decay_schedule). From update count
+    `continue_step` on (a continuation, `continued`), `continue_lr` taken by a cosine to
+    `tail_floor` at the last update (held when tail_floor == continue_lr)."""
+    k = jnp.asarray(count, jnp.float32) + 1
+    warm = v["peak"] * k / jnp.maximum(v["warmup"], 1)
+    t = jnp.clip((k - v["warmup"]) / (v["steps"] - v["warmup"]), 0.0, 1.0)
+    base = jnp.where(k < v["warmup"], warm, v["floor"] + (v["peak"] - v["floor"]) * 0.5 * (1 + jnp.cos(math.pi * t)))
+    c = jnp.asarray(count, jnp.float32) - v["continue_step"]
+    t = jnp.clip(c / jnp.maximum(v["steps"] - 1 - v["continue_step"], 1), 0.0, 1.0)
+    tail = v["tail_floor"] + (v["continue_lr"] - v["tail_floor"]) * 0.5 * (1 + jnp.cos(math.pi * t))
+    return jnp.where(c < 0, base, tail)
+
+
+def schedule(cfg: TrainConfig, values: dict | None = None) -> optax.Schedule:
+    """The LR of each update, by optax's count of the updates applied before it (`lr_at`);
+    `values`: the schedule's numbers as traced arguments (the train step's)."""
+    values = schedule_values(cfg) if values is None else values
+    return lambda count: lr_at(count, values)
 
 
 def continued(cfg: TrainConfig, saved: TrainConfig | None, count: int) -> tuple[TrainConfig, str]:
@@ -83,9 +99,10 @@ def decay_mask(params: nnx.State) -> nnx.State:
                         is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW (default betas and epsilon, as the paper keeps them)."""
-    adamw = optax.adamw(schedule(cfg), weight_decay=cfg.weight_decay, mask=decay_mask)
+def optimizer(cfg: TrainConfig, values: dict | None = None) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW (default betas and epsilon, as the paper keeps them);
+    `values`: the schedule's numbers, when the step takes them as arguments."""
+    adamw = optax.adamw(schedule(cfg, values), weight_decay=cfg.weight_decay, mask=decay_mask)
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip > 0 else adamw
 
 

@@ -4,7 +4,10 @@ late so that the device never waits for the host (`Reports`)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import sys
 import time
 
 from etils.epath import Path
@@ -12,6 +15,33 @@ from etils.epath import Path
 from gattn import cli
 from gattn.config import Config
 from gattn.train import checkpoint, hosts, metrics, rundir
+
+
+class Startup:
+    """The stages before the first step (tokenizer, dataset, model, compile), each announced when
+    it starts and timed when it ends, on one stderr line per stage ("compiling the train step ...
+    21.3 s"); WORKDIR/startup.json keeps the seconds of the last start (bench/startup.py reads it).
+    Silent (but still timed) for other processes and without progress output."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.seconds, self.t0 = enabled, {}, time.perf_counter()
+
+    @contextlib.contextmanager
+    def stage(self, name: str, doing: str):
+        if self.enabled:
+            print(f"{doing} ...", end="", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        if self.enabled:
+            print(f" {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+    def write(self, workdir: Path) -> None:
+        """WORKDIR/startup.json: {stage: seconds, ..., "total": seconds since the trainer began}."""
+        if hosts.primary():
+            record = {k: round(v, 3) for k, v in self.seconds.items()}
+            (Path(workdir) / "startup.json").write_text(json.dumps(
+                {**record, "total": round(time.perf_counter() - self.t0, 3)}, indent=2))
 
 
 class TrainingStopped(cli.Failure):

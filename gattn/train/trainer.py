@@ -32,7 +32,7 @@ from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 from gattn.model import sharding
 from gattn.model.transformer import Transformer, relayout
 from gattn.train import checkpoint, hosts, init_from, lease, optim, prefetch, rundir
-from gattn.train.reports import Reports, TrainingStopped  # noqa: F401 (TrainingStopped: trainer's API)
+from gattn.train.reports import Reports, Startup, TrainingStopped  # noqa: F401 (TrainingStopped: trainer's API)
 from gattn.train.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum, target_weights
 
 
@@ -188,9 +188,8 @@ def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
     (the step is skipped and reported), so it never reaches a checkpoint. With `shardings` (of
     the state, see `state_shardings`) and `mesh`, the step is compiled with explicit input and
     output shardings: the state keeps its layout, batches split over data x expert."""
-    tx, lr = optim.optimizer(cfg.train), optim.schedule(cfg.train)
-
-    def step(state, batch):
+    def step(state, batch, schedule):
+        tx, lr = optim.optimizer(cfg.train, schedule), optim.schedule(cfg.train, schedule)
         (loss, aux), grads = loss_and_grads(cfg, graphdef, state["params"], batch, mesh)
         grad_norm = optax.global_norm(grads)  # the clip computes it too (shared)
         keep = lambda: (state["params"], state["opt_state"], jnp.asarray(False))  # noqa: E731
@@ -212,13 +211,30 @@ def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
                   "lr": lr(optim.schedule_count(state["opt_state"])), **aux_metrics(aux)}
         return new_state, report
 
+    values = optim.schedule_values(cfg.train)
     if shardings is None:
-        return jax.jit(step, donate_argnums=0)
+        return TrainStep(jax.jit(step, donate_argnums=0), values)
     if mesh is None:
         raise ValueError("make_train_step: `shardings` need the `mesh` they were made for")
-    batch = sharding.batch_sharding(mesh)
-    return jax.jit(step, donate_argnums=0, in_shardings=(shardings, batch),
-                   out_shardings=(shardings, sharding.replicated(mesh)))
+    batch, replicated = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+    return TrainStep(jax.jit(step, donate_argnums=0, in_shardings=(shardings, batch, replicated),
+                             out_shardings=(shardings, replicated)), values)
+
+
+class TrainStep:
+    """`step(state, batch) -> (state, scalars)`: the jitted step with the LR schedule's numbers
+    (optim.schedule_values) passed as arguments, so that runs which differ only in steps or LR
+    share one compiled program (and the persistent compilation cache). `lower(state, batch)`
+    for ahead-of-time compiles."""
+
+    def __init__(self, jitted, schedule: dict):
+        self.jitted, self.schedule = jitted, schedule
+
+    def __call__(self, state, batch):
+        return self.jitted(state, batch, self.schedule)
+
+    def lower(self, state, batch):
+        return self.jitted.lower(state, batch, self.schedule)
 
 
 def make_eval_step(graphdef):
@@ -319,13 +335,16 @@ def data_source(cfg: Config):
     return pipeline
 
 
-def prepare(cfg: Config, workdir: Path, source_step: int | None, allow_corpus_change: bool = False):
+def prepare(cfg: Config, workdir: Path, source_step: int | None, allow_corpus_change: bool = False,
+            startup: Startup | None = None):
     """The one-time preparation of a run (its tokenizer, the TFDS build, a continued run's
     tokenizer copy, WORKDIR/data.json), done by process 0 while the others wait; then every host
     has its copy, whether the workdir is a shared filesystem or each host's own disk. A resume
     keeps the run's recorded tokenizer and refuses changed data unless `allow_corpus_change`
     (gattn/data/record.py). Returns (the tokenizer, its file, the earlier fingerprints): what
-    `data_record.write` keeps once the resume is accepted."""
+    `data_record.write` keeps once the resume is accepted. `startup` times the tokenizer and the
+    dataset stages."""
+    startup = startup or Startup(False)
     tokenizer, pipeline = None, data_source(cfg)
     if pipeline is synthetic:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -337,9 +356,11 @@ def prepare(cfg: Config, workdir: Path, source_step: int | None, allow_corpus_ch
             earlier = data_record.check_resume(cfg, workdir, tokenizer_path(cfg, workdir), allow_corpus_change)
         if source_step is not None:
             init_from.copy_tokenizer(cfg, workdir)
-        tokenizer = load_tokenizer(cfg, workdir, fresh=fresh)  # (trained here on first use)
-        path = tokenizer_path(cfg, workdir, fresh=fresh)
-        pipeline.prepare(cfg, workdir)
+        with startup.stage("tokenizer", "tokenizer (trained on the corpus on first use)"):
+            tokenizer = load_tokenizer(cfg, workdir, fresh=fresh)
+            path = tokenizer_path(cfg, workdir, fresh=fresh)
+        with startup.stage("dataset", "dataset (built once per corpus and tokenizer)"):
+            pipeline.prepare(cfg, workdir)
     hosts.barrier("prepared")
     workdir.mkdir(parents=True, exist_ok=True)
     path = Path(hosts.gather_json(str(path))[0])  # process 0's choice (it alone reads data.json)
@@ -380,6 +401,14 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
         return _train(cfg, Path(workdir), progress, resume_step, allow_corpus_change)
 
 
+def abstract_batch(cfg: Config, batch_sharding) -> dict:
+    """The shapes of a global training batch (every pipeline's rows: tokens, segment ids and
+    positions, int32, of seq_len + 1 tokens), to compile the step before the first batch is made."""
+    shape = (cfg.train.batch_size, cfg.train.seq_len + 1)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
+            for k in ("tokens", "segment_ids", "positions")}
+
+
 def check_not_diverged(workdir: Path) -> None:
     """Refuses a plain rerun of a run that stopped for divergence (summary.json says so): it would
     resume from a checkpoint saved in the trouble, and may finish "completed" on ruined weights."""
@@ -409,20 +438,28 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
                           f"a multiple of the {shards} data x expert shards of the mesh {dict(mesh.shape)}"
                           + (f" times train.microbatches ({t.microbatches}): every shard holds rows of each "
                              "microbatch" if t.microbatches > 1 else ""))
-    tokenizer, tokenizer_file, earlier = prepare(cfg, workdir, source_step, allow_corpus_change)
+    startup = Startup(progress and hosts.primary())
+    tokenizer, tokenizer_file, earlier = prepare(cfg, workdir, source_step, allow_corpus_change, startup)
     pipeline = data_source(cfg)
     batch_sharding = sharding.batch_sharding(mesh)
-    data = pipeline.train_iterator(cfg, tokenizer, workdir, local_rows(batch_sharding, t.batch_size))
-    val_batches = pipeline.validation_batches(cfg, tokenizer, workdir)
+    with startup.stage("dataset", "reading the data"):
+        data = pipeline.train_iterator(cfg, tokenizer, workdir, local_rows(batch_sharding, t.batch_size))
+        val_batches = pipeline.validation_batches(cfg, tokenizer, workdir)
 
     def feed(batch: dict) -> dict:  # this process's rows -> the global batch
         return {k: jax.make_array_from_process_local_data(batch_sharding, v, (t.batch_size, v.shape[1]))
                 for k, v in batch.items()}
 
-    graphdef, state = init_state(cfg, mesh)
     keep_also = set()  # the checkpoint kept before trouble (checkpoint.BeforeTrouble)
     mngr = checkpoint.manager(workdir, t.keep_checkpoints, t.checkpoint_every, keep_also)
-    restored = resume(cfg, workdir, mngr, state, mesh, resume_step)
+    restored = None
+    if checkpoint.saved_steps(workdir):  # a resume restores onto the state's shapes: nothing to initialise
+        with startup.stage("restore", "restoring the checkpoint"):
+            graphdef, state = abstract_train_state(cfg, mesh)
+            restored = resume(cfg, workdir, mngr, state, mesh, resume_step)
+    if restored is None:
+        with startup.stage("model", "initialising the model and optimizer state"):
+            graphdef, state = init_state(cfg, mesh)
     meta = rundir.meta(cfg)
     if restored is not None:
         state, data_state, meta = restored
@@ -451,6 +488,10 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
     stop = Stopper()
     batches = (prefetch.Prefetcher(data, feed, prefetch.depth(cfg), limit=t.steps - start)
                if start < t.steps else None)
+    if batches is not None:  # compiled ahead of the loop (its call then reuses it), to time it apart
+        with startup.stage("compile", "compiling the train step"), jax.set_mesh(mesh):
+            train_step.lower(state, abstract_batch(cfg, batch_sharding)).compile()
+    startup.write(workdir)
     try:
         for step in range(start + 1, t.steps + 1):
             with jax.set_mesh(mesh):
