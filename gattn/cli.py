@@ -242,7 +242,9 @@ class HelpWithDefaults(argparse.RawTextHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "%(default)" in text or action.default in (None, False, True, argparse.SUPPRESS) or not action.option_strings:
+        # (by identity: 0, 0.0 and 1.0 compare equal to False and True, and are real defaults)
+        if "%(default)" in text or any(action.default is v for v in (None, False, True, argparse.SUPPRESS)) \
+                or not action.option_strings:
             return text
         return text + " (default: %(default)s)"
 

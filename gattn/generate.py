@@ -107,12 +107,9 @@ def main(argv=None) -> int:
     from gattn.eval import decode  # noqa: PLC0415
 
     decode.check_sampling(args.temperature, args.top_p, ("--temperature", "--top-p"))  # before the model loads
-    from gattn.lm_eval import require  # noqa: PLC0415
+    from gattn.interop import runs  # noqa: PLC0415
 
-    require()  # gattn.interop.harness, whose `load` reads runs and Hugging Face folders, imports lm-eval
-    from gattn.interop import harness  # noqa: PLC0415
-
-    cfg, model, tokenizer, _ = harness.load(args.workdir, args.step, overrides)
+    cfg, model, tokenizer, _ = runs.load(args.workdir, args.step, overrides)
     rows = complete(cfg, model, tokenizer, texts, max_tokens=args.max_tokens, temperature=args.temperature,
                     top_p=args.top_p, seed=args.seed)
     for row in rows:

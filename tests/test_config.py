@@ -273,3 +273,20 @@ def test_a_warmup_longer_than_the_run_names_the_flags_that_fix_it():
         cli.load("tiny", ["train.steps=5"])
     with pytest.raises(ConfigError, match=r"lr_preset sets it; choose your own with --config.train.lr_preset=''"):
         C.TrainConfig(steps=5, lr_preset="dense_400b")  # (its warmup: 1,000 steps)
+
+
+def test_help_shows_every_real_default_including_zero_and_one():
+    """--help (cli.HelpWithDefaults) shows defaults 0, 0.0 and 1.0 (which equal False and True in
+    Python and were hidden as flags), and hides them only for flags and None."""
+    import argparse
+
+    ap = argparse.ArgumentParser(formatter_class=cli.HelpWithDefaults)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus")
+    ap.add_argument("--seed", type=int, default=0, help="seed")
+    ap.add_argument("--json", action="store_true", help="JSON lines")
+    ap.add_argument("--step", type=int, default=None, help="a step (default: the latest)")
+    text = " ".join(ap.format_help().split())
+    assert "sampling temperature (default: 0.0)" in text and "nucleus (default: 1.0)" in text
+    assert "seed (default: 0)" in text
+    assert "JSON lines (default" not in text and text.count("(default:") == 4

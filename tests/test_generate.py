@@ -11,7 +11,7 @@ import sentencepiece as spm
 from gattn import generate
 from gattn.config import ConfigError
 from gattn.data import backcopy, tokenizer
-from gattn.interop import harness
+from gattn.interop import runs
 
 from test_lm_eval import build_qwen3
 
@@ -21,13 +21,13 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    """A tiny random Qwen3 folder (transformers' own files, eos id 0) and what harness.load makes of it."""
+    """A tiny random Qwen3 folder (transformers' own files, eos id 0) and what runs.load makes of it."""
     text = ["Question: What is the gate? Answer: a sigmoid of the input.\n",
             "The attention gate is a sigmoid. 12 + 30 = 42\n"] * 50
     folder = build_qwen3(tmp_path_factory.mktemp("generate") / "hf", text, 300, 0.2, vocab_size=320,
                          hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
-    return folder, harness.load(folder)
+    return folder, runs.load(folder)
 
 
 def run(capsys, *argv) -> list[dict]:

@@ -53,6 +53,7 @@ from tqdm import tqdm
 
 from gattn.config import ConfigError
 from gattn.eval import decode
+from gattn.interop.runs import load  # noqa: F401 (harness.load: what the model class reads)
 from gattn.model.transformer import head_logits, off_mesh, with_exec
 
 SHORTEST_ROW = 64  # row lengths: SHORTEST_ROW * 2^k, capped at max_length
@@ -166,29 +167,6 @@ class Scorer:
         tokens = decode.generate(self.model, prompts, max_new_tokens=max_tokens, eos_id=eos,
                                  stop=stop if until else None)
         return [postprocess_generated_text(self.tokenizer.decode(t), until, None) for t in tokens]
-
-
-def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()):
-    """(cfg, model, tokenizer, step) of a gattn run directory, or of a Hugging Face model folder
-    (converted into a temporary run first)."""
-    from gattn.data.tokenizer import load_tokenizer  # noqa: PLC0415
-    from gattn.train import rundir  # noqa: PLC0415
-
-    workdir = Path(workdir)
-    if not (workdir / "config.json").is_file():
-        raise ConfigError("workdir", str(workdir), "a gattn run directory or a Hugging Face model folder "
-                          "(no config.json there)")
-    if "architectures" in json.loads((workdir / "config.json").read_text()):  # a Hugging Face folder
-        from gattn.interop import convert  # noqa: PLC0415
-
-        if jax.process_count() > 1:
-            raise ConfigError("workdir", str(workdir), "a gattn run directory when several processes run: "
-                              f"convert it once first (python -m gattn.convert from-hf {workdir} --workdir RUN)")
-        run = Path(tempfile.mkdtemp(prefix="gattn-lm-eval-")) / "run"
-        convert.from_hf(workdir, run)
-        workdir = run
-    cfg, model, step = rundir.load(workdir, step, list(overrides))
-    return cfg, model, load_tokenizer(cfg, workdir), step
 
 
 @register_model("gattn")

@@ -1,0 +1,36 @@
+"""Any run as a model to use: a gattn run directory or a Hugging Face model folder (converted into
+a temporary run first), with its tokenizer. Used by lm-eval's model class (gattn.interop.harness)
+and `python -m gattn.generate`; it imports neither lm-eval nor torch."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import jax
+
+from gattn.config import ConfigError
+
+
+def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()):
+    """(cfg, model, tokenizer, step) of a gattn run directory, or of a Hugging Face model folder
+    (converted into a temporary run first)."""
+    from gattn.data.tokenizer import load_tokenizer  # noqa: PLC0415
+    from gattn.train import rundir  # noqa: PLC0415
+
+    workdir = Path(workdir)
+    if not (workdir / "config.json").is_file():
+        raise ConfigError("workdir", str(workdir), "a gattn run directory or a Hugging Face model folder "
+                          "(no config.json there)")
+    if "architectures" in json.loads((workdir / "config.json").read_text()):  # a Hugging Face folder
+        from gattn.interop import convert  # noqa: PLC0415
+
+        if jax.process_count() > 1:
+            raise ConfigError("workdir", str(workdir), "a gattn run directory when several processes run: "
+                              f"convert it once first (python -m gattn.convert from-hf {workdir} --workdir RUN)")
+        run = Path(tempfile.mkdtemp(prefix="gattn-run-")) / "run"
+        convert.from_hf(workdir, run)
+        workdir = run
+    cfg, model, step = rundir.load(workdir, step, list(overrides))
+    return cfg, model, load_tokenizer(cfg, workdir), step
