@@ -12,6 +12,7 @@ tests/test_layers.py enforces it):
     eval                    measurements, perplexity, decoding, few-shot, long context, figures
     interop, experiments    Hugging Face conversion; studies, the main job, the demo
 
-The modules `gattn.convert`, `gattn.study`, `gattn.main_job`, `gattn.demo`, `gattn.params`, `gattn.rehearse`
-and `gattn.launch` are the `python -m` entry points; each only calls into its layer.
+The modules `gattn.convert`, `gattn.study`, `gattn.main_job`, `gattn.demo`, `gattn.params`, `gattn.rehearse`,
+`gattn.launch`, `gattn.lm_eval` and `gattn.generate` are the `python -m` entry points; each only calls
+into its layer.
 """
