@@ -543,3 +543,51 @@ def test_layout_refusals_name_the_field_and_a_layout_that_holds_the_run():
     for cfg, layout, match in cases:
         with pytest.raises(ConfigError, match=match):
             hf_config.export_layout(cfg, layout)
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_qwen3_moe_logits_match_and_round_trip_exactly(renormalize, tmp_path, tokenizer_file):
+    """Issue 31: Qwen3-MoE in and out. The router, the per-expert SwiGLUs and norm_topk_prob land on
+    gattn's MoE (dropless, softmax top-k) with transformers' logits; to-hf writes the per-expert
+    tensors back, and every parameter survives gattn -> HF -> gattn bitwise."""
+    dims = {**DIMS, "intermediate_size": 96}
+    cfg = transformers.Qwen3MoeConfig(**dims, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                      norm_topk_prob=renormalize, attn_implementation="eager")
+    model = randomize(transformers.Qwen3MoeForCausalLM(cfg))
+    convert.from_hf(save(model, tmp_path / "hf", tokenizer_file), tmp_path / "run")
+    moe = json.loads((tmp_path / "run" / "config.json").read_text())["model"]["moe"]
+    assert (moe["num_experts"], moe["top_k"], moe["expert_width"], moe["renormalize"]) == (4, 2, 24, renormalize)
+    assert moe["capacity_factor"] is None  # dropless, as transformers computes it
+    ours = gattn_logits(tmp_path / "run")
+    np.testing.assert_allclose(ours, hf_logits(model), **TOL)
+    convert.to_hf(tmp_path / "run", tmp_path / "back")  # auto: an ungated MoE with QK-norm -> qwen3_moe
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "qwen3_moe"
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    np.testing.assert_allclose(hf_logits(again), ours, **TOL)
+    convert.from_hf(tmp_path / "back", tmp_path / "run2")
+    a, b = _flat_params(tmp_path / "run"), _flat_params(tmp_path / "run2")
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
+
+
+def test_moe_layouts_refuse_what_they_cannot_hold():
+    from gattn.config import GateSpec, ModelConfig, MoESpec
+
+    moe = MoESpec(num_experts=4, top_k=2, expert_width=8)
+    assert hf_config.export_layout(ModelConfig(moe=moe, qk_norm=True)) == "qwen3_moe"
+    with pytest.raises(ConfigError) as e:  # the paper's gated MoE: no layout has both
+        hf_config.export_layout(ModelConfig(moe=moe, qk_norm=True, gate=GateSpec()))
+    assert e.value.field == "--layout" and "shared expert" in e.value.allowed
+    with pytest.raises(ConfigError, match="model.moe.*None for layout qwen3"):
+        hf_config.export_layout(ModelConfig(moe=moe, qk_norm=True), "qwen3")
+    with pytest.raises(ConfigError, match="model.moe.*an MoE for layout qwen3_moe"):
+        hf_config.export_layout(ModelConfig(qk_norm=True), "qwen3_moe")
+    hf = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+          "num_hidden_layers": 4, "vocab_size": 320, "intermediate_size": 96, "moe_intermediate_size": 24,
+          "num_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(ConfigError, match="mlp_only_layers.*every"):
+        hf_config.model_config({**hf, "mlp_only_layers": [0]}, "qwen3_moe")
+    with pytest.raises(ConfigError, match="decoder_sparse_step"):
+        hf_config.model_config({**hf, "decoder_sparse_step": 2}, "qwen3_moe")
+    assert hf_config.model_config(hf, "qwen3_moe").moe.renormalize is False  # transformers' default

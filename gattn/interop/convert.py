@@ -1,20 +1,23 @@
 """Hugging Face checkpoints <-> gattn runs, with numerical parity.
 
     python -m gattn.convert from-hf SRC_DIR --workdir DIR
-    python -m gattn.convert to-hf WORKDIR --out DIR [--step N] [--layout auto|qwen3|llama|qwen3_next|release]
+    python -m gattn.convert to-hf WORKDIR --out DIR [--step N] [--layout auto|qwen3|llama|qwen3_next|qwen3_moe|release]
 
 `from-hf` reads a local Hugging Face model folder (config.json, safetensors shards or
 pytorch_model.bin files, tokenizer.json; nothing is downloaded) and writes a gattn run directory
 that eval.py restores and `train.py --init-from` continues: config.json, an Orbax checkpoint of
 the parameters (step 0) and the tokenizer under tokenizer/hf/. `to-hf` writes the reverse, with
 the run's tokenizer as files AutoTokenizer loads as they are; its --layout auto writes only a
-layout transformers loads as is (qwen3, llama, qwen3_next) and refuses a run none of them holds,
+layout transformers loads as is (qwen3, llama, qwen3_next, qwen3_moe) and refuses a run none of them holds,
 naming the explicit layouts that do.
 
 Layouts (all Linear weights are [out, in]; gattn stores [in, out], so each is transposed):
 
     qwen3        Qwen3ForCausalLM: QK-norm, no gate.
     llama        LlamaForCausalLM: no QK-norm, no gate.
+    qwen3_moe    Qwen3MoeForCausalLM, every layer sparse: QK-norm, no gate, gattn's MoE (router
+                 mlp.gate [E, d]; expert j's gate/up/down_proj = slice j of the stacked w1/w3/w2;
+                 norm_topk_prob = moe.renormalize), dropless as transformers computes it.
     release      the paper's released models (Qwen3 modeling code with headwise_attn_output_gate /
                  elementwise_attn_output_gate, use_qk_norm, qkv_bias). The gate is packed into a
                  widened q_proj, per kv group g: rows [queries of the group's G heads | their gates],

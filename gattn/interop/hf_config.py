@@ -5,14 +5,15 @@ gattn/interop/convert.py."""
 
 from __future__ import annotations
 
-from gattn.config import ConfigError, GateSpec, ModelConfig, YarnSpec
+from gattn.config import ConfigError, GateSpec, ModelConfig, MoESpec, YarnSpec
 
-LAYOUTS = ("qwen3", "llama", "release", "qwen3_next")
-NATIVE = ("qwen3", "llama", "qwen3_next")  # the layouts transformers loads as they are
+LAYOUTS = ("qwen3", "llama", "release", "qwen3_next", "qwen3_moe")
+NATIVE = ("qwen3", "llama", "qwen3_next", "qwen3_moe")  # the layouts transformers loads as they are
 RELEASE_CAVEAT = ("--layout release writes the paper's released layout, which transformers loads only with "
                   "the release's own modeling code (its modeling_qwen3.py, trust_remote_code=True), which "
                   "gattn does not ship")
-ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3NextForCausalLM": "qwen3_next"}
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3NextForCausalLM": "qwen3_next",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
 RELEASE_FLAGS = ("headwise_attn_output_gate", "elementwise_attn_output_gate", "use_qk_norm", "qkv_bias")
 # Hugging Face hidden_act -> gattn ffn_activation (jax.nn.gelu is the tanh approximation).
 ACTIVATIONS = {"silu": "silu", "relu": "relu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
@@ -27,7 +28,7 @@ def detect_layout(hf: dict) -> str:
     for name in names:
         if name in ARCHITECTURES:
             return ARCHITECTURES[name]
-    by_type = {"qwen3": "qwen3", "llama": "llama", "qwen3_next": "qwen3_next"}
+    by_type = {"qwen3": "qwen3", "llama": "llama", "qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe"}
     if not names and hf.get("model_type") in by_type:
         return by_type[hf["model_type"]]
     raise ConfigError("config.json architectures", names or hf.get("model_type"),
@@ -86,13 +87,13 @@ def model_config(hf: dict, layout: str) -> ModelConfig:
     if act not in ACTIVATIONS:
         raise ConfigError("config.json hidden_act", act, f"expected one of {', '.join(ACTIVATIONS)}")
     # transformers' defaults when config.json has no head_dim (the release's config: 128 too).
-    default_head_dim = {"qwen3": 128, "release": 128, "qwen3_next": 256}.get(layout, d // heads)
+    default_head_dim = {"qwen3": 128, "release": 128, "qwen3_next": 256}.get(layout, d // heads)  # (qwen3_moe: d // heads)
     head_dim = int(hf.get("head_dim") or default_head_dim)
     base, yarn, partial = _rope(hf, 0.25 if layout == "qwen3_next" else 1.0)  # (Qwen3NextConfig's default)
     rope_dim = None if partial == 1.0 else int(head_dim * partial)
     if rope_dim is not None and layout != "qwen3_next":
         raise ConfigError("config.json partial_rotary_factor", partial, f"1.0 for layout {layout}")
-    gate, qk_norm, bias = None, layout in ("qwen3", "qwen3_next"), bool(hf.get("attention_bias", False))
+    gate, qk_norm, bias = None, layout in ("qwen3", "qwen3_next", "qwen3_moe"), bool(hf.get("attention_bias", False))
     if layout == "release":
         qk_norm, bias = bool(hf.get("use_qk_norm", False)), bool(hf.get("qkv_bias", False))
         if hf.get("headwise_attn_output_gate") and hf.get("elementwise_attn_output_gate"):
@@ -113,13 +114,32 @@ def model_config(hf: dict, layout: str) -> ModelConfig:
         if sparse:
             raise ConfigError("config.json num_experts", hf.get("num_experts"),
                               f"dense MLPs only (layers {sparse} would be MoE): set mlp_only_layers to all")
+    moe = _moe(hf, layers) if layout == "qwen3_moe" else None
     return ModelConfig(
         vocab_size=int(_field(hf, "vocab_size")), d_model=d, num_layers=layers, q_heads=heads,
         kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
         d_ff=int(_field(hf, "intermediate_size")), ffn_activation=ACTIVATIONS[act],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_base=base, yarn=yarn,
         rope_dim=rope_dim, qk_norm=qk_norm, attention_bias=bias, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        gate=gate)
+        gate=gate, moe=moe)
+
+
+def _moe(hf: dict, layers: int) -> MoESpec:
+    """The MoE of a Qwen3-MoE config.json: every layer sparse (gattn has no dense layers between
+    MoE layers), softmax top-k routing, renormalised as norm_topk_prob says (transformers' default:
+    not), dropless as transformers computes it."""
+    dense = sorted(set(hf.get("mlp_only_layers") or []))
+    if dense:
+        raise ConfigError("config.json mlp_only_layers", dense, "[] (gattn's MoE models have an MoE FFN in every "
+                          "layer, and no dense layers between)")
+    if int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise ConfigError("config.json decoder_sparse_step", hf["decoder_sparse_step"], "1 (an MoE FFN in every layer)")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise ConfigError("config.json num_experts", None, "a required field is missing")
+    return MoESpec(num_experts=int(experts), top_k=int(hf.get("num_experts_per_tok", 8)),
+                   expert_width=int(_field(hf, "moe_intermediate_size")), renormalize=bool(hf.get("norm_topk_prob", False)),
+                   lbl_coef=float(hf.get("router_aux_loss_coef", 1e-3)))
 
 
 def hf_config(cfg: ModelConfig, layout: str, max_len: int) -> dict:
@@ -135,7 +155,7 @@ def hf_config(cfg: ModelConfig, layout: str, max_len: int) -> dict:
         rope["partial_rotary_factor"] = (cfg.rope_dim or cfg.head_dim) / cfg.head_dim
     out = {
         "architectures": [{v: k for k, v in ARCHITECTURES.items()}.get(layout, "Qwen3ForCausalLM")],
-        "model_type": {"llama": "llama", "qwen3_next": "qwen3_next"}.get(layout, "qwen3"),
+        "model_type": {"llama": "llama", "qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe"}.get(layout, "qwen3"),
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_width,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.q_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
@@ -149,7 +169,12 @@ def hf_config(cfg: ModelConfig, layout: str, max_len: int) -> dict:
     }
     if "partial_rotary_factor" in rope:
         out["partial_rotary_factor"] = rope["partial_rotary_factor"]
-    if layout in ("qwen3", "release"):
+    if layout == "qwen3_moe":
+        m = cfg.moe
+        out.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.expert_width,
+                   norm_topk_prob=m.renormalize, decoder_sparse_step=1, mlp_only_layers=[],
+                   router_aux_loss_coef=m.lbl_coef, output_router_logits=False, intermediate_size=cfg.d_ff)
+    if layout in ("qwen3", "release", "qwen3_moe"):
         out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers,
                    layer_types=["full_attention"] * cfg.num_layers)
     if layout == "llama":
@@ -175,6 +200,8 @@ def native_layout(cfg: ModelConfig) -> str | None:
     `--layout auto` picks), or None: a headwise gate, an elementwise gate without QK-norm, or
     partial rotary embeddings without an elementwise gate and QK-norm."""
     g, full_rope = cfg.gate, cfg.rope_dim in (None, cfg.head_dim)
+    if cfg.moe is not None:
+        return "qwen3_moe" if g is None and cfg.qk_norm and full_rope else None
     if g is not None and g.granularity == "elementwise" and cfg.qk_norm:
         return "qwen3_next"
     if g is None and full_rope:
@@ -184,6 +211,9 @@ def native_layout(cfg: ModelConfig) -> str | None:
 
 def _why_not_native(cfg: ModelConfig) -> str:
     g = cfg.gate
+    if cfg.moe is not None:
+        return ("qwen3_moe, the one MoE layout, has no attention gate" if g is not None else
+                "qwen3_moe needs model.qk_norm=True and full rotary embeddings (Qwen3-MoE's attention)")
     if g is not None and g.granularity == "headwise":
         return "qwen3_next holds an elementwise gate; this run's is headwise"
     if g is not None:
@@ -196,6 +226,10 @@ def _instead(cfg: ModelConfig) -> str:
     native = native_layout(cfg)
     if native is not None:
         return f"--layout {native} (what auto picks) holds this run"
+    if cfg.moe is not None:
+        return ("no Hugging Face layout holds this MoE run: Qwen3-MoE's has no attention gate, and Qwen3-Next's, "
+                "which has one, pairs its MoE with a shared expert that gattn's MoE lacks") if cfg.gate is not None \
+            else "no Hugging Face layout holds it (train it with model.qk_norm=True to export as qwen3_moe)"
     ways = []
     if cfg.gate is not None and cfg.gate.granularity == "headwise" and cfg.qk_norm:
         ways.append("--layout qwen3_next writes it loadable as is, with each head's gate repeated over its "
@@ -215,7 +249,7 @@ def export_layout(cfg: ModelConfig, layout: str = "auto") -> str:
                "'none' to export to Hugging Face (no layout transforms the SDPA output but by a G1 gate)"),
               ("switch_heads", cfg.switch_heads, cfg.switch_heads is None,
                "None to export to Hugging Face (no layout has switch-head attention)"),
-              ("moe", cfg.moe, cfg.moe is None, "None (MoE checkpoints are not converted yet: dense models only)"),
+
               ("sandwich_norm", cfg.sandwich_norm, not cfg.sandwich_norm,
                "False to export to Hugging Face (no layout normalises the attention and FFN outputs)"),
               ("output_clip", cfg.output_clip, cfg.output_clip is None,
@@ -234,12 +268,17 @@ def export_layout(cfg: ModelConfig, layout: str = "auto") -> str:
         layout = native_layout(cfg)
     if layout not in LAYOUTS:
         raise ConfigError("--layout", layout, f"expected auto or one of {', '.join(LAYOUTS)}")
-    holds_gate = {"qwen3": g is None, "llama": g is None, "qwen3_next": g is not None, "release": True}[layout]
+    if (cfg.moe is not None) != (layout == "qwen3_moe"):
+        raise ConfigError("model.moe", cfg.moe, (f"None for layout {layout} (a dense FFN); " if cfg.moe is not None
+                                                  else "an MoE for layout qwen3_moe; ") + _instead(cfg))
+    holds_gate = {"qwen3": g is None, "llama": g is None, "qwen3_next": g is not None, "release": True,
+                  "qwen3_moe": g is None}[layout]
     if not holds_gate:
-        what = "no gate" if layout in ("qwen3", "llama") else "a G1 gate (elementwise, or headwise repeated)"
+        what = "no gate" if layout in ("qwen3", "llama", "qwen3_moe") else "a G1 gate (elementwise, or headwise repeated)"
         raise ConfigError("model.gate", g, f"layout {layout} holds {what}; {_instead(cfg)}")
     qk = {"qwen3": (True, "Qwen3 normalises q and k"), "llama": (False, "Llama has no QK-norm"),
-          "qwen3_next": (True, "Qwen3-Next normalises q and k")}.get(layout)
+          "qwen3_next": (True, "Qwen3-Next normalises q and k"),
+          "qwen3_moe": (True, "Qwen3-MoE normalises q and k")}.get(layout)
     if qk is not None and cfg.qk_norm != qk[0]:
         raise ConfigError("model.qk_norm", cfg.qk_norm, f"{qk[0]} for layout {layout} ({qk[1]}); {_instead(cfg)}")
     if cfg.rope_dim not in (None, cfg.head_dim) and layout != "qwen3_next":

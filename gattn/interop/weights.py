@@ -155,10 +155,22 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                 out[f"{p}self_attn.{name}.bias"] = shape[:1]
         if cfg.qk_norm:
             out[f"{p}self_attn.q_norm.weight"] = out[f"{p}self_attn.k_norm.weight"] = (cfg.head_dim,)
-        out.update({f"{p}input_layernorm.weight": (d,), f"{p}post_attention_layernorm.weight": (d,),
-                    f"{p}mlp.gate_proj.weight": (f, d), f"{p}mlp.up_proj.weight": (f, d),
-                    f"{p}mlp.down_proj.weight": (d, f)})
+        out.update({f"{p}input_layernorm.weight": (d,), f"{p}post_attention_layernorm.weight": (d,)})
+        if cfg.moe is None:
+            out.update({f"{p}mlp.gate_proj.weight": (f, d), f"{p}mlp.up_proj.weight": (f, d),
+                        f"{p}mlp.down_proj.weight": (d, f)})
+            continue
+        e, fe = cfg.moe.num_experts, cfg.moe.expert_width  # Qwen3-MoE: a router, then one SwiGLU per expert
+        out[f"{p}mlp.gate.weight"] = (e, d)
+        for j in range(e):
+            out.update({f"{p}mlp.experts.{j}.gate_proj.weight": (fe, d), f"{p}mlp.experts.{j}.up_proj.weight": (fe, d),
+                        f"{p}mlp.experts.{j}.down_proj.weight": (d, fe)})
     return out
+
+
+# gattn's SwiGLU weights <-> the projections of a Hugging Face MLP (transposed); an MoE holds them per
+# expert, stacked [E, ...] in gattn and one tensor per expert in Qwen3-MoE
+_FFN_PROJ = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 
 
 def _norm_names(cfg: ModelConfig) -> list[str]:
@@ -187,10 +199,14 @@ def to_gattn(tensors: dict[str, np.ndarray], cfg: ModelConfig, layout: str) -> d
         out.update({b + ("attn_norm", "scale"): t[p + "input_layernorm.weight"],
                     b + ("ffn_norm", "scale"): t[p + "post_attention_layernorm.weight"],
                     b + ("attn", "wq"): q.T, b + ("attn", "wk"): t[a + "k_proj.weight"].T,
-                    b + ("attn", "wv"): t[a + "v_proj.weight"].T, b + ("attn", "wo"): t[a + "o_proj.weight"].T,
-                    b + ("ffn", "w1"): t[p + "mlp.gate_proj.weight"].T,
-                    b + ("ffn", "w3"): t[p + "mlp.up_proj.weight"].T,
-                    b + ("ffn", "w2"): t[p + "mlp.down_proj.weight"].T})
+                    b + ("attn", "wv"): t[a + "v_proj.weight"].T, b + ("attn", "wo"): t[a + "o_proj.weight"].T})
+        if cfg.moe is None:
+            out.update({b + ("ffn", ours): t[f"{p}mlp.{theirs}.weight"].T for ours, theirs in _FFN_PROJ})
+        else:
+            out[b + ("ffn", "router")] = t[p + "mlp.gate.weight"].T
+            out.update({b + ("ffn", ours): np.stack([t[f"{p}mlp.experts.{j}.{theirs}.weight"].T
+                                                     for j in range(cfg.moe.num_experts)])
+                        for ours, theirs in _FFN_PROJ})
         if gate is not None:
             out[b + ("attn", "gate", "w")] = gate.T
         if cfg.attention_bias:
@@ -219,10 +235,13 @@ def from_gattn(params: dict[tuple, np.ndarray], cfg: ModelConfig, layout: str) -
                     p + "post_attention_layernorm.weight": P[b + ("ffn_norm", "scale")],
                     a + "q_proj.weight": _join_q(P[b + ("attn", "wq")].T, gate, cfg, layout),
                     a + "k_proj.weight": P[b + ("attn", "wk")].T, a + "v_proj.weight": P[b + ("attn", "wv")].T,
-                    a + "o_proj.weight": P[b + ("attn", "wo")].T,
-                    p + "mlp.gate_proj.weight": P[b + ("ffn", "w1")].T,
-                    p + "mlp.up_proj.weight": P[b + ("ffn", "w3")].T,
-                    p + "mlp.down_proj.weight": P[b + ("ffn", "w2")].T})
+                    a + "o_proj.weight": P[b + ("attn", "wo")].T})
+        if cfg.moe is None:
+            out.update({f"{p}mlp.{theirs}.weight": P[b + ("ffn", ours)].T for ours, theirs in _FFN_PROJ})
+        else:
+            out[p + "mlp.gate.weight"] = P[b + ("ffn", "router")].T
+            for ours, theirs in _FFN_PROJ:
+                out.update({f"{p}mlp.experts.{j}.{theirs}.weight": w.T for j, w in enumerate(P[b + ("ffn", ours)])})
         if cfg.attention_bias:
             gb = P[b + ("attn", "gate", "b")] if cfg.gate is not None else None
             out.update({a + "q_proj.bias": _join_q(P[b + ("attn", "bq")], gb, cfg, layout),
