@@ -217,3 +217,33 @@ def test_the_window_shuffle_permutes_each_window_and_resumes_mid_window():
     assert [next(resumed) for _ in range(43)] == rest
     other = iter(pipeline.WindowShuffle(parent, window_size=8, seed=4))
     assert [next(other) for _ in range(56)] != seq
+
+
+def _words_folder(folder, docs: int, words: int, seed: int = 0):
+    import random
+
+    rng = random.Random(seed)
+    vocab = ["alpha", "beta", "gamma", "delta", "train", "model", "token", "sink", "gate", "layer"]
+    folder.mkdir()
+    for i in range(docs):
+        (folder / f"{i}.txt").write_text(" ".join(rng.choice(vocab) + rng.choice(["", "s", "ing", "ed"])
+                                                  for _ in range(words)))
+    return folder
+
+
+def test_a_tokenizer_trained_on_little_text_for_its_pieces_warns(tmp_path, capsys):
+    """Below MIN_BYTES_PER_PIECE (200) bytes of training text per piece: one warning line that
+    states the rule; not above it."""
+    from gattn.data.tokenizer import MIN_BYTES_PER_PIECE, train_tokenizer
+
+    small = _words_folder(tmp_path / "small", docs=30, words=100)   # ~20 KB: ~65 bytes per piece
+    large = _words_folder(tmp_path / "large", docs=40, words=400)   # ~110 KB: ~350 bytes per piece
+    train_bytes = sum(len(d.text.encode()) for d in corpus.documents(str(small), 0) if d.split == "train")
+    assert train_bytes < MIN_BYTES_PER_PIECE * 300
+    train_tokenizer(str(small), 0, 300, tmp_path / "small.model")
+    lines = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    assert len(lines) == 1 and lines[0].startswith("warning: trained a 300-piece tokenizer on ")
+    assert f"({train_bytes / 300:.0f} bytes per piece, under {MIN_BYTES_PER_PIECE};" in lines[0]
+    assert "model.vocab_size" in lines[0] and str(small) in lines[0]
+    train_tokenizer(str(large), 0, 300, tmp_path / "large.model")
+    assert "warning" not in capsys.readouterr().err

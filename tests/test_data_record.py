@@ -114,3 +114,49 @@ def test_train_py_refuses_to_resume_on_changed_data(tmp_path):
     assert out.returncode == 0, out.stderr
     rec = json.loads((tmp_path / "run" / record.RECORD).read_text())
     assert len(rec["earlier_fingerprints"]) == 1 and rec["fingerprint"] not in rec["earlier_fingerprints"]
+
+
+def test_the_corpus_report_counts_each_domain_and_split_and_is_printed_once(tmp_path, monkeypatch, capsys):
+    """WORKDIR/corpus_report.json: per domain and split, the documents and tokens training reads
+    (ids + EOS), equal to a direct count; printed once, when the run starts; a resume neither
+    counts nor prints again. Domains: a top-level .txt is 'text', one in a folder is the first
+    sub-folder's name, a .jsonl line its "domain" field (else 'text', wherever the file lies)."""
+    from gattn.data import corpus
+
+    data = corpus_folder(tmp_path / "data", docs=30)          # top-level files: domain 'text'
+    (data / "law" / "deep").mkdir(parents=True)
+    for i in range(12):
+        (data / "law" / f"{i}.txt").write_text(f"Article {i}. The court holds the gate open. " * 40)
+    (data / "law" / "deep" / "x.txt").write_text("Annex: a deeper file is still law. " * 40)
+    (data / "law" / "notes.jsonl").write_text(json.dumps({"text": "a note without a domain " * 30}) + "\n")
+    (data / "web.jsonl").write_text("".join(json.dumps({"text": f"page {i} " * 50, "domain": "web"}) + "\n"
+                                            for i in range(10)))
+    cfg = cli.load("tiny", [f"data.source={data}", "model.vocab_size=300"])
+    work = tmp_path / "run"
+    tok = started(cfg, work)
+    err = capsys.readouterr().err
+    assert err.count("corpus report") == 1, err
+    report = json.loads((work / corpus.REPORT).read_text())
+
+    docs = {d.id: d for d in corpus.documents(str(data), 0)}
+    assert docs["0.txt"].domain == "text" and docs["law/deep/x.txt"].domain == "law"
+    assert docs["law/notes.jsonl:0"].domain == "text" and docs["web.jsonl:0"].domain == "web"
+    expected: dict = {}
+    for d in docs.values():
+        split = "held_out" if d.split == "validation" else "train"
+        counts = expected.setdefault(d.domain, {"train": [0, 0], "held_out": [0, 0]})[split]
+        counts[0] += 1
+        counts[1] += len(tok.encode(d.text)) + 1          # + EOS
+    assert {dom: {s: [c["documents"], c["tokens"]] for s, c in splits.items()}
+            for dom, splits in report["domains"].items()} == expected
+    for s in ("train", "held_out"):
+        assert [report["total"][s]["documents"], report["total"][s]["tokens"]] == \
+            [sum(e[s][0] for e in expected.values()), sum(e[s][1] for e in expected.values())]
+    for dom, e in expected.items():  # one printed row per domain: docs and tokens of each split
+        assert f"{e['train'][0]:,}" in next(line for line in err.splitlines() if line.split()[:1] == [dom])
+
+    # A resume: the report is there; nothing is counted or printed again.
+    monkeypatch.setattr(trainer.checkpoint, "saved_steps", lambda workdir: [6])
+    monkeypatch.setattr(corpus, "count", lambda *a: pytest.fail("counted again on a resume"))
+    trainer.prepare(cfg, work, None)
+    assert "corpus report" not in capsys.readouterr().err

@@ -173,6 +173,31 @@ def test_sink_1_eps_on_constructed_attention():
     assert sinks.uniform_f_attn([batch]) == pytest.approx((1 / 2 + 1 / 3) / 2)
 
 
+def test_the_two_sink_head_shares_are_named_apart():
+    """analysis's `sink_head_share` (F-Attn > 0.3) and sinks' `sink_share` (Gu et al.'s Sink_1^0.3)
+    average different queries and can disagree (0.00 against 0.25 on the sink lab's baseline):
+    each is shown under a label naming its own definition, and docs/sinks.md says why."""
+    import inspect
+    from pathlib import Path
+
+    from gattn.eval import analysis
+
+    f_attn, gu = analysis.sink_heads_label(0.3), sinks.share_label(0.3, 64)
+    assert f_attn != gu
+    assert "F-Attn > 0.3" in f_attn and "Sink_1" not in f_attn and "Gu" not in f_attn
+    assert all(x in gu for x in ("Sink_1^0.3", "Gu et al.", "alpha_1 > 0.3", "T = 64")) and "F-Attn" not in gu
+    assert "every query" in analysis.SINK_HEADS_DEFINITION and "first query included" in sinks.SHARE_DEFINITION
+    assert "sink metric of Gu" not in inspect.getsource(analysis)  # (it is F-Attn's count, not Gu's)
+    o = {"eps": 0.3, "window": 64, "sink_share": 0.25, "alpha_1_mean": 0.2, "alpha_1_max": 0.31,
+         "uniform_alpha_1": 0.074}
+    assert sinks.report_lines({"overall": o, "per_layer": []})[0].startswith(f"- {gu}: 25%")
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    section = (docs / "sinks.md").read_text().split("### Two sink-head shares")[1].split("\n## ")[0]
+    assert f"**{f_attn}**" in section and f"**{gu}**" in section and "why they disagree" in section
+    row = next(x for x in (docs / "evaluation.md").read_text().splitlines() if "`sink_head_share` |" in x)
+    assert "F-Attn sink heads" in row and "not Gu et al.'s" in row
+
+
 def group(variant, f_attn, std, m_act, share=None, uniform=None, n=3):
     stat = lambda m, s=std: {"mean": m, "std": s, "n": n}  # noqa: E731
     return {"variant": variant, "lr": 1e-3, "seeds": n, "diverged": 0, "ppl_avg": stat(20.0),

@@ -3,8 +3,9 @@
 The embedded default corpus needs no download and exists wherever Python does: CPython's own
 documentation (`pydoc_data/topics.py`, domain "docs") and the standard library's top-level `.py`
 sources (domain "code"). A user's folder of `.txt` / `.jsonl` files works the same way: a `.txt`
-file is one document whose domain is its sub-folder (or "text"); a `.jsonl` line is a document
-with a "text" field and an optional "domain" field. Text that gattn cannot use stops the run with
+file is one document whose domain is the first sub-folder on its path (a file at the top of the
+folder: "text"); a `.jsonl` line is a document with a "text" field and an optional "domain"
+field (default "text", wherever the file lies). Text that gattn cannot use stops the run with
 one line naming the file and the byte offset or line (`DataError`): never a silent U+FFFD, unless
 data.decode_errors="replace" asks for it (and the count is reported).
 """
@@ -225,3 +226,36 @@ def check(source: str, name: str, stats: dict[str, list[int]], replaced: list[in
             print(f"warning: data.source={source!r}: domain {domain!r} has no {missing} documents "
                   f"({train + held_out} in all): it is {'not evaluated' if not held_out else 'never trained on'}"
                   f"{fix}", file=sys.stderr)
+
+
+REPORT = "corpus_report.json"  # WORKDIR/corpus_report.json: the corpus report (gattn/data/pipeline.py)
+SPLITS = {"train": "train", "validation": "held_out"}  # Document.split -> the report's name
+COUNTS = ("documents", "bytes", "tokens")
+
+
+def count(docs, count_tokens) -> dict:
+    """The corpus report's numbers: per domain and in total, the documents, UTF-8 bytes and tokens
+    (`count_tokens(text)`) of each split, {"domains": {domain: {split: {...}}}, "total": {split: {...}}}."""
+    domains: dict[str, dict] = {}
+    for doc in docs:
+        splits = domains.setdefault(doc.domain, {s: dict.fromkeys(COUNTS, 0) for s in SPLITS.values()})
+        c = splits[SPLITS[doc.split]]
+        c["documents"] += 1
+        c["bytes"] += len(doc.text.encode())
+        c["tokens"] += count_tokens(doc.text)
+    total = {s: {k: sum(d[s][k] for d in domains.values()) for k in COUNTS} for s in SPLITS.values()}
+    return {"domains": dict(sorted(domains.items())), "total": total}
+
+
+def describe(report: dict, where: str) -> str:
+    """The corpus report as a few lines for stderr: one row per domain and the totals."""
+    head = ("domain", "train docs", "train tokens", "held-out docs", "held-out tokens")
+    rows = [(d, *(f"{c[s][k]:,}" for s in SPLITS.values() for k in ("documents", "tokens")))
+            for d, c in [*report["domains"].items(), ("all domains", report["total"])]]
+    w = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [f"corpus report, data.source={report['data_source']!r} ({where}):"]
+    lines += ["  " + "  ".join([r[0].ljust(w[0]), *(x.rjust(n) for x, n in zip(r[1:], w[1:]))])
+              for r in [head, *rows]]
+    lines.append(f"  held out: ~{HELD_OUT_PERCENT}% of the documents, chosen by a hash of each one's id; "
+                 f"tokens: {report['tokens_are']}, as training reads them")
+    return "\n".join(lines)

@@ -11,14 +11,18 @@ make the data order part of a checkpoint.
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import grain
 import numpy as np
+from etils import epath
 from grain._src.python.dataset.transformations import shuffle as grain_shuffle  # (grain is pinned)
 
 from gattn.config import BACKCOPY, ConfigError
-from gattn.data import backcopy, tfds_text
+from gattn.data import backcopy, corpus, tfds_text
+from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 
 
 class WindowShuffle(grain.experimental.WindowShuffleIterDataset):
@@ -166,11 +170,46 @@ def set_state(iterator: Rows, state: dict) -> None:
     iterator.set_state(state)
 
 
-def prepare(cfg, workdir: Path) -> None:
-    """Builds the run's dataset (both splits) under WORKDIR/tfds if it is not there yet."""
+def prepare(cfg, workdir: Path, tokenizer=None) -> None:
+    """Builds the run's dataset (both splits) under WORKDIR/tfds if it is not there yet, and says
+    what it holds: per domain and in total, the documents and tokens of each split, printed on
+    stderr and kept in WORKDIR/corpus_report.json, once per corpus and tokenizer settings (a
+    resume finds the file and prints nothing). `tokenizer`: the run's, else loaded (only to count)."""
     if cfg.data.source == BACKCOPY:
         return  # generated on the fly
-    tfds_text.data_source(cfg.data, workdir, "train")
+    workdir = epath.Path(workdir)
+    key = {"fingerprint": tfds_text.prepare(cfg.data, workdir), "vocab_size": cfg.model.vocab_size,
+           "tokenizer": cfg.data.tokenizer, "bos": cfg.data.bos}
+    path = workdir / corpus.REPORT
+    if _reported(path, key):
+        return
+    data, tokenizer = cfg.data, tokenizer if tokenizer is not None else _run_tokenizer(cfg, workdir)
+    tokenize = _tokenize(tokenizer, data.bos)
+    report = {"data_source": data.source, **key, "tokenizer_pieces": tokenizer.get_piece_size(),
+              "held_out_rule": f"~{corpus.HELD_OUT_PERCENT}% of the documents, chosen by a hash of each "
+                               "document's id (gattn/data/corpus.py, Document.split)",
+              "tokens_are": "each document's ids + EOS" + (", after a BOS" if data.bos else ""),
+              **corpus.count(corpus.documents(data.source, data.code_max_bytes, data.decode_errors),
+                             lambda text: len(tokenize({"text": text})["tokens"]))}
+    tmp = workdir / (corpus.REPORT + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2))
+    tmp.replace(path)
+    print(corpus.describe(report, str(path)), file=sys.stderr, flush=True)
+
+
+def _reported(path, key: dict) -> bool:
+    """Whether `path` holds the report of these settings (an unreadable one is made again)."""
+    try:
+        report = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        return False
+    return isinstance(report, dict) and {k: report.get(k) for k in key} == key
+
+
+def _run_tokenizer(cfg, workdir: Path):
+    """The run's tokenizer as its readers find it (`tokenizer_path`: the recorded one, else this
+    corpus's), trained if missing; the record's check is the trainer's (gattn/train/trainer.py)."""
+    return load_tokenizer(cfg, workdir, fresh=True, path=tokenizer_path(cfg, workdir))
 
 
 def validation_batches(cfg, tokenizer, workdir: Path) -> dict[str, list[dict]]:

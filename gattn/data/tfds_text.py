@@ -51,14 +51,20 @@ class GattnText(tfds.core.GeneratorBasedBuilder):
                 yield doc.id, {"text": doc.text, "domain": doc.domain}
 
 
-def data_source(data_cfg, workdir: Path, split: str):
-    """The ArrayRecord data source of `split`, built under WORKDIR/tfds on first use and read
-    with `tfds.data_source` (random access, no TensorFlow)."""
+def prepare(data_cfg, workdir: Path) -> str:
+    """Builds the dataset under WORKDIR/tfds if it is not there yet; returns its name within
+    the builder (the corpus fingerprint, `corpus.fingerprint`)."""
     tfds.display_progress_bar(False)
     absl_logging.set_verbosity(absl_logging.ERROR)  # "Using custom data configuration ..." etc.
     builder = GattnText(source=data_cfg.source, code_max_bytes=data_cfg.code_max_bytes,
                         decode_errors=data_cfg.decode_errors,
                         data_dir=str(workdir / "tfds"), file_format="array_record")
     builder.download_and_prepare()
-    return tfds.data_source(f"{builder.name}/{builder.builder_config.name}",
-                            data_dir=str(workdir / "tfds"), split=split)
+    return builder.builder_config.name
+
+
+def data_source(data_cfg, workdir: Path, split: str):
+    """The ArrayRecord data source of `split`, built under WORKDIR/tfds on first use and read
+    with `tfds.data_source` (random access, no TensorFlow)."""
+    name = prepare(data_cfg, workdir)
+    return tfds.data_source(f"{GattnText.name}/{name}", data_dir=str(workdir / "tfds"), split=split)

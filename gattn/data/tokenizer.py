@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import sys
 from typing import Protocol, runtime_checkable
 
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
@@ -75,14 +76,28 @@ class HFTokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
 
+# Below this many bytes of training text per piece, many learned pieces are rare: training a
+# 4096-piece tokenizer on samples of the embedded corpus, 59% of the learned pieces occurred fewer
+# than 10 times in its own training text at 100 bytes per piece, 23% at 200 and 12% at 300 (1024
+# pieces: 11%, 6%, 4%); a rare piece's embedding is barely trained.
+MIN_BYTES_PER_PIECE = 200
+
+
 def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Path,
                     decode_errors: str = "strict") -> Path:
-    """BPE with byte fallback (so code, whitespace and any Unicode round-trip) on the train split."""
-    lines = (line for doc in corpus.documents(source, code_max_bytes, decode_errors) if doc.split == "train"
-             for line in doc.text.splitlines() if line.strip())
+    """BPE with byte fallback (so code, whitespace and any Unicode round-trip) on the train split;
+    one warning line on stderr when the text is small for the vocabulary (`MIN_BYTES_PER_PIECE`)."""
+    size = [0]  # bytes of training text, counted as the trainer reads it
+
+    def lines():
+        for doc in corpus.documents(source, code_max_bytes, decode_errors):
+            if doc.split == "train":
+                size[0] += len(doc.text.encode())
+                yield from (line for line in doc.text.splitlines() if line.strip())
+
     model = io.BytesIO()
     try:
-        _train_spm(lines, model, vocab_size)
+        _train_spm(lines(), model, vocab_size)
     except RuntimeError as e:  # the one limit a user meets: more pieces than this corpus has to offer
         most = re.search(r"<=\s*(\d+)", str(e))
         if "Vocabulary size too high" not in str(e) or not most:
@@ -90,6 +105,13 @@ def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Pat
         raise ConfigError("model.vocab_size", vocab_size,
                           f"at most {most.group(1)} to train a tokenizer on this corpus (data.source={source!r}): "
                           "a smaller vocabulary, a larger corpus, or a trained tokenizer (data.tokenizer)") from None
+    if size[0] < MIN_BYTES_PER_PIECE * vocab_size:
+        fits = size[0] // MIN_BYTES_PER_PIECE
+        smaller = f"model.vocab_size <= {fits}" if fits >= 260 else "the smallest model.vocab_size, 260,"
+        print(f"warning: trained a {vocab_size}-piece tokenizer on {size[0] / 1e3:,.0f} KB of text "
+              f"({size[0] / vocab_size:.0f} bytes per piece, under {MIN_BYTES_PER_PIECE}; data.source={source!r}): "
+              f"many pieces are rare, their embeddings barely trained; {smaller} or more text would "
+              "fix it", file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_bytes(model.getvalue())

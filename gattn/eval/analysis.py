@@ -20,8 +20,11 @@ Table 4's and Figures 2, 3, 5 and 6's quantities, per layer and overall:
                  and for gates on the SDPA output `mean_abs_y_gated`, mean |Y'| of what the gate
                  returns (Fig. 4, Appendix A.2); overall, the means over layers
     f_attn       attention on the first token of the query's document, mean over heads and
-                 queries (Table 4 "F-Attn", Fig. 2 left); per head too, and the share of heads
-                 above `sink_threshold` (the sink metric of Gu et al. 2024)
+                 queries (Table 4 "F-Attn", Fig. 2 left); per head too, and `sink_head_share`,
+                 the "F-Attn sink heads": the share of heads whose F-Attn exceeds
+                 `sink_threshold` (gattn's count; the paper gives F-Attn, not a share). It is
+                 not Gu et al.'s Sink_1^eps share (gattn/eval/sinks.py), which averages other
+                 queries and can disagree (docs/sinks.md, "Two sink-head shares")
     gate_score   mean gate score and its histogram (Table 4 "Gate Score", Fig. 3); absent for
                  ungated models
     sparsity     share of values below each threshold (Fig. 5): `sdpa_out` (the SDPA output),
@@ -140,6 +143,17 @@ def collect(model, tokens_BxS, segment_ids_BxS=None, positions_BxS=None, *,
     return [{k: np.asarray(v, np.float32) for k, v in layer.items()} for layer in layers]
 
 
+def sink_heads_label(threshold: float) -> str:
+    """The name of `sink_head_share` wherever it is shown, apart from Gu et al.'s Sink_1^eps
+    share (`sinks.share_label`): the share of heads whose F-Attn exceeds `threshold`."""
+    return f"F-Attn sink heads (F-Attn > {threshold:g})"
+
+
+SINK_HEADS_DEFINITION = ("the share of (layer, head) pairs whose F-Attn (the paper's Table 4 first-token "
+                         "attention: each query's attention on its document's first token, averaged over "
+                         "every query of the held-out rows but each document's first) exceeds the threshold")
+
+
 def check_map_layers(map_layers, num_layers: int, field: str = "map_layers") -> tuple[int, ...]:
     """`map_layers` as a tuple, or ConfigError (naming `field`) for a layer the model lacks."""
     for i in map_layers:
@@ -150,7 +164,7 @@ def check_map_layers(map_layers, num_layers: int, field: str = "map_layers") -> 
 
 @dataclasses.dataclass
 class Options:
-    sink_threshold: float = 0.3          # a head with F-Attn above this is a sink head
+    sink_threshold: float = 0.3          # a head with F-Attn above this is an F-Attn sink head
     sparsity_thresholds: tuple[float, ...] = (1e-2, 1e-3)
     gate_bins: int = 50
     map_layers: tuple[int, ...] | None = None  # None: first, middle and last layer

@@ -1,15 +1,17 @@
 """The attention-sink measures of the literature, beside the paper's F-Attn (docs/sinks.md).
 
-Gu et al. 2025's Sink_1^eps: on windows of T = 64 tokens read from their start, each head's
+Gu et al. 2024's Sink_1^eps: on windows of T = 64 tokens read from their start, each head's
 
     alpha_1 = (1/T) * sum_{t=0}^{T-1} A[t, 0]          (the first query included: A[0, 0] = 1)
 
 and a head is a sink head if alpha_1 > eps = 0.3; the share of sink heads over all (layer, head)
-pairs is the model's Sink_1^eps. Uniform attention gives alpha_1 = H_T / T (0.074 at T = 64), which
-is printed beside it. With Bigram-Backcopy data the same alpha_1 is also given over the queries that
-are no trigger (Guo et al. 2024's measure: a copy head's attention where it has nothing to copy;
-a layer-0 head that looks at <s> only AT triggers scores a high all-query alpha_1 without being a
-sink).
+pairs is the model's Sink_1^eps share (`sink_share`). It is not analysis.py's "F-Attn sink heads"
+(`sink_head_share`: F-Attn > 0.3, over every query of the rows but each document's first), which
+can disagree with it: docs/sinks.md, "Two sink-head shares". Uniform attention gives alpha_1 =
+H_T / T (0.074 at T = 64), which is printed beside it. With Bigram-Backcopy data the same alpha_1
+is also given over the queries that are no trigger (Guo et al. 2024's measure: a copy head's
+attention where it has nothing to copy; a layer-0 head that looks at <s> only AT triggers scores
+a high all-query alpha_1 without being a sink).
 
 The first token's value norm and residual norm (Guo et al.: a sink's value shrinks and its residual
 grows) come from the same forward pass: the first query attends only to itself, so its SDPA output
@@ -25,6 +27,16 @@ from gattn.eval import analysis
 
 WINDOW = 64  # Gu et al.'s T
 EPS = 0.3    # Gu et al.'s threshold
+
+
+def share_label(eps: float = EPS, window: int = WINDOW) -> str:
+    """The name of `sink_share` wherever it is shown, apart from the F-Attn sink heads
+    (`analysis.sink_heads_label`): Gu et al.'s share of heads with alpha_1 > eps."""
+    return f"Sink_1^{eps:g} share (Gu et al.: alpha_1 > {eps:g}, T = {window})"
+
+
+SHARE_DEFINITION = ("Gu et al.'s Sink_1^eps: the share of (layer, head) pairs whose alpha_1 (the attention on "
+                    "token 0 averaged over the first T queries of each row, the first query included) exceeds eps")
 
 
 def uniform_level(window: int = WINDOW) -> float:
@@ -144,9 +156,11 @@ def report_lines(sinks: dict) -> list[str]:
     """Markdown lines for results.md: the overall share beside the uniform level, then per head."""
     o = sinks["overall"]
     extra = [k.removeprefix("sink_share_") for k in o if k.startswith("sink_share_")]
-    lines = [f"- Sink_1^{o['eps']:g} (Gu et al., T = {o['window']}, first query included): sink-head share "
-             f"{o['sink_share']:.0%}; alpha_1 mean {o['alpha_1_mean']:.3f}, max {o['alpha_1_max']:.3f} "
-             f"(uniform attention: H_T/T = {o['uniform_alpha_1']:.3f})"]
+    lines = [f"- {share_label(o['eps'], o['window'])}: {o['sink_share']:.0%}; alpha_1 mean "
+             f"{o['alpha_1_mean']:.3f}, max {o['alpha_1_max']:.3f} (uniform attention: H_T/T = "
+             f"{o['uniform_alpha_1']:.3f})",
+             f"  ({SHARE_DEFINITION}; not the F-Attn sink heads, which average every query but each "
+             "document's first: docs/sinks.md, \"Two sink-head shares\")"]
     if "uniform_f_attn" in o:
         lines.append(f"- uniform attention's F-Attn on the measured rows: {o['uniform_f_attn']:.3f}")
     for k in extra:
