@@ -27,14 +27,17 @@ class Startup:
         self.enabled, self.seconds, self.t0 = enabled, {}, time.perf_counter()
 
     @contextlib.contextmanager
-    def stage(self, name: str, doing: str):
+    def stage(self, name: str, doing: str, own_lines: bool = False):
+        """Times the block as stage `name`. `own_lines`: the block may print (the dataset build
+        and the corpus report do), so the stage opens and closes on lines of its own."""
         if self.enabled:
-            print(f"{doing} ...", end="", file=sys.stderr, flush=True)
+            print(f"{doing} ...", end="\n" if own_lines else "", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         yield
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
         if self.enabled:
-            print(f" {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            done = f"{name} ready in " if own_lines else " "
+            print(f"{done}{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
     def write(self, workdir: Path) -> None:
         """WORKDIR/startup.json: {stage: seconds, ..., "total": seconds since the trainer began}."""

@@ -359,8 +359,8 @@ def prepare(cfg: Config, workdir: Path, source_step: int | None, allow_corpus_ch
         with startup.stage("tokenizer", "tokenizer (trained on the corpus on first use)"):
             tokenizer = load_tokenizer(cfg, workdir, fresh=fresh)
             path = tokenizer_path(cfg, workdir, fresh=fresh)
-        with startup.stage("dataset", "dataset (built once per corpus and tokenizer)"):
-            pipeline.prepare(cfg, workdir)
+        with startup.stage("dataset", "dataset (built once per corpus and tokenizer)", own_lines=True):
+            pipeline.prepare(cfg, workdir, tokenizer)
     hosts.barrier("prepared")
     workdir.mkdir(parents=True, exist_ok=True)
     path = Path(hosts.gather_json(str(path))[0])  # process 0's choice (it alone reads data.json)
