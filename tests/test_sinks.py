@@ -215,7 +215,7 @@ def test_no_sink_in_the_baseline_means_cannot_tell():
     c = sink_verdict([group("baseline", 0.020, 0.001, 30.0, share=0.0, uniform=0.024),
                       group("sdpa_elementwise", 0.022, 0.001, 30.0, share=0.0, uniform=0.024)])
     assert c["verdict"] == "inconclusive" and c["parts"] == {"sink": "inconclusive", "m_act": "inconclusive"}
-    assert "cannot tell: no sink formed in the baseline (its share of sink heads is 0" in c["text"]
+    assert "cannot tell: no sink formed in the baseline (its Sink_1^0.3 share is 0" in c["text"]
     # No share measured, but F-Attn within the seed spread of uniform attention's.
     c = sink_verdict([group("baseline", 0.0235, 0.001, 30.0, uniform=0.024),
                       group("sdpa_elementwise", 0.030, 0.001, 30.0, uniform=0.024)])

@@ -1,7 +1,7 @@
 """The sink lab's study (docs/sinks.md): does gating remove an attention sink that the baseline
 forms? On configs/sink_lab.py (Bigram-Backcopy, 1 layer of d_model 128, 4 heads): the baseline,
 the G1 elementwise and headwise sigmoid gates and the non-sparse NS-sigmoid gate, three seeds
-each; F-Attn, M-Act and the share of sink heads (Sink_1^0.3) at 4 checkpoints (the emergence
+each; F-Attn, M-Act and the Sink_1^0.3 share at 4 checkpoints (the emergence
 curve) and at the end. 12 runs of the config's 1,200 steps of 64 x 128 tokens (9.8M tokens
 each): about 30 minutes on 2 idle CPU cores (a cell trains at about 68k tokens/s there,
 logging every step), within the 45 minutes the study is meant to fit.

@@ -204,10 +204,11 @@ def _no_sink(ref: dict | None) -> str:
     the seed spread of what uniform attention gives on the same data (`uniform_f_attn`)."""
     if not ref or not ref.get("f_attn"):
         return ""
+    name = "Sink_1^0.3 share" if ref.get("sink_share") else "F-Attn sink heads share"  # (named apart: docs/sinks.md)
     share = ref.get("sink_share") or ref.get("sink_head_share")
     f, uniform = ref["f_attn"], ref.get("uniform_f_attn")
     if share is not None and share["mean"] == 0:
-        return f"its share of sink heads is 0 in every seed; F-Attn {fmt(f, 3)}" + (
+        return f"its {name} is 0 in every seed; F-Attn {fmt(f, 3)}" + (
             f", uniform attention gives {uniform['mean']:.3f}" if uniform else "")
     if uniform is not None and abs(f["mean"] - uniform["mean"]) <= f["std"]:
         return f"its F-Attn {fmt(f, 3)} is within the seed spread of uniform attention's {uniform['mean']:.3f}"

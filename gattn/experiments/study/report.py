@@ -19,7 +19,7 @@ def table(groups: list[dict], lr: float) -> str:
     head = (["variant", "added params"] + [f"PPL {d}" for d in domains] +
             ["PPL avg", "final loss", "gate score", "M-Act", "M-Act per token", "FFN-Act",
              "mean abs Y (before / after gate)",
-             "F-Attn", "sink heads (Sink_1^0.3)", "loss spikes",
+             "F-Attn", "Sink_1^0.3 share", "loss spikes",
              "diverged"])
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in rows:
@@ -154,7 +154,7 @@ def markdown(report: dict) -> str:
         lines.append("")
         for key, what in (("sink_share", "all queries"), ("sink_share_non_trigger", "non-trigger queries")):
             if all(key in r for g in curves for r in g["sink_curve"]):  # (gattn/eval/sinks.py)
-                lines += [f"Share of sink heads (Sink_1^0.3, T = 64, {what}), mean over seeds:", "",
+                lines += [f"Sink_1^0.3 share (Gu et al.: alpha_1 > 0.3, T = 64; {what}), mean over seeds:", "",
                           "| variant | " + " | ".join(f"{t:,}" for t in tokens) + " |", "|---|" + "---|" * len(tokens)]
                 lines += [f"| {g['variant']} | " + " | ".join(f"{r[key]:.2f}" for r in g["sink_curve"]) + " |"
                           for g in curves]
