@@ -14,15 +14,19 @@ M-Act (max hidden activation), SDPA-output sparsity before and after the gate, a
 attention maps. --tasks adds few-shot evaluation (gattn/eval/fewshot.py). --lm-eval scores
 lm-evaluation-harness tasks instead (gattn/interop/harness.py; the paper's benchmarks from local
 files with --data-dir) and writes DIR/eval/lm_eval.json and lm_eval.md. --compare prints a
-Table-4-like table across runs (evaluating those without results) and overlays their per-layer
-curves in one figure. --ruler runs the RULER-style long-context benchmark instead (gattn/eval/ruler.py)
-at the given lengths and writes ruler.json, ruler.md and ruler.png: per task and length, the
-exact-match score, seconds and peak memory; with --compare, a Table-5-like table of several
-checkpoints (run folders, or ruler.json files of earlier evaluations such as a YaRN one).
+Table-4-like table across runs with their training rows (params, final loss, loss spikes, tokens/s)
+and overlays their per-layer curves, loss curves and gate scores (PNG, the curves' data as JSON
+beside them); it reuses each run's eval/results.json measured with the settings asked for, and
+re-measures the others (saying why, with progress on stderr). --ruler runs the RULER-style
+long-context benchmark instead (gattn/eval/ruler.py) at the given lengths and writes ruler.json,
+ruler.md and ruler.png: per task and length, the exact-match score, seconds and peak memory; with
+--compare, a Table-5-like table of several checkpoints (run folders, or ruler.json files of earlier
+evaluations such as a YaRN one).
 """
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from gattn import cli
@@ -48,13 +52,15 @@ def main(argv=None):
     ap.add_argument("--compare", nargs="+", metavar="DIR", help="run directories to compare")
     ap.add_argument("--out", help="output folder (default DIR/eval; for --compare, COMMON_PARENT/compare)")
     ap.add_argument("--max-batches", type=int, help="held-out batches per domain for the measurements "
-                    "(default: all of the run's data.eval_batches)")
+                    "(default: all of the run's data.eval_batches; with --compare, the count the runs' "
+                    "eval/results.json were measured over, where they agree: the main job's 1)")
     ap.add_argument("--sink-threshold", type=float, default=0.3, help="F-Attn above which a head is a sink head")
     ap.add_argument("--map-layers", type=_layers, help="layers whose attention maps to draw, e.g. 0,5,11 "
                     "(default: first, middle, last)")
     ap.add_argument("--map-len", type=int, default=64, help="positions covered by the attention maps")
     ap.add_argument("--batch-rows", type=int, help="rows per forward pass of the measurements (lower it "
-                    "for long sequences: each layer's [rows, heads, S, S] attention is in memory at once)")
+                    "for long sequences: each layer's [rows, heads, S, S] attention is in memory at once; "
+                    "default: a whole batch per pass)")
     ap.add_argument("--tasks", help="comma-separated few-shot task files (JSONL, see README)")
     ap.add_argument("--shots", type=int, help="in-context examples per few-shot prompt (default: 0 for "
                     "--tasks, each task's own for --lm-eval)")
@@ -118,7 +124,7 @@ def main(argv=None):
                                map_len=args.map_len, batch_rows=args.batch_rows)
     kwargs = dict(options=options, max_batches=args.max_batches, figures=not args.no_figures,
                   tasks=args.tasks.split(",") if args.tasks else (), shots=args.shots, limit=args.limit,
-                  harness_model=_harness_model if args.tasks else None)
+                  harness_model=_harness_model if args.tasks else None, log=_progress)
     if args.compare:
         print(evaluate.compare(args.compare, out_dir=args.out, overrides=overrides, **kwargs))
         return 0
@@ -127,6 +133,10 @@ def main(argv=None):
     print(json.dumps({"results": str(evaluate.out_path(args.workdir, args.out) / "results.json"),
                       "figures": results.get("figures", [])}))
     return 0
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def _harness_model(cfg, model, tokenizer, workdir, step):

@@ -82,3 +82,27 @@ def test_main_job_trains_both_variants_and_prints_the_comparison(tmp_path, capsy
     again = capsys.readouterr().out
     assert again[again.index("| |"):] == out[out.index("| |"):]
     assert json.loads((tmp_path / "results.json").read_text())[1]["final_loss"] == gated["final_loss"]
+
+    # The follow-up the README and the main job name, eval.py --compare, reuses each run's
+    # eval/results.json (measured by the main job over one batch per domain, as it records) and
+    # adds figures: its numbers are the main job's, and nothing is measured or rewritten again.
+    runs = [tmp_path / r["variant"] for r in rows]
+    assert f"python eval.py --compare {runs[0]} {runs[1]}" in out
+    written = {r: (r / "eval" / "results.json").stat().st_mtime_ns for r in runs}
+    from gattn import cli
+
+    from conftest import entry_point
+
+    assert cli.run_cli(entry_point("eval").main, ["--compare", *map(str, runs)]) == 0
+    err = capsys.readouterr().err
+    assert "reusing baseline: " in err and "reusing sdpa_elementwise: " in err and "measuring" not in err.lower(), err
+    assert {r: (r / "eval" / "results.json").stat().st_mtime_ns for r in runs} == written
+    saved = json.loads((tmp_path / "compare" / "results.json").read_text())
+    for r in rows:
+        s = saved[r["variant"]]
+        assert s["settings"]["batches_per_domain"] == 1
+        assert {k: s["overall"].get(k) for k in ("m_act", "f_attn", "gate_score")} == \
+            {k: r.get(k) for k in ("m_act", "f_attn", "gate_score")}
+        assert s["training"] == {"params": r["params"], "final_loss": r["final_loss"], "loss_spikes": r["loss_spikes"],
+                                 "tokens_per_sec": r["tokens_per_sec"] or None}
+    assert all((tmp_path / "compare" / f).is_file() for f in ("loss_curves.json", "gate_scores.png"))

@@ -139,12 +139,17 @@ def test_compare_checks_every_run_before_it_measures_or_rewrites_any(runs, tmp_p
     assert not (tmp_path / "out").exists()
 
 
-def test_compare_prints_a_table_4_row_per_run_and_overlays_curves(runs, tmp_path):
+def test_compare_prints_a_table_4_row_per_run_and_overlays_curves(runs, tmp_path, capsys):
     out = run_eval("--compare", runs["baseline"], runs["sdpa_elementwise"], "--out", tmp_path)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("| ")]
     assert lines[0].startswith("| run | variant | step | PPL code | PPL docs | gate score | M-Act | F-Attn")
-    # The baseline's results.json was of step 3 (the test before): compare re-evaluates the latest.
+    assert lines[0].endswith("| max M-Act | params | final train loss | loss spikes | tokens/s |")
+    # The baseline's results.json was of step 3 (the test before), the gated run's of other
+    # settings (or neither has one): compare re-measures each, says why, shows progress, says it wrote.
+    for name in ("baseline", "sdpa_elementwise"):
+        assert f"re-measuring {name}: " in out.stderr and f"{name}: measuring batch 1/4" in out.stderr
+        assert f"{name}: wrote {runs[name] / 'eval' / 'results.json'}" in out.stderr
     assert lines[1].startswith("| baseline | baseline | 6 |") and "| - |" in lines[1]  # no gate score
     assert lines[2].startswith("| sdpa_elementwise | sdpa_elementwise | 6 |")
     saved = json.loads((tmp_path / "results.json").read_text())
@@ -152,8 +157,34 @@ def test_compare_prints_a_table_4_row_per_run_and_overlays_curves(runs, tmp_path
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[3] == f"{saved[name]['perplexity']['code']['ppl']:.2f}"
         assert cells[6] == f"{saved[name]['overall']['m_act']:.2f}"
+        summary = json.loads((runs[name] / "summary.json").read_text())
+        assert cells[-3:-1] == [f"{summary['final_loss']:.3f}", str(summary["loss_spikes"])]
+        assert int(cells[-4].replace(",", "")) > 0 and saved[name]["settings"]["batches_per_domain"] == 2
+        # The loss curves' data: metrics.jsonl's training loss per logged step, validation loss at step 6.
+        logged = [json.loads(line) for line in (runs[name] / "metrics.jsonl").read_text().splitlines()]
+        curves = json.loads((tmp_path / "loss_curves.json").read_text())[name]
+        assert curves["train"] == {"steps": [3, 6], "loss": [r["loss"] for r in logged]}
+        assert curves["val"]["docs"] == {"steps": [6], "loss": [logged[-1]["val_loss/docs"]]}
     assert (tmp_path / "per_layer.png").stat().st_size > 10_000
+    assert (tmp_path / "loss_curves.png").stat().st_size > 10_000
+    gates = json.loads((tmp_path / "gate_scores.json").read_text())
+    assert list(gates) == ["sdpa_elementwise"] and len(gates["sdpa_elementwise"]["share"]) == 50
+    assert sum(gates["sdpa_elementwise"]["share"]) == pytest.approx(1)
+    assert (tmp_path / "gate_scores.png").stat().st_size > 10_000
     assert set(json.loads((tmp_path / "results.json").read_text())) == {"baseline", "sdpa_elementwise"}
+
+    # Again, with nothing changed: both results.json are reused (neither rewritten), the same table.
+    written = {n: (runs[n] / "eval" / "results.json").stat().st_mtime_ns for n in runs}
+    main = entry_point("eval").main  # (in this process: nothing is measured, an interpreter start would dominate)
+    capsys.readouterr()
+    assert cli.run_cli(main, list(map(str, ("--compare", runs["baseline"], runs["sdpa_elementwise"],
+                                            "--out", tmp_path / "again")))) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("no --max-batches given: 2 batches per domain, what the runs' eval/results.json"), err
+    assert "reusing baseline: its eval/results.json was measured at step 6, over all 2 batches per domain" in err
+    assert "reusing sdpa_elementwise:" in err and "measuring batch" not in err
+    assert {n: (runs[n] / "eval" / "results.json").stat().st_mtime_ns for n in runs} == written
+    assert (tmp_path / "again" / "table.md").read_text() == (tmp_path / "table.md").read_text()
 
 
 def test_eval_restores_onto_another_device_count(runs, tmp_path):
@@ -235,5 +266,6 @@ def test_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: all of the run's data.eval_batches)" in text
+    assert "(default: all of the run's data.eval_batches; with --compare, the count the runs' " \
+        "eval/results.json were measured over, where they agree: the main job's 1)" in text
     assert "sink head (default: 0.3)" in text and "(default: 64)" in text and "(default: 8)" in text

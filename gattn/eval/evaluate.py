@@ -2,8 +2,9 @@
 (`gattn.eval.analysis`), optional few-shot tasks (`gattn.eval.fewshot`), figures (`gattn.eval.plots`), and the
 comparison of several runs (Table 4 of the paper, for your checkpoints).
 
-    evaluate(workdir)  ->  WORKDIR/eval/results.json, results.md, *.png
-    compare([dir, ...]) -> a Table-4-like markdown table and one overlay figure of per-layer curves
+    evaluate(workdir)  ->  WORKDIR/eval/results.json (with the `settings` it was measured with), results.md, *.png
+    compare([dir, ...]) -> a Table-4-like markdown table with each run's training rows, and overlay
+                           figures (per-layer curves, loss curves, gate scores) with their data as JSON
 
 Long context (RULER) is gattn/eval/long_context.py.
 """
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import sys
 from pathlib import Path
 
 from flax import nnx
@@ -28,15 +31,16 @@ from gattn.train import checkpoint, rundir, trainer
 def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[str] = (),
              options: analysis.Options | None = None, max_batches: int | None = None,
              tasks: list[str] = (), shots: int = 0, limit: int | None = None, harness_model=None,
-             out_dir: str | Path | None = None, figures: bool = True) -> dict:
+             out_dir: str | Path | None = None, figures: bool = True, log=None) -> dict:
     """Evaluates `workdir`'s checkpoint and writes results.json, results.md and the figures to
     `out_dir` (default WORKDIR/eval). `max_batches`: held-out batches per domain for the
     measurements (default: all of `data.eval_batches`); perplexity always uses all of them. `tasks`
     (few-shot task files, gattn/eval/fewshot.py) are scored through lm-eval with the model
-    `harness_model(cfg, model, tokenizer, workdir, step)` returns (eval.py's: gattn's GattnLM)."""
+    `harness_model(cfg, model, tokenizer, workdir, step)` returns (eval.py's: gattn's GattnLM).
+    `log(line)`: progress, a line per measured batch (None: quiet)."""
     workdir = Path(workdir)
+    say = log or (lambda line: None)
     options = options or analysis.Options()
-    asked = measured_with(options, max_batches)
     run_cfg = rundir.load_config(workdir, overrides)  # an architecture change is refused here
     # Checked before anything is restored, named as eval.py's flag.
     analysis.check_map_layers(options.map_layers or (), run_cfg.model.num_layers, "--map-layers")
@@ -46,6 +50,7 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     tokenizer = load_tokenizer(cfg, workdir)
     batches = pipeline.validation_batches(cfg, tokenizer, workdir)
     graphdef, params = nnx.split(model, nnx.Param)
+    say(f"{workdir.name}: step {step}: perplexity over {sum(map(len, batches.values()))} held-out batches")
     # Under the run's mesh, as training validated: the same attention kernel and MoE path.
     val = trainer.validate(trainer.make_eval_step(graphdef), params, batches, sharding.make_mesh(cfg.mesh))
     domains = sorted(batches)
@@ -54,14 +59,15 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     # No mesh is set from here on: an expert-parallel MoE runs as the partitioned one (`off_mesh`),
     # an all_to_all one on one data x expert shard's rows at a time, as the mesh counts capacity.
     options = dataclasses.replace(options, moe_shards=analysis.moe_shards(cfg))
-    measurements = analysis.measure(model, chosen, options)
+    measurements = analysis.measure(model, _announced(chosen, f"{workdir.name}: measuring batch", say), options)
+    say(f"{workdir.name}: sink metrics over the same {len(chosen)} batches")
     sink = sinks.measure(model, cfg, chosen)  # Gu et al.'s Sink_1^eps, T = 64 (docs/sinks.md)
     results = {"workdir": str(workdir), "step": step, "variant": cfg.variant, "overrides": list(overrides),
                "gate": dataclasses.asdict(cfg.model.gate) if cfg.model.gate else None,
                "perplexity": perplexity, "measurements": measurements, "sinks": sink,
                "measured_on": {"batches": len(chosen), "rows": sum(len(b["tokens"]) for b in chosen),
                                "seq_len": cfg.train.seq_len},
-               "measured_with": asked}
+               "settings": settings(run_cfg, step, overrides, options, max_batches)}
     if tasks:  # scored by lm-eval through `harness_model(cfg, model, tokenizer, workdir, step)` (eval.py's)
         from gattn.eval import fewshot  # noqa: PLC0415
 
@@ -74,14 +80,61 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     return results
 
 
-def measured_with(options: analysis.Options | None, max_batches: int | None) -> dict:
-    """The settings that change the measurements (as JSON holds them): results.json records them,
-    and `compare` reuses a result only if they are the ones asked for. batch_rows and moe_shards
-    only split the work, so they are left out."""
+def _announced(batches: list, what: str, say):
+    for i, batch in enumerate(batches, 1):
+        say(f"{what} {i}/{len(batches)}")
+        yield batch
+
+
+# Bumped when a change to the measurement code changes what results.json holds: results written
+# before are then measured again by `compare`, not mixed with new ones.
+MEASUREMENT_VERSION = 1
+
+
+def settings(cfg, step: int, overrides: list[str], options: analysis.Options | None,
+             max_batches: int | None) -> dict:
+    """What results.json's numbers depend on besides the checkpoint (as JSON holds them): the
+    step, the overrides, the held-out batches measured per domain (M-Act, a running maximum, grows
+    with them) and the measurement options. `compare` reuses a results.json only when they equal
+    the ones it asks for. batch_rows and moe_shards only split the work, so they are left out."""
     o = options or analysis.Options()
-    return json.loads(json.dumps({"max_batches": max_batches, "sink_threshold": o.sink_threshold,
-                                  "sparsity_thresholds": o.sparsity_thresholds, "gate_bins": o.gate_bins,
-                                  "map_layers": o.map_layers, "map_len": o.map_len}))
+    per_domain = min(max_batches or cfg.data.eval_batches, cfg.data.eval_batches)
+    return json.loads(json.dumps({
+        "version": MEASUREMENT_VERSION, "step": step, "overrides": list(overrides),
+        "batches_per_domain": per_domain, "eval_batches": cfg.data.eval_batches,
+        "eval_batch_size": cfg.data.eval_batch_size, "seq_len": cfg.train.seq_len,
+        "sink_threshold": o.sink_threshold, "sparsity_thresholds": o.sparsity_thresholds, "gate_bins": o.gate_bins,
+        "map_layers": o.map_layers, "map_len": o.map_len}))
+
+
+def why_measure(res: dict | None, asked: dict) -> str | None:
+    """Why a run's results.json `res` cannot stand for the measurement `asked` (None: it can)."""
+    if res is None:
+        return "it has no eval/results.json yet"
+    old = res.get("settings")
+    if old is None:
+        return "its results.json records no measurement settings (written by an older eval.py)"
+    if old.get("version") != asked["version"]:
+        return (f"its results.json was measured by measurement code version {old.get('version')}, "
+                f"this is version {asked['version']}")
+    changed = [k for k in asked if k not in ("version", "eval_batches") and old.get(k) != asked[k]]
+    if not changed:
+        return None
+    return (f"its results.json was measured {', '.join(_setting(old, k, True) for k in changed)}, "
+            f"this comparison asks for {', '.join(_setting(asked, k, False) for k in changed)}")
+
+
+def _setting(s: dict, key: str, measured: bool) -> str:
+    """One setting in words: `measured` as results.json was measured ("at step 200"), else as asked."""
+    v = s.get(key)
+    if key == "step":
+        return f"at step {v}" if measured else f"step {v} (the latest checkpoint)"
+    if key == "batches_per_domain":
+        n = ("all " if v == s.get("eval_batches") and v != 1 else "") + f"{v} batch" + ("" if v == 1 else "es")
+        return ("over " if measured else "") + n + " per domain"
+    if key == "overrides":
+        return ("with " if measured else "") + (" ".join(v) if v else "no overrides")
+    return ("with " if measured else "") + f"{key} = {v}"
 
 
 def out_path(workdir: str | Path, out_dir: str | Path | None = None) -> Path:
@@ -143,10 +196,16 @@ def report(results: dict) -> str:
 
 
 def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, overrides: list[str] = (),
-            **eval_kwargs) -> str:
-    """Table 4 across runs: PPL per domain, gate score, M-Act, F-Attn, sink heads; overlays their
-    per-layer curves in one figure. A run is evaluated first unless its WORKDIR/eval/results.json
-    is of its latest checkpoint, measured with these overrides, --max-batches and options."""
+            log=None, **eval_kwargs) -> str:
+    """Table 4 across runs (PPL per domain, gate score, M-Act, F-Attn, sink heads) with each run's
+    training rows (params, final loss, loss spikes, tokens/s), and overlay figures: per-layer
+    curves, train and validation loss curves, gate-score histograms (the last two with their data
+    as JSON; `figures`=False: the JSON only). A run's eval/results.json is reused when it was
+    measured with the settings asked for (`settings`); otherwise the run is measured again and its
+    results.json replaced. Without `max_batches`, the batch count the runs' results were measured
+    over is taken, when they agree (the main job's one batch per domain). `log(line)`: what is
+    reused or measured, and why (default: stderr)."""
+    say = log or _stderr
     for w in workdirs:  # every argument is checked before any run is measured (or its results replaced)
         if not Path(w).is_dir():
             raise ConfigError("--compare", str(w), "a run directory (this folder does not exist)")
@@ -155,26 +214,130 @@ def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, ov
             raise ConfigError("--compare", str(w), f"a gattn run directory (it has no {rundir.CONFIG})")
         if not checkpoint.saved_steps(w):
             raise ConfigError("--compare", str(w), "a run with a saved checkpoint (it has none yet)")
-    runs = {}
-    asked = measured_with(eval_kwargs.get("options"), eval_kwargs.get("max_batches"))
+    workdirs = [Path(w) for w in workdirs]
+    cfgs = {w: rundir.load_config(w, overrides) for w in workdirs}  # (overrides refused before any measuring)
+    latest = {w: max(checkpoint.saved_steps(w)) for w in workdirs}
+    found = {w: _read_json(w / "eval" / "results.json") for w in workdirs}
+    options = eval_kwargs.get("options")
+    if eval_kwargs.get("max_batches") is None:
+        eval_kwargs["max_batches"] = _recorded_batches(found, cfgs, latest, overrides, options, say)
+    runs, dirs = {}, {}
     for w in workdirs:
-        path = Path(w) / "eval" / "results.json"
-        res = json.loads(path.read_text()) if path.is_file() else None
-        if (res is None or res["step"] != max(checkpoint.saved_steps(w), default=None)  # missing, older,
-                or res.get("overrides", []) != list(overrides)  # or measured with other settings
-                or res.get("measured_with") != asked):  # (M-Act grows with the batches measured)
-            res = evaluate(w, overrides=overrides, **eval_kwargs)
-        runs[_label(Path(w), res, runs)] = res
-    out_dir = Path(out_dir) if out_dir else Path(os.path.commonpath([Path(w).absolute() for w in workdirs])) / "compare"
+        asked = settings(cfgs[w], latest[w], overrides, options, eval_kwargs["max_batches"])
+        res, why = found[w], why_measure(found[w], asked)
+        if why is None:
+            say(f"reusing {w.name}: its eval/results.json was measured "
+                f"{', '.join(_setting(asked, k, True) for k in ('step', 'batches_per_domain', 'overrides'))}, as asked")
+        else:
+            say(f"re-measuring {w.name}: {why}")
+            res = evaluate(w, overrides=overrides, log=say, **eval_kwargs)
+            say(f"{w.name}: wrote {w / 'eval' / 'results.json'}"
+                + (" (replacing the one measured with other settings)" if found[w] else ""))
+        name = _label(w, res, runs)
+        runs[name], dirs[name] = res | {"training": training(w, cfgs[w])}, w
+    out_dir = Path(out_dir) if out_dir else Path(os.path.commonpath([w.absolute() for w in workdirs])) / "compare"
     text = table(runs)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "table.md").write_text(text + "\n")
     (out_dir / "results.json").write_text(json.dumps(
-        {name: {k: r[k] for k in ("workdir", "step", "variant", "perplexity")} | {"overall": r["measurements"]["overall"]}
-         for name, r in runs.items()}, indent=1))
-    plots.per_layer({n: r["measurements"] for n, r in runs.items()}, out_dir / "per_layer.png",
-                    "per-layer measurements across runs")
+        {name: {k: r.get(k) for k in ("workdir", "step", "variant", "perplexity", "settings", "training")}
+         | {"overall": r["measurements"]["overall"]} for name, r in runs.items()}, indent=1))
+    write_comparison_figures(runs, {n: loss_curves(w) for n, w in dirs.items()}, out_dir,
+                             figures=eval_kwargs.get("figures", True))
     return text
+
+
+def write_comparison_figures(runs: dict[str, dict], curves: dict[str, dict], out_dir: Path, *,
+                             figures: bool = True) -> list[Path]:
+    """loss_curves.json (`loss_curves` of each run) and gate_scores.json (`gate_shares` of each
+    gated run, where any is); with `figures`, per_layer.png, loss_curves.png and gate_scores.png."""
+    (out_dir / "loss_curves.json").write_text(json.dumps(curves, indent=1))
+    hists = {n: gate_shares(r["measurements"]) for n, r in runs.items() if "gate_histogram" in r["measurements"]}
+    if hists:
+        (out_dir / "gate_scores.json").write_text(json.dumps(hists, indent=1))
+    if not figures:
+        return []
+    return [plots.per_layer({n: r["measurements"] for n, r in runs.items()}, out_dir / "per_layer.png",
+                            "per-layer measurements across runs"),
+            plots.loss_overlay(curves, out_dir / "loss_curves.png"),
+            *([plots.gate_overlay(hists, out_dir / "gate_scores.png")] if hists else [])]
+
+
+def _recorded_batches(found: dict, cfgs: dict, latest: dict, overrides, options, say) -> int | None:
+    """The held-out batches per domain the runs' results.json were measured over, when those
+    that are otherwise as asked agree on one (None, all of data.eval_batches, when none is)."""
+    counts = set()
+    for w, res in found.items():
+        n = ((res or {}).get("settings") or {}).get("batches_per_domain")
+        if n is not None and why_measure(res, settings(cfgs[w], latest[w], overrides, options, n)) is None:
+            counts.add(n)
+    if len(counts) == 1:
+        n = counts.pop()
+        say(f"no --max-batches given: {n} batch{'' if n == 1 else 'es'} per domain, what the runs' "
+            "eval/results.json were measured over")
+        return n
+    if counts:
+        say(f"no --max-batches given and the runs' eval/results.json disagree ({' vs '.join(map(str, sorted(counts)))} "
+            "batches per domain): measuring over all of each run's data.eval_batches")
+    return None
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _finite(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def _metrics(workdir: Path) -> list[dict]:
+    path = workdir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def loss_curves(workdir: Path) -> dict:
+    """The run's training loss per logged step and validation loss per domain at its eval steps,
+    from its metrics.jsonl ({"train": {"steps", "loss"}, "val": {DOMAIN: {"steps", "loss"}}};
+    a non-finite loss as null)."""
+    rows = _metrics(workdir)
+    val = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.startswith("val_loss/"):
+                d = val.setdefault(k.removeprefix("val_loss/"), {"steps": [], "loss": []})
+                d["steps"].append(r["step"])
+                d["loss"].append(_finite(v))
+    logged = [r for r in rows if "loss" in r]
+    train = {"steps": [r["step"] for r in logged], "loss": [_finite(r["loss"]) for r in logged]}
+    return {"train": train, "val": dict(sorted(val.items()))}
+
+
+def training(workdir: Path, cfg) -> dict:
+    """The main job's rows of a run: parameters (of the built model), the final training loss (the
+    last finite one logged), loss spikes (summary.json, else the last logged count) and tokens/s
+    (the last logged)."""
+    from gattn.model.params import count_params  # noqa: PLC0415
+
+    rows, summary = _metrics(workdir), _read_json(workdir / "summary.json") or {}
+    finite = [x for x in (_finite(r.get("loss")) for r in rows) if x is not None]
+    last = rows[-1] if rows else {}
+    return {"params": count_params(cfg.model), "final_loss": finite[-1] if finite else None,
+            "loss_spikes": summary.get("loss_spikes", last.get("loss_spikes")),
+            "tokens_per_sec": last.get("tokens_per_sec") or None}
+
+
+def gate_shares(m: dict) -> dict:
+    """A run's gate scores over all layers as shares per bin, with the bin edges and the mean."""
+    hist = m["gate_histogram"]
+    lo, hi = hist["range"]
+    counts = [sum(c) for c in zip(*hist["per_layer"])]
+    edges = [lo + (hi - lo) * i / len(counts) for i in range(len(counts) + 1)]
+    return {"edges": edges, "share": [c / max(sum(counts), 1) for c in counts], "counts": counts,
+            "mean": m["overall"]["gate_score"]}
 
 
 def _label(workdir: Path, res: dict, taken: dict) -> str:
@@ -184,18 +347,24 @@ def _label(workdir: Path, res: dict, taken: dict) -> str:
 
 def table(runs: dict[str, dict]) -> str:
     """Markdown, one row per run, like the paper's Table 4: M-Act is the mean over layers of each
-    layer's max |hidden state| (Sec. 4.3), max M-Act the largest of them."""
+    layer's max |hidden state| (Sec. 4.3), max M-Act the largest of them; then the main job's
+    training rows (`training`), "-" where a run has none."""
     domains = sorted({d for r in runs.values() for d in r["perplexity"]})
     head = ["run", "variant", "step"] + [f"PPL {d}" for d in domains] + [
-        "gate score", "M-Act", "F-Attn", "sink heads", "max M-Act"]
+        "gate score", "M-Act", "F-Attn", "sink heads", "max M-Act", "params", "final train loss", "loss spikes",
+        "tokens/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in runs.items():
         o = r["measurements"]["overall"]
         ppl = [f"{r['perplexity'][d]['ppl']:.2f}" if d in r["perplexity"] else "-" for d in domains]
         cells = [name, r["variant"], str(r["step"]), *ppl,
                  f"{o['gate_score']:.3f}" if "gate_score" in o else "-", f"{o['m_act']:.2f}",
-                 f"{o['f_attn']:.3f}", f"{o['sink_head_share']:.0%}", f"{o['m_act_max']:.2f}"]
+                 f"{o['f_attn']:.3f}", f"{o['sink_head_share']:.0%}", f"{o['m_act_max']:.2f}", *_training_cells(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def _training_cells(r: dict) -> list[str]:
+    t = r.get("training", {})
+    fmt = (("params", "{:,}"), ("final_loss", "{:.3f}"), ("loss_spikes", "{}"), ("tokens_per_sec", "{:,.0f}"))
+    return [f.format(t[k]) if t.get(k) is not None else "-" for k, f in fmt]

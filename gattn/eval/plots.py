@@ -3,7 +3,8 @@ Fig. 6), mean |SDPA output| before and after the gate (Fig. 4), the gate-score h
 SDPA-output sparsity (Fig. 5), per-head F-Attn, and per-head attention maps (Fig. 2 right). Each takes `gattn.eval.analysis` results (`measurements` in
 eval.py's results.json) and a path; `ruler` takes gattn.ruler results (Table 5 as a figure); the
 study figures (loss curves with spikes, gate histograms and attention maps side by side, F-Attn
-against training tokens, stability across learning rates) take gattn.study records."""
+against training tokens, stability across learning rates) take gattn.study records; eval.py
+--compare's overlays (`loss_overlay`, `gate_overlay`) take the data it writes beside them as JSON."""
 
 from __future__ import annotations
 
@@ -21,18 +22,38 @@ PER_LAYER = (("m_act", "M-Act: max |hidden state| (log scale)", True),
              ("gate_score", "mean gate score", False))
 
 
+# Per run: a marker, a line style and a marker size that shrinks with each run drawn later, so
+# that where runs coincide (two runs without sink heads: both at 0) each stays visible.
+MARKERS, LINESTYLES = ("o", "s", "^", "D", "v", "P"), ("-", "--", ":", "-.")
+
+
+def run_style(j: int) -> dict:
+    """Line properties of the j-th run in an overlay."""
+    return {"color": f"C{j % 10}", "marker": MARKERS[j % len(MARKERS)], "ls": LINESTYLES[j % len(LINESTYLES)],
+            "ms": max(8.0 - 2.0 * j, 3.0), "zorder": 2 + j}
+
+
+def dodge(j: int, n: int, width: float = 0.12) -> float:
+    """The j-th of n runs' offset along x (within `width`): a shared value (a sink-head share of 0)
+    draws n markers side by side rather than on top of each other."""
+    return (j - (n - 1) / 2) * width / max(n - 1, 1) if n > 1 else 0.0
+
+
 def per_layer(runs: dict[str, dict], path: Path, title: str = "") -> Path:
-    """One panel per quantity, one line per run (name -> measurements); gate scores only for the
-    gated runs."""
+    """One panel per quantity, one line per run (name -> measurements; `run_style`); gate scores
+    only for the gated runs. In the sink-head panel the runs are dodged along x (`dodge`) and
+    the panel has its own legend."""
     fig, axes = _subplots(1, len(PER_LAYER), figsize=(4.2 * len(PER_LAYER), 3.6))
     for ax, (key, label, log) in zip(axes, PER_LAYER):
-        for j, (name, m) in enumerate(runs.items()):  # one colour per run in every panel
+        for j, (name, m) in enumerate(runs.items()):  # one style per run in every panel
             rows = m["per_layer"]
             if key in rows[0]:
-                ax.plot([r["layer"] for r in rows], [r[key] for r in rows], marker="o", label=name,
-                        color=f"C{j % 10}")
+                dx = dodge(j, len(runs)) if key == "sink_head_share" else 0.0
+                ax.plot([r["layer"] + dx for r in rows], [r[key] for r in rows], label=name, **run_style(j))
         if key == "sink_head_share":
-            ax.set_ylim(-0.03, 1.03)
+            ax.set_ylim(-0.05, 1.05)
+            if ax.lines:
+                ax.legend(fontsize=8)
         ax.set(xlabel="layer", title=label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if log:
@@ -44,6 +65,42 @@ def per_layer(runs: dict[str, dict], path: Path, title: str = "") -> Path:
             ax.text(0.5, 0.5, "no gated run", ha="center", va="center", transform=ax.transAxes)
     axes[0].legend(fontsize=8)
     fig.suptitle(title or "per-layer measurements on held-out data")
+    return _save(fig, path)
+
+
+def loss_overlay(curves: dict[str, dict], path: Path) -> Path:
+    """Training loss per logged step (left) and validation loss per domain at the eval steps
+    (right), one colour per run (`evaluate.loss_curves` data: name -> {"train", "val"}); in the
+    right panel one marker and line style per domain."""
+    fig, (a, b) = _subplots(1, 2, figsize=(11, 3.8))
+    domains = sorted({d for c in curves.values() for d in c["val"]})
+    for j, (name, c) in enumerate(curves.items()):
+        loss = [np.nan if x is None else x for x in c["train"]["loss"]]
+        a.plot(c["train"]["steps"], loss, color=f"C{j % 10}", lw=1, label=name)
+        for k, d in enumerate(domains):
+            if d in c["val"]:
+                v = c["val"][d]
+                b.plot(v["steps"], [np.nan if x is None else x for x in v["loss"]], color=f"C{j % 10}",
+                       marker=MARKERS[k % len(MARKERS)], ls=LINESTYLES[k % len(LINESTYLES)], label=f"{name}: {d}")
+    a.set(xlabel="step", ylabel="training loss", title="training loss")
+    b.set(xlabel="step", ylabel="validation loss", title="validation loss per held-out domain")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def gate_overlay(hists: dict[str, dict], path: Path) -> Path:
+    """Fig. 3 for several runs on one axis: each gated run's gate-score distribution over all
+    layers as a step line (`evaluate.gate_shares` data: name -> {"edges", "share", "mean"})."""
+    fig, ax = _subplots(1, 1, figsize=(6, 3.8))
+    for j, (name, h) in enumerate(hists.items()):
+        ax.stairs(h["share"], h["edges"], color=f"C{j % 10}", ls=LINESTYLES[j % len(LINESTYLES)], lw=1.5,
+                  label=f"{name} (mean {h['mean']:.3f})")
+    ax.set(xlabel="gate score", ylabel="share of scores", title="gate scores, all layers")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     return _save(fig, path)
 
 
@@ -264,15 +321,16 @@ def sink_curves(curves: dict[str, list[dict]], path: Path) -> Path | None:
     a, b = axes[0], axes[1]
     for j, (name, rows) in enumerate(curves.items()):
         tokens = [r["tokens"] for r in rows]
-        a.plot(tokens, [r["f_attn"] for r in rows], marker="o", color=f"C{j % 10}", label=name)
-        b.plot(tokens, [r["m_act"] for r in rows], marker="o", color=f"C{j % 10}", label=name)
-        if share:
-            axes[2].plot(tokens, [r["sink_share"] for r in rows], marker="o", color=f"C{j % 10}", label=name)
+        a.plot(tokens, [r["f_attn"] for r in rows], label=name, **run_style(j))
+        b.plot(tokens, [r["m_act"] for r in rows], label=name, **run_style(j))
+        if share:  # (`run_style`: runs that share a value, e.g. no sink head, stay visible)
+            axes[2].plot(tokens, [r["sink_share"] for r in rows], label=name, **run_style(j))
     a.set(xlabel="training tokens", ylabel="F-Attn", title="attention on the first token")
     b.set(xlabel="training tokens", ylabel="M-Act", title="max |hidden state| (mean over layers)")
     if share:
-        axes[2].set(xlabel="training tokens", ylabel="share of heads", ylim=(-0.02, 1.02),
+        axes[2].set(xlabel="training tokens", ylabel="share of heads", ylim=(-0.05, 1.05),
                     title="sink heads (Sink_1^0.3, T = 64)")
+        axes[2].legend(fontsize=7)
     for ax in axes:
         ax.grid(alpha=0.3)
     a.legend(fontsize=7)

@@ -7,9 +7,11 @@ A preset of the study runner (gattn.experiments.study): one seed, the config fil
 budget, each variant trained in WORKDIR/VARIANT with identical data, seed and budget (rerunning
 skips finished runs and resumes an interrupted one), then measured on held-out text from the real
 forward pass: perplexity per domain, loss spikes, mean gate score, F-Attn (attention on the row's
-first token) and M-Act (max hidden activation). The table is printed and written to
-WORKDIR/results.json. `python eval.py --compare WORKDIR/baseline WORKDIR/sdpa_elementwise` adds
-figures.
+first token) and M-Act (max hidden activation), on one held-out batch per domain. The table is
+printed and written to WORKDIR/results.json; each run's measurements are in eval.py's format, with
+the settings they were measured with, in WORKDIR/VARIANT/eval/results.json, so
+`python eval.py --compare WORKDIR/baseline WORKDIR/sdpa_elementwise` (the command printed last)
+reuses them (the same numbers) and adds figures: per-layer curves, loss curves, gate scores.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main(argv=None):
     Path(args.workdir, "results.json").write_text(json.dumps(rows, indent=2))
     print()
     print(table(rows))
+    print("\nfigures (reusing these measurements): python eval.py --compare "
+          + " ".join(str(Path(args.workdir, v)) for v in study.variants))
     return 0
 
 
