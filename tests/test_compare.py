@@ -156,7 +156,7 @@ def test_sink_head_lines_of_runs_that_coincide_both_stay_visible(monkeypatch, tm
     rows = [{"layer": i, "m_act": 1.0, "m_act_per_token": 1.0, "ffn_act": 1.0, "f_attn": 0.1, "sink_head_share": 0.0}
             for i in range(3)]
     plots.per_layer({"baseline": {"per_layer": rows}, "gated": {"per_layer": rows}}, tmp_path / "p.png")
-    (ax,) = [a for a in figures[0].axes if a.get_title().startswith("share of sink heads")]
+    (ax,) = [a for a in figures[0].axes if a.get_title().startswith("F-Attn sink heads")]
     a, b = ax.lines
     assert list(a.get_ydata()) == list(b.get_ydata()) == [0.0] * 3
     assert all(xa < xb for xa, xb in zip(a.get_xdata(), b.get_xdata()))

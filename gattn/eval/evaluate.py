@@ -172,8 +172,8 @@ def report(results: dict) -> str:
                  + (f", {o['mean_abs_y_gated']:.4f} after" if "mean_abs_y_gated" in o else "")]
                 if "ffn_act" in o else []),
               f"- F-Attn (first token): {o['f_attn']:.3f}",
-              f"- sink heads (F-Attn > {m['sink_threshold']}): {o['sink_head_share']:.0%}", "",
-              "| layer | M-Act | M-Act per token | FFN-Act | F-Attn | sink heads | gate score "
+              f"- {analysis.sink_heads_label(m['sink_threshold'])}: {o['sink_head_share']:.0%}", "",
+              "| layer | M-Act | M-Act per token | FFN-Act | F-Attn | F-Attn sink heads | gate score "
               "| SDPA values < 1e-3 (before / after gate) | mean abs SDPA output (before / after gate) |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in m["per_layer"]:
@@ -197,7 +197,7 @@ def report(results: dict) -> str:
 
 def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, overrides: list[str] = (),
             log=None, **eval_kwargs) -> str:
-    """Table 4 across runs (PPL per domain, gate score, M-Act, F-Attn, sink heads) with each run's
+    """Table 4 across runs (PPL per domain, gate score, M-Act, F-Attn, F-Attn sink heads) with each run's
     training rows (params, final loss, loss spikes, tokens/s), and overlay figures: per-layer
     curves, train and validation loss curves, gate-score histograms (the last two with their data
     as JSON; `figures`=False: the JSON only). A run's eval/results.json is reused when it was
@@ -351,7 +351,7 @@ def table(runs: dict[str, dict]) -> str:
     training rows (`training`), "-" where a run has none."""
     domains = sorted({d for r in runs.values() for d in r["perplexity"]})
     head = ["run", "variant", "step"] + [f"PPL {d}" for d in domains] + [
-        "gate score", "M-Act", "F-Attn", "sink heads", "max M-Act", "params", "final train loss", "loss spikes",
+        "gate score", "M-Act", "F-Attn", "F-Attn sink heads", "max M-Act", "params", "final train loss", "loss spikes",
         "tokens/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in runs.items():

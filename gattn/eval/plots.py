@@ -18,7 +18,7 @@ PER_LAYER = (("m_act", "M-Act: max |hidden state| (log scale)", True),
              ("m_act_per_token", "M-Act per token: mean of each token's max |hidden|", True),
              ("ffn_act", "FFN-Act: max |FFN output| (Fig. 6, log scale)", True),
              ("f_attn", "F-Attn: attention on the first token", False),
-             ("sink_head_share", "share of sink heads (F-Attn > threshold)", False),
+             ("sink_head_share", "F-Attn sink heads (F-Attn > threshold)", False),
              ("gate_score", "mean gate score", False))
 
 
@@ -328,8 +328,10 @@ def sink_curves(curves: dict[str, list[dict]], path: Path) -> Path | None:
     a.set(xlabel="training tokens", ylabel="F-Attn", title="attention on the first token")
     b.set(xlabel="training tokens", ylabel="M-Act", title="max |hidden state| (mean over layers)")
     if share:
+        from gattn.eval.sinks import share_label  # noqa: PLC0415 (sinks imports JAX; plots does not)
+
         axes[2].set(xlabel="training tokens", ylabel="share of heads", ylim=(-0.05, 1.05),
-                    title="sink heads (Sink_1^0.3, T = 64)")
+                    title=share_label())
         axes[2].legend(fontsize=7)
     for ax in axes:
         ax.grid(alpha=0.3)

@@ -65,6 +65,8 @@ def row(cell: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
     """A markdown table, one column per variant ('diverged' where a run stopped on NaNs)."""
+    from gattn.eval.analysis import sink_heads_label  # noqa: PLC0415 (the module imports JAX)
+
     domains = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("val_ppl/")})
     lines = [("params", lambda r: f"{r['params']:,}")]
     lines += [(f"val PPL {d}", lambda r, d=d: f"{r[f'val_ppl/{d}']:.2f}") for d in domains]
@@ -73,7 +75,7 @@ def table(rows: list[dict]) -> str:
               ("skipped (non-finite) steps", lambda r: str(r["skipped_steps"])),
               ("gate score (mean)", lambda r: f"{r['gate_score']:.3f}" if "gate_score" in r else "-"),
               ("F-Attn (first token)", lambda r: f"{r['f_attn']:.3f}"),
-              ("sink heads (F-Attn > 0.3)", lambda r: f"{r['sink_head_share']:.0%}"),
+              (sink_heads_label(0.3), lambda r: f"{r['sink_head_share']:.0%}"),
               ("M-Act (mean over layers of max abs hidden)", lambda r: f"{r['m_act']:.1f}"),
               ("tokens/s", lambda r: f"{r['tokens_per_sec']:,.0f}" if r["tokens_per_sec"] else "-")]
     out = ["| | " + " | ".join(r["variant"] for r in rows) + " |",
