@@ -1,0 +1,378 @@
+"""Gated DeltaNet (Yang et al. 2024), the linear-attention layer of Qwen3-Next's 3:1 hybrid.
+
+Per value head, a state S [K, V] (keys -> values) is decayed, corrected towards the new pair
+(k_t, v_t) by one step of the delta rule with learning rate beta_t, and read by the query:
+
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T
+    o_t = S_t^T q_t / sqrt(K)
+
+with q, k L2-normalised, beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) <= 0. The layer
+around it follows transformers' Qwen3NextGatedDeltaNet: projections of x to q, k, v, z, b, a; a
+depthwise causal conv (width W) with SiLU over the channels of q, k, v; the rule; an RMSNorm per
+head (scale w, not 1 + w) gated by SiLU(z); the output projection.
+
+Packed rows: a token whose segment id differs from the previous token's starts a document. There
+the recurrent state is zeroed before the token's update, and the conv window never reaches across
+a segment boundary, so a packed row computes what its documents compute alone. Padding (id 0)
+outputs zero.
+
+Legend (this file): B batch, S sequence, D d_model, H value heads (heads of the state), G key
+heads (each serves H/G consecutive value heads), K key head dim, V value head dim, M conv channels
+(2 G K + H V), W conv width, N chunks, C chunk length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gattn.config import ConfigError
+from gattn.model.layers import dense, param, rms_norm
+
+# The rule's contractions run in full float32 on every backend (TPU and GPU default to bf16 /
+# TF32 passes for float32 matmuls; the chunked and recurrent forms must agree to ~1e-5).
+PRECISION = jax.lax.Precision.HIGHEST
+L2_EPS = 1e-6  # q, k normalised as x / sqrt(sum x^2 + eps), as FLA and transformers do
+
+
+@dataclasses.dataclass(frozen=True)
+class GDNSpec:
+    """The architecture of one Gated DeltaNet layer (Qwen3-Next: 16 key heads and 32 value heads
+    of 128, conv width 4)."""
+
+    d_model: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        for name in ("d_model", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(name, value, "expected an integer >= 1")
+        if self.num_v_heads % self.num_k_heads:
+            raise ConfigError("num_v_heads", self.num_v_heads,
+                              f"expected a multiple of num_k_heads = {self.num_k_heads} (each key head "
+                              "serves num_v_heads / num_k_heads value heads)")
+        if not isinstance(self.norm_eps, (int, float)) or isinstance(self.norm_eps, bool) or not self.norm_eps > 0:
+            raise ConfigError("norm_eps", self.norm_eps, "expected a number > 0")
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> GDNSpec:
+        """The spec of a transformers Qwen3NextConfig (as a dict of its fields)."""
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ConfigError("hidden_act", hf["hidden_act"], "expected 'silu' (the conv's activation here)")
+        return cls(hf["hidden_size"], hf["linear_num_key_heads"], hf["linear_num_value_heads"],
+                   hf["linear_key_head_dim"], hf["linear_value_head_dim"], hf["linear_conv_kernel_dim"],
+                   hf["rms_norm_eps"])
+
+    def hf_config(self) -> dict:
+        """The Qwen3NextConfig fields this spec sets (rms_norm_eps is shared with the other norms)."""
+        return {"hidden_size": self.d_model, "linear_num_key_heads": self.num_k_heads,
+                "linear_num_value_heads": self.num_v_heads, "linear_key_head_dim": self.head_k_dim,
+                "linear_value_head_dim": self.head_v_dim, "linear_conv_kernel_dim": self.conv_kernel,
+                "rms_norm_eps": self.norm_eps, "hidden_act": "silu"}
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def _prepare(q_BxSxGxK, k_BxSxGxK, v_BxSxHxV, g_BxSxH, beta_BxSxH, resets_BxS, state_BxHxKxV):
+    """float32 inputs with q, k repeated to the value heads (key head j serves value heads
+    j*H/G .. (j+1)*H/G - 1), q scaled by 1/sqrt(K); resets default to none, the state to zeros."""
+    b, s, g, dk = q_BxSxGxK.shape
+    h, dv = v_BxSxHxV.shape[2:]
+    q, k = (jnp.repeat(x.astype(jnp.float32), h // g, axis=2) for x in (q_BxSxGxK, k_BxSxGxK))
+    v, gl, beta = (x.astype(jnp.float32) for x in (v_BxSxHxV, g_BxSxH, beta_BxSxH))
+    resets = jnp.zeros((b, s), bool) if resets_BxS is None else resets_BxS.astype(bool)
+    state = (jnp.zeros((b, h, dk, dv), jnp.float32) if state_BxHxKxV is None
+             else state_BxHxKxV.astype(jnp.float32))
+    return q * dk ** -0.5, k, v, gl, beta, resets, state
+
+
+def recurrent_gated_delta_rule(q_BxSxGxK, k_BxSxGxK, v_BxSxHxV, g_BxSxH, beta_BxSxH, resets_BxS=None,
+                               state_BxHxKxV=None) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule one token at a time (decoding; the reference for the chunked form).
+    q and k as given (the layer L2-normalises them); `resets_BxS` True zeroes the state before
+    that token. Returns (o [B, S, H, V], final state [B, H, K, V]), float32."""
+    q, k, v, g, beta, resets, state = _prepare(q_BxSxGxK, k_BxSxGxK, v_BxSxHxV, g_BxSxH, beta_BxSxH,
+                                               resets_BxS, state_BxHxKxV)
+
+    def token(s_BxHxKxV, xs):
+        q_BxHxK, k_BxHxK, v_BxHxV, g_BxH, beta_BxH, reset_B = xs
+        decay_BxH = jnp.where(reset_B[:, None], 0.0, jnp.exp(g_BxH))
+        s_BxHxKxV = s_BxHxKxV * decay_BxH[..., None, None]
+        predicted_BxHxV = jnp.einsum("bhkv,bhk->bhv", s_BxHxKxV, k_BxHxK, precision=PRECISION)
+        delta_BxHxV = (v_BxHxV - predicted_BxHxV) * beta_BxH[..., None]
+        s_BxHxKxV = s_BxHxKxV + k_BxHxK[..., :, None] * delta_BxHxV[..., None, :]
+        return s_BxHxKxV, jnp.einsum("bhkv,bhk->bhv", s_BxHxKxV, q_BxHxK, precision=PRECISION)
+
+    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, resets)]
+    state, o_SxBxHxV = jax.lax.scan(token, state, time_major)
+    return jnp.moveaxis(o_SxBxHxV, 0, 1), state
+
+
+def chunk_gated_delta_rule(q_BxSxGxK, k_BxSxGxK, v_BxSxHxV, g_BxSxH, beta_BxSxH, resets_BxS=None,
+                           state_BxHxKxV=None, chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
+    """The same function as `recurrent_gated_delta_rule`, C tokens at a time (training, prefill).
+
+    Inside a chunk the C delta-rule steps fold into matmuls (the WY / UT transform): with
+    Gamma_ij = exp(cum_i - cum_j) (cum = within-chunk cumsum of g) for j <= i in the same
+    document and 0 otherwise, T = (I + strictly_lower(diag(beta) K K^T * Gamma))^-1 gives the new
+    values U = T (beta V) and the keys that read the carried state Wk = T (beta K exp(cum)). Then
+
+        V'  = U - Wk S                                    (what the carried state does not predict)
+        O   = (Q exp(cum)) S + (Q K^T * Gamma) V'
+        S  <- exp(cum_C) S + (K exp(cum_C - cum))^T V'
+
+    A reset cuts Gamma between documents and zeroes every term through the carried state for the
+    tokens after it (the masks `from_start` and `to_end` below), as g = -inf would without NaNs.
+    S is padded to a multiple of C with tokens that change nothing (k = v = beta = g = 0)."""
+    q, k, v, g, beta, resets, state = _prepare(q_BxSxGxK, k_BxSxGxK, v_BxSxHxV, g_BxSxH, beta_BxSxH,
+                                               resets_BxS, state_BxHxKxV)
+    b, s, h, _ = q.shape
+    c = chunk_size
+    pad = -s % c
+    n = (s + pad) // c
+
+    def chunked(x):  # [B, S, H, ...] -> [B, H, N, C, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, n, c, *x.shape[2:]), 3, 1) if x.ndim > 2 else x.reshape(b, 1, n, c)
+
+    q, k, v, g, beta = (chunked(x) for x in (q, k, v, g, beta))
+    resets_Bx1xNxC = chunked(resets)
+    run_BxNxC = jnp.cumsum(resets_Bx1xNxC[:, 0], axis=-1)  # documents started so far in the chunk
+    # g at a reset would decay a state that is zeroed anyway: dropped, so cum stays within a document
+    cum_BxHxNxC = jnp.cumsum(jnp.where(resets_Bx1xNxC, 0.0, g), axis=-1)
+
+    causal_CxC = jnp.tril(jnp.ones((c, c), bool))
+    same_doc_BxNxCxC = (run_BxNxC[..., :, None] == run_BxNxC[..., None, :]) & causal_CxC
+    same_doc = same_doc_BxNxCxC[:, None]
+    diff = cum_BxHxNxC[..., :, None] - cum_BxHxNxC[..., None, :]
+    gamma_BxHxNxCxC = jnp.where(same_doc, jnp.exp(jnp.where(same_doc, diff, 0.0)), 0.0)
+    from_start = (run_BxNxC == 0)[:, None, ..., None]  # tokens that still see the carried state
+    to_end = (run_BxNxC == run_BxNxC[..., -1:])[:, None, ..., None]  # tokens the chunk's state keeps
+
+    def mm(spec, x, y):
+        return jnp.einsum(spec, x, y, precision=PRECISION)
+
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    strictly_lower_CxC = ~jnp.eye(c, dtype=bool)
+    system_BxHxNxCxC = jnp.where(strictly_lower_CxC, mm("bhnck,bhnjk->bhncj", k_beta, k) * gamma_BxHxNxCxC, 0.0)
+
+    def solve(rhs):  # T rhs = (I + system)^-1 rhs, by forward substitution
+        return jax.scipy.linalg.solve_triangular(system_BxHxNxCxC, rhs, lower=True, unit_diagonal=True)
+
+    u_BxHxNxCxV = solve(v_beta)
+    wk_BxHxNxCxK = solve(jnp.where(from_start, k_beta * jnp.exp(cum_BxHxNxC)[..., None], 0.0))
+    attn_BxHxNxCxC = mm("bhnck,bhnjk->bhncj", q, k) * gamma_BxHxNxCxC
+    q_in_BxHxNxCxK = jnp.where(from_start, q * jnp.exp(cum_BxHxNxC)[..., None], 0.0)
+    k_out_BxHxNxCxK = jnp.where(to_end, k * jnp.exp(cum_BxHxNxC[..., -1:] - cum_BxHxNxC)[..., None], 0.0)
+    carry_BxHxN = jnp.where(run_BxNxC[:, None, :, -1] == 0, jnp.exp(cum_BxHxNxC[..., -1]), 0.0)
+
+    def chunk(s_BxHxKxV, xs):
+        u, wk, attn, qi, ko, carry_BxH = xs
+        v_new_BxHxCxV = u - mm("bhck,bhkv->bhcv", wk, s_BxHxKxV)
+        o_BxHxCxV = mm("bhck,bhkv->bhcv", qi, s_BxHxKxV) + mm("bhcj,bhjv->bhcv", attn, v_new_BxHxCxV)
+        s_BxHxKxV = s_BxHxKxV * carry_BxH[..., None, None] + mm("bhck,bhcv->bhkv", ko, v_new_BxHxCxV)
+        return s_BxHxKxV, o_BxHxCxV
+
+    chunk_major = [jnp.moveaxis(x, 2, 0) for x in (u_BxHxNxCxV, wk_BxHxNxCxK, attn_BxHxNxCxC, q_in_BxHxNxCxK,
+                                                   k_out_BxHxNxCxK, carry_BxHxN)]
+    state, o_NxBxHxCxV = jax.lax.scan(chunk, state, chunk_major)
+    o_BxSxHxV = jnp.moveaxis(o_NxBxHxCxV, 0, 2).reshape(b, h, n * c, -1).transpose(0, 2, 1, 3)
+    return o_BxSxHxV[:, :s], state
+
+
+# --------------------------------------------------------------------------- the conv
+
+
+def causal_conv1d(x_BxSxM, w_WxM, segment_ids_BxS=None, state_BxW1xM=None) -> tuple[jax.Array, jax.Array]:
+    """SiLU of a depthwise causal conv: y_t = silu(sum_j w_j x_{t-W+1+j}), w_{W-1} on the current
+    token (transformers' conv1d weight [M, 1, W] transposed). The W-1 inputs before the first token
+    come from `state` (default zeros); with segment ids a tap reads only inputs of the token's own
+    segment (the state counts as the first token's). Returns (y [B, S, M] float32, the state after
+    the last token [B, W-1, M]: the last W-1 inputs of the last token's segment, zeros before it)."""
+    b, s, m = x_BxSxM.shape
+    width = w_WxM.shape[0]
+    past = jnp.zeros((b, width - 1, m), jnp.float32) if state_BxW1xM is None else state_BxW1xM
+    xs_BxTxM = jnp.concatenate([past.astype(jnp.float32), x_BxSxM.astype(jnp.float32)], axis=1)
+    w = w_WxM.astype(jnp.float32)
+    if segment_ids_BxS is not None:
+        ids_BxT = jnp.concatenate([jnp.repeat(segment_ids_BxS[:, :1], width - 1, axis=1), segment_ids_BxS], axis=1)
+    y_BxSxM = jnp.zeros((b, s, m), jnp.float32)
+    for j in range(width):
+        tap_BxSxM = xs_BxTxM[:, j:j + s] * w[j]
+        if segment_ids_BxS is not None:
+            tap_BxSxM = jnp.where((ids_BxT[:, j:j + s] == segment_ids_BxS)[..., None], tap_BxSxM, 0.0)
+        y_BxSxM = y_BxSxM + tap_BxSxM
+    state = xs_BxTxM[:, xs_BxTxM.shape[1] - (width - 1):]
+    if segment_ids_BxS is not None:
+        last_doc = ids_BxT[:, ids_BxT.shape[1] - (width - 1):] == segment_ids_BxS[:, -1:]
+        state = jnp.where(last_doc[..., None], state, 0.0)
+    return jax.nn.silu(y_BxSxM), state
+
+
+def document_starts(segment_ids_BxS: jax.Array) -> jax.Array:
+    """True where a token's segment id differs from the previous token's (never at t = 0: a call
+    that starts from a state continues it)."""
+    return jnp.pad(segment_ids_BxS[:, 1:] != segment_ids_BxS[:, :-1], [(0, 0), (1, 0)])
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+class GDNState(NamedTuple):
+    """What decoding carries per layer (float32): the conv's last W-1 inputs, time-major (the
+    transpose of the last W-1 of transformers' conv state [B, M, W]), and the rule's state."""
+
+    conv_BxW1xM: jax.Array
+    recurrent_BxHxKxV: jax.Array
+
+
+class GatedDeltaNet(nnx.Module):
+    """The Gated DeltaNet layer: x [B, S, D] -> y [B, S, D] (module docstring).
+
+    Parameters per head so that heads shard over the mesh's model axis: q and k projections and
+    convs on `kv_heads` (the G key heads, like GQA's), v, z, b, a, A_log, dt_bias and the output
+    projection on `heads` (the H value heads). A_log and dt_bias are role "bias": not decayed, as
+    Mamba's and FLA's trainers leave them. Initialised as transformers does: weights (convs
+    included) normal(init_std), dt_bias 1, A ~ U(0.01, 16), norm scale 1. `chunk_size` is how the
+    rule is computed (execution), not what it computes."""
+
+    def __init__(self, spec: GDNSpec, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
+                 init_std: float = 0.02, chunk_size: int = 64):
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ConfigError("chunk_size", chunk_size, "expected an integer >= 1")
+        self.spec, self.dtype, self.chunk_size = spec, dtype, chunk_size
+        d, g, h = spec.d_model, spec.num_k_heads, spec.num_v_heads
+        gk, hv, w = g * spec.head_k_dim, h * spec.head_v_dim, spec.conv_kernel
+
+        def weight(shape, axes):
+            return param("weight", rngs, shape, axes, std=init_std, dtype=param_dtype)
+
+        self.wq, self.wk = weight((d, gk), ("embed", "kv_heads")), weight((d, gk), ("embed", "kv_heads"))
+        self.wv, self.wz = weight((d, hv), ("embed", "heads")), weight((d, hv), ("embed", "heads"))
+        self.wb, self.wa = weight((d, h), ("embed", "heads")), weight((d, h), ("embed", "heads"))
+        self.conv_q, self.conv_k = weight((w, gk), (None, "kv_heads")), weight((w, gk), (None, "kv_heads"))
+        self.conv_v = weight((w, hv), (None, "heads"))
+        self.dt_bias = param("bias", None, (h,), ("heads",), value=1.0, dtype=param_dtype)
+        self.a_log = param("bias", None, (h,), ("heads",), dtype=param_dtype)
+        a_H = jax.random.uniform(rngs.params(), (h,), minval=0.01, maxval=16.0)  # (away from 0: log A finite)
+        self.a_log[...] = jnp.log(a_H).astype(param_dtype)
+        self.norm = param("scale", None, (spec.head_v_dim,), ("head_dim",), value=1.0, dtype=param_dtype)
+        self.wo = weight((hv, d), ("heads", "embed"))
+
+    def init_state(self, batch: int) -> GDNState:
+        s = self.spec
+        return GDNState(jnp.zeros((batch, s.conv_kernel - 1, s.conv_dim), jnp.float32),
+                        jnp.zeros((batch, s.num_v_heads, s.head_k_dim, s.head_v_dim), jnp.float32))
+
+    def __call__(self, x_BxSxD: jax.Array, segment_ids_BxS: jax.Array | None = None) -> jax.Array:
+        """The training forward pass (chunked rule); segment ids as gattn's pipeline packs rows."""
+        return self.prefill(x_BxSxD, segment_ids_BxS)[0]
+
+    def prefill(self, x_BxSxD, segment_ids_BxS=None, state: GDNState | None = None) -> tuple[jax.Array, GDNState]:
+        """(y, the state after the last token): S tokens with the chunked rule, from `state`
+        (default: a fresh one). The state is the last token's document's, so rows of a batch of
+        prompts are left-padded (padding is a segment of its own)."""
+        return self._mix(x_BxSxD, segment_ids_BxS, state, self._chunked)
+
+    def step(self, x_Bx1xD: jax.Array, state: GDNState) -> tuple[jax.Array, GDNState]:
+        """One decoding step per row (the recurrent rule): (y [B, 1, D], state)."""
+        return self._mix(x_Bx1xD, None, state, recurrent_gated_delta_rule)
+
+    def _chunked(self, *args):
+        return chunk_gated_delta_rule(*args, chunk_size=self.chunk_size)
+
+    def _mix(self, x_BxSxD, segment_ids_BxS, state, rule):
+        """Project, conv, the rule (`rule`: chunked or recurrent), gated norm, output projection."""
+        spec, (b, s) = self.spec, x_BxSxD.shape[:2]
+        g, h, dk, dv = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
+        x_NxD = x_BxSxD.reshape(b * s, -1)
+        state = self.init_state(b) if state is None else state
+
+        def project(w, out_dtype=None):
+            return dense(x_NxD, w, self.dtype, out_dtype).reshape(b, s, -1)
+
+        qkv_BxSxM = jnp.concatenate([project(self.wq), project(self.wk), project(self.wv)], axis=-1)
+        w_WxM = jnp.concatenate([self.conv_q[...], self.conv_k[...], self.conv_v[...]], axis=-1)
+        qkv_BxSxM, conv_state = causal_conv1d(qkv_BxSxM, w_WxM, segment_ids_BxS, state.conv_BxW1xM)
+        q, k, v = jnp.split(qkv_BxSxM, [g * dk, 2 * g * dk], axis=-1)
+        q_BxSxGxK, k_BxSxGxK = l2_normalize(q.reshape(b, s, g, dk)), l2_normalize(k.reshape(b, s, g, dk))
+        beta_BxSxH = jax.nn.sigmoid(project(self.wb, jnp.float32))
+        a_BxSxH = project(self.wa, jnp.float32) + self.dt_bias[...].astype(jnp.float32)
+        g_BxSxH = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(a_BxSxH)
+        resets_BxS = None if segment_ids_BxS is None else document_starts(segment_ids_BxS)
+        o_BxSxHxV, recurrent = rule(q_BxSxGxK, k_BxSxGxK, v.reshape(b, s, h, dv), g_BxSxH, beta_BxSxH,
+                                    resets_BxS, state.recurrent_BxHxKxV)
+        if segment_ids_BxS is not None:  # padding outputs zero (the gated norm and W_O keep it so)
+            o_BxSxHxV = jnp.where((segment_ids_BxS != 0)[..., None, None], o_BxSxHxV, 0.0)
+        z_BxSxHxV = project(self.wz, jnp.float32).reshape(b, s, h, dv)
+        y_BxSxHxV = rms_norm(o_BxSxHxV, self.norm[...], spec.norm_eps) * jax.nn.silu(z_BxSxHxV)
+        y_NxD = dense(y_BxSxHxV.reshape(b * s, h * dv), self.wo, self.dtype)
+        return y_NxD.reshape(b, s, -1), GDNState(conv_state, recurrent)
+
+
+# --------------------------------------------------------------------------- transformers' tensors
+#
+# transformers packs the projections per key head: in_proj_qkvz's rows are, for each key head j,
+# [q_j (K) | k_j (K) | v (H/G value heads of V) | z (same)], in_proj_ba's are [b (H/G) | a (H/G)];
+# the conv's channels are [all q | all k | all v]. Here each is a parameter of its own.
+
+
+def from_hf(tensors: dict[str, np.ndarray], prefix: str, spec: GDNSpec) -> dict[tuple[str, ...], np.ndarray]:
+    """transformers' `{prefix}in_proj_qkvz.weight`, ... (prefix e.g. "model.layers.0.linear_attn.")
+    -> this layer's parameters {path: array}."""
+    t = {name: np.asarray(tensors[prefix + name]) for name in HF_NAMES}
+    g, h, dk, dv = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
+    r = h // g
+    qkvz = t["in_proj_qkvz.weight"].reshape(g, 2 * dk + 2 * r * dv, -1)
+    q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+    b, a = np.split(t["in_proj_ba.weight"].reshape(g, 2 * r, -1), [r], axis=1)
+    conv_q, conv_k, conv_v = np.split(t["conv1d.weight"][:, 0, :].T, [g * dk, 2 * g * dk], axis=1)
+    out = {"wq": q.reshape(g * dk, -1).T, "wk": k.reshape(g * dk, -1).T, "wv": v.reshape(h * dv, -1).T,
+           "wz": z.reshape(h * dv, -1).T, "wb": b.reshape(h, -1).T, "wa": a.reshape(h, -1).T,
+           "conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v, "dt_bias": t["dt_bias"],
+           "a_log": t["A_log"], "norm": t["norm.weight"], "wo": t["out_proj.weight"].T}
+    return {(name,): np.ascontiguousarray(value) for name, value in out.items()}
+
+
+def to_hf(params: dict[tuple[str, ...], np.ndarray], prefix: str, spec: GDNSpec) -> dict[str, np.ndarray]:
+    """This layer's parameters {path: array} -> transformers' tensors (the inverse of from_hf)."""
+    p = {path[-1]: np.asarray(value) for path, value in params.items()}
+    g, h, dk, dv = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
+    r = h // g
+
+    def per_key_head(name, rows):  # [D, G * rows] -> [G, rows, D]
+        return p[name].T.reshape(g, rows, -1)
+
+    qkvz = np.concatenate([per_key_head("wq", dk), per_key_head("wk", dk), per_key_head("wv", r * dv),
+                           per_key_head("wz", r * dv)], axis=1)
+    ba = np.concatenate([per_key_head("wb", r), per_key_head("wa", r)], axis=1)
+    conv = np.concatenate([p["conv_q"], p["conv_k"], p["conv_v"]], axis=1).T[:, None, :]
+    out = {"in_proj_qkvz.weight": qkvz.reshape(-1, spec.d_model), "in_proj_ba.weight": ba.reshape(-1, spec.d_model),
+           "conv1d.weight": conv, "dt_bias": p["dt_bias"], "A_log": p["a_log"], "norm.weight": p["norm"],
+           "out_proj.weight": p["wo"].T}
+    return {prefix + name: np.ascontiguousarray(value) for name, value in out.items()}
+
+
+HF_NAMES = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
+            "out_proj.weight")
