@@ -24,7 +24,7 @@ class ExecConfig:
                       compiled by Mosaic on TPU, interpret mode elsewhere, ~100x slower);
                       pallas_gpu (the fused kernel for GPUs, Triton; interpret mode elsewhere);
                       cudnn (cuDNN attention, gate applied after it); auto (TPU -> pallas,
-                      GPU -> kernels.GPU_DEFAULT, else xla). docs/gpu.md.
+                      GPU -> kernels.GPU_DEFAULT, untimed on a GPU: docs/gpu.md; else xla).
     attention_block_q: causal query block of the xla path (0 = no blocking).
     attention_query_chunk: > 0: the xla path runs queries this many at a time in a loop
                       (memory O(chunk * S) per layer; long contexts on CPU).
