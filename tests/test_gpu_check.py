@@ -116,3 +116,15 @@ def test_synthetic_training_needs_neither_grain_nor_tfds(tmp_path):
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_docs_gpu_md_installs_the_jax_that_pyproject_pins():
+    """Issue 34: docs/gpu.md told users `pip install -U "jax[cuda13]"`, which moves JAX past the
+    version pyproject.toml pins. Every CUDA install line on the page pins pyproject's version."""
+    import re
+
+    pinned = re.search(r'"jax==([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    page = (ROOT / "docs" / "gpu.md").read_text()
+    installs = [line for line in page.splitlines() if line.startswith("pip install") and "jax[cuda" in line]
+    assert installs and all(f"=={pinned}" in line for line in installs), installs
+    assert not re.search(r"^pip install -U", page, re.M)
