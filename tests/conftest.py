@@ -68,6 +68,10 @@ SLOW_HERE = {
     # thread waiting in XLA:CPU's BlockUntilReady, no CPU used); alone, and after the files before
     # it, the file passes in ~40 s. Out of the default run until the cause is found (docs/hybrid.md).
     "test_gdn.py": "40 s; hung once in a full run",
+    "test_rehearse.py::test_a_small_rehearsal_passes_every_stage":
+        "45 s",  # its stages: test_pod (processes), test_train (resume), test_eval (eval.py)
+    "test_lm_eval.py::test_the_command_scores_a_converted_model_and_humaneval_with_the_opt_in":
+        "35 s",  # test_gattn_equals_lm_evals_hf_backend_on_a_tiny_qwen3: the model class itself
     "test_study.py::test_study_runs_resumes_after_a_kill_and_reports_everything":  # test_main_job_trains_both...
         "74 s: a study of 4 cells, killed and resumed",
     "test_train.py::test_resume_refuses_another_model_and_continues_under_other_execution_settings":

@@ -75,7 +75,7 @@ def test_tokenizer_round_trips_code_and_unicode_and_is_cached(workdir, tokenizer
     assert cached[0].stat().st_mtime_ns == mtime      # reused, not retrained
 
 
-def test_user_tokenizer_file(workdir, tmp_path):
+def test_user_tokenizer_file(workdir, tokenizer, tmp_path):  # (`tokenizer`: the one trained in workdir)
     own = next((workdir / "tokenizer").glob("*.model"))
     cfg = Config(model=CFG.model, train=CFG.train, data=DataConfig(tokenizer=str(own)))
     assert load_tokenizer(cfg, tmp_path).get_piece_size() == 512
