@@ -20,10 +20,13 @@ is its value vector (before any gate); its residual is the block's output at pos
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from gattn.config import BACKCOPY
 from gattn.eval import analysis
+from gattn.train.loss import token_nll
 
 WINDOW = 64  # Gu et al.'s T
 EPS = 0.3    # Gu et al.'s threshold
@@ -78,18 +81,33 @@ class SinkStats:
         self.sums: dict[str, np.ndarray] = {}
         self.counts: dict[str, float] = {}
         self.value_norm = np.zeros((num_layers, heads))
+        self.value_norm_gated = np.zeros((num_layers, heads))  # after the gate (= before, ungated)
         self.residual_first, self.residual_rest = np.zeros(num_layers), np.zeros(num_layers)
         self.rows, self.rest = 0, 0
+        # Per query set, per (layer, head): the gate score, alpha_1 weighted by it, |head output|.
+        self.gate_sums: dict[str, np.ndarray] = {}
+        self.gated_alpha_sums: dict[str, np.ndarray] = {}
+        self.out_norm_sums: dict[str, np.ndarray] = {}
+        self.gated = False
 
     def add(self, layers: list[dict], segment_ids_BxT, masks: dict[str, np.ndarray]) -> None:
         """`layers`: `analysis.collect`'s output on the windows; `masks`: {name: [B, T] queries}."""
         first = first_document_BxT(segment_ids_BxT)
         b, t = first.shape
+        scores = [head_gate_BxHxT(layer, b, t) for layer in layers]
+        self.gated = self.gated or scores[0] is not None
+        outs = [np.linalg.norm(head_output(layer), axis=-1).reshape(b, t, -1).transpose(0, 2, 1) for layer in layers]
         for name, mask in {"all": first, **{k: first & m for k, m in masks.items()}}.items():
             q = mask.astype(np.float64)[:, None, :]
             s = np.stack([(layer["first_probs"] * q).sum(axis=(0, 2)) for layer in layers])
             self.sums[name] = self.sums.get(name, 0.0) + s
             self.counts[name] = self.counts.get(name, 0.0) + float(mask.sum())
+            g = [np.ones_like(layer["first_probs"]) if sc is None else sc for layer, sc in zip(layers, scores)]
+            self.gate_sums[name] = self.gate_sums.get(name, 0.0) + np.stack([(x * q).sum(axis=(0, 2)) for x in g])
+            self.gated_alpha_sums[name] = self.gated_alpha_sums.get(name, 0.0) + np.stack(
+                [(x * layer["first_probs"] * q).sum(axis=(0, 2)) for x, layer in zip(g, layers)])
+            self.out_norm_sums[name] = self.out_norm_sums.get(name, 0.0) + np.stack([(o * q).sum(axis=(0, 2))
+                                                                                      for o in outs])
         rest = first.copy()
         rest[:, 0] = False
         real_B = np.asarray(segment_ids_BxT)[:, 0] != 0  # padding rows (segment 0) have no first token
@@ -97,6 +115,8 @@ class SinkStats:
             h_BxTxD = layer["block_out"].reshape(b, t, -1)
             v_BxHxK = layer["sdpa_out"].reshape(b, t, *layer["sdpa_out"].shape[1:])[:, 0]
             self.value_norm[i] += np.linalg.norm(v_BxHxK[real_B], axis=-1).sum(axis=0)
+            out_BxHxK = head_output(layer).reshape(b, t, *layer["sdpa_out"].shape[1:])[:, 0]
+            self.value_norm_gated[i] += np.linalg.norm(out_BxHxK[real_B], axis=-1).sum(axis=0)
             norms_BxT = np.linalg.norm(h_BxTxD, axis=-1)
             self.residual_first[i] += norms_BxT[real_B, 0].sum()
             self.residual_rest[i] += (norms_BxT * rest).sum()
@@ -111,10 +131,14 @@ class SinkStats:
                    "value_norm_first_per_head": [float(x) for x in self.value_norm[i] / max(self.rows, 1)],
                    "residual_norm_first": float(self.residual_first[i] / max(self.rows, 1)),
                    "residual_norm_rest": float(self.residual_rest[i] / max(self.rest, 1))}
+            row["value_norm_first_gated_per_head"] = [float(x) for x in self.value_norm_gated[i] / max(self.rows, 1)]
+            row["value_norm_first_gated"] = float(np.mean(row["value_norm_first_gated_per_head"]))
             for k, a in alphas.items():
                 suffix = "" if k == "all" else f"_{k}"
                 row[f"alpha_1{suffix}_per_head"] = [float(x) for x in a[i]]
                 row[f"sink_share{suffix}"] = float(np.mean(a[i] > self.eps))
+                for key, value in self._per_query(k).items():
+                    row[f"{key}{suffix}_per_head"] = [float(x) for x in value[i]]
             per_layer.append(row)
         overall = {"uniform_alpha_1": uniform_level(window), "window": window, "eps": self.eps,
                    "windows": self.rows}
@@ -123,7 +147,38 @@ class SinkStats:
             overall[f"sink_share{suffix}"] = float(np.mean(a > self.eps))
             overall[f"alpha_1{suffix}_mean"] = float(a.mean())
             overall[f"alpha_1{suffix}_max"] = float(a.max())
+            for key, value in self._per_query(k).items():
+                overall[f"{key}{suffix}_mean"] = float(value.mean())
+        overall["value_norm_first_gated"] = float(self.value_norm_gated.mean() / max(self.rows, 1))
+        overall["residual_norm_first"] = float(self.residual_first.mean() / max(self.rows, 1))
         return {"overall": overall, "per_layer": per_layer}
+
+    def _per_query(self, name: str) -> dict[str, np.ndarray]:
+        """[layers, heads] means over the query set `name`: alpha_1 weighted by the head's gate
+        score (alpha_1 itself when ungated), |head output| after the gate and, gated, the gate score."""
+        n = max(self.counts[name], 1.0)
+        out = {"alpha_1_gated": self.gated_alpha_sums[name] / n, "head_out_norm": self.out_norm_sums[name] / n}
+        if self.gated:
+            out["gate_score"] = self.gate_sums[name] / n
+        return out
+
+
+def head_gate_BxHxT(layer: dict, b: int, t: int) -> np.ndarray | None:
+    """Each query head's gate score (the mean over its width) as [B, H, T], for a gate on the SDPA
+    output; None otherwise."""
+    if "gated" not in layer or layer["gated"].shape != layer["sdpa_out"].shape:
+        return None
+    g_NxHxW = layer["gate_scores"]
+    g_NxH = np.broadcast_to(g_NxHxW.mean(axis=-1), layer["sdpa_out"].shape[:2])  # (a head-shared gate: 1 head)
+    return g_NxH.reshape(b, t, -1).transpose(0, 2, 1)
+
+
+def head_output(layer: dict) -> np.ndarray:
+    """What each head passes to the output projection, [N, H, K]: the SDPA output after a gate on
+    it (the gate's output), else the SDPA output."""
+    if "gated" in layer and layer["gated"].shape == layer["sdpa_out"].shape:
+        return layer["gated"]
+    return layer["sdpa_out"]
 
 
 def query_masks(cfg, tokens_BxT) -> dict[str, np.ndarray]:
@@ -132,24 +187,80 @@ def query_masks(cfg, tokens_BxT) -> dict[str, np.ndarray]:
         return {}
     from gattn.data import backcopy  # noqa: PLC0415
 
-    return {"non_trigger": ~backcopy.trigger_mask(backcopy.task(cfg.data.backcopy), tokens_BxT)}
+    trigger = backcopy.trigger_mask(backcopy.task(cfg.data.backcopy), tokens_BxT)
+    rest = np.ones(trigger.shape, bool)
+    rest[:, 0] = False  # (query 0 sees only token 0: A = 1 whatever the model)
+    return {"non_trigger": ~trigger, "non_trigger_rest": ~trigger & rest, "trigger": trigger}
 
 
 def measure(model, cfg, batches: list[dict], *, window: int = WINDOW, eps: float = EPS,
             rows: int = 64) -> dict:
     """Sink_1^eps and the first token's norms on the first `window` tokens of each row of the
-    pipeline `batches`, `rows` windows per forward pass: {"overall": {...}, "per_layer": [...]}."""
+    pipeline `batches`, `rows` windows per forward pass, and the cost of hiding the first token
+    (`ablation`, on the whole rows): {"overall": {...}, "per_layer": [...], "ablation": {...}}."""
     w = windows(batches, window)
     window = w["tokens"].shape[1]
     stats = SinkStats(model.cfg.num_layers, model.cfg.q_heads, eps)
     model = analysis.for_analysis(model)
+    on_sdpa = model.cfg.gate is not None and model.cfg.gate.position == "sdpa"
     for r in range(0, len(w["tokens"]), rows):
         part = {k: v[r:r + rows] for k, v in w.items()}
         layers = analysis.collect(model, part["tokens"], part["segment_ids"], part["positions"])
+        if not on_sdpa:  # (the head output and the gate score per head are those of a gate on the SDPA output)
+            layers = [{k: v for k, v in layer.items() if k not in ("gated", "gate_scores")} for layer in layers]
         stats.add(layers, part["segment_ids"], query_masks(cfg, part["tokens"]))
     out = stats.result(window)
     out["overall"]["uniform_f_attn"] = uniform_f_attn(batches)
+    out["ablation"] = ablation(model, cfg, batches, rows=rows)
+    out["overall"]["ablation_cost"] = out["ablation"]["cost"]
     return out
+
+
+@nnx.jit
+def _token_losses(model, tokens_BxS, positions_BxS, segment_ids_BxS, targets_BxS):
+    return token_nll(model(tokens_BxS, positions_BxS, segment_ids_BxS), targets_BxS)
+
+
+def hide_first_BxS(segment_ids_BxS) -> np.ndarray:
+    """Segment ids under which every document's first token is a document of its own: it still
+    sees itself, and no later query of its document sees it (padding, id 0, stays padding)."""
+    seg = np.asarray(segment_ids_BxS)
+    start = np.asarray(analysis.document_starts(seg)) == np.arange(seg.shape[1])
+    return np.where(seg == 0, 0, 2 * seg + start).astype(seg.dtype)
+
+
+def ablation(model, cfg, batches: list[dict], *, rows: int = 64) -> dict:
+    """The cost of hiding the first token (`<s>`) from every query after it: the mean next-token
+    loss with it hidden (`hide_first_BxS`) minus the plain loss, on the targets that are no copy
+    (Bigram-Backcopy; all targets otherwise) of the queries after each document's first, within
+    their document. A sink the model relies on costs loss when hidden; a cosmetic one does not."""
+    model = analysis.for_analysis(model)
+    plain, hidden, count = 0.0, 0.0, 0
+    for b in batches:
+        full = np.asarray(b["tokens"])
+        for r in range(0, len(full), rows):
+            tokens = full[r:r + rows]
+            seg, pos = (np.asarray(b[k])[r:r + rows] for k in ("segment_ids", "positions"))
+            x, y, s = tokens[:, :-1], tokens[:, 1:], seg[:, :-1]
+            keep = (s != 0) & (seg[:, 1:] == s) & (np.asarray(analysis.document_starts(s)) != np.arange(s.shape[1]))
+            keep &= ~copy_targets(cfg, tokens)[:, 1:]
+            args = [jnp.asarray(a) for a in (x, pos[:, :-1])]
+            lp = np.asarray(_token_losses(model, *args, jnp.asarray(s), jnp.asarray(y)))
+            lh = np.asarray(_token_losses(model, *args, jnp.asarray(hide_first_BxS(s)), jnp.asarray(y)))
+            plain += float(lp[keep].astype(np.float64).sum())
+            hidden += float(lh[keep].astype(np.float64).sum())
+            count += int(keep.sum())
+    n = max(count, 1)
+    return {"cost": (hidden - plain) / n, "loss_plain": plain / n, "loss_hidden": hidden / n, "targets": count}
+
+
+def copy_targets(cfg, tokens_BxL) -> np.ndarray:
+    """[B, L] True where Bigram-Backcopy copied the token (none for other data)."""
+    if cfg.data.source != BACKCOPY:
+        return np.zeros(np.shape(tokens_BxL), bool)
+    from gattn.data import backcopy  # noqa: PLC0415
+
+    return backcopy.is_copy_target(backcopy.task(cfg.data.backcopy), tokens_BxL)
 
 
 def report_lines(sinks: dict) -> list[str]:

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from gattn.experiments.study.claims import claims
+from gattn.experiments.study.sink_rule import evaluate as sink_verdicts, markdown_lines, mechanism_figure
 from gattn.experiments.study.spec import Study, describe
 from gattn.experiments.study.stats import aggregate, fmt
 
@@ -103,12 +104,15 @@ def write_report(study: Study, records: list[dict], root: Path) -> dict:
         plots.stability(groups, study.divergence_threshold, figdir / "stability.png")
         if len(study.lrs) > 1 and len(clips) == 1 else None,
     ]
+    if study.sink_rule is not None:
+        figures.append(mechanism_figure(study, records, figdir / "gate_vs_alpha_1.png"))
     figures = [str(p.relative_to(root)) for p in figures if p]
     timed = [r["seconds"] for r in records if "seconds" in r]
     seconds = {k: sum(t[k] for t in timed) for k in ("train", "measure")} if timed else None
     report = {"study": describe(study), "groups": all_groups, "claims": verdicts, "figures": figures,
               "roles": {"gated": study.gated_variant, "reference": study.reference_variant},
               "seconds": seconds,
+              **({"sink_rule": sink_verdicts(study, records)} if study.sink_rule is not None else {}),
               "cells": [{k: v for k, v in r.items() if k not in ("measurements", "losses")} for r in all_records]}
     (root / "report.json").write_text(json.dumps(report, indent=1))
     (root / "report.md").write_text(markdown(report))
@@ -165,5 +169,7 @@ def markdown(report: dict) -> str:
         lines += [f"The claims about gating compare {r['gated']} (`Study.gated`, `--gated`) with {r['reference']} "
                   "(`Study.reference`, `--reference`).", ""]
     lines += [c["text"] + "\n" for c in report["claims"]]
+    if "sink_rule" in report:
+        lines += markdown_lines(report["sink_rule"], s["sink_rule"])
     lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in report["figures"]]
     return "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ from pathlib import Path, PurePosixPath
 
 from gattn import cli, variants
 from gattn.config import Config, ConfigError, to_dict
+from gattn.eval.verdict import SinkRule
 from gattn.experiments.study.claims import CLAIMS, PAPER_GATED, PAPER_REFERENCE, Claim
 
 CELL_FIELDS = ("variant", "lr", "seed", "clip")  # the names a `cell_dir` template may use
@@ -48,6 +49,9 @@ class Study:
     # can tweak a variant (as train.py's `--variant X --config.model.gate...` does). A study file's
     # command-line overrides apply to `base` instead (see `load`).
     overrides: tuple[str, ...] = ()
+    # The sink verdict's rule (gattn/eval/verdict.py), fixed with the study before its runs: the
+    # report then judges each gated variant against the reference by it (None: no such section).
+    sink_rule: SinkRule | None = None
 
     def __post_init__(self):
         if not isinstance(self.base, Config):
@@ -81,6 +85,8 @@ class Study:
             raise ConfigError("claims", self.claims, "expected a tuple of Claims with distinct keys")
         if not isinstance(self.overrides, tuple) or not all(isinstance(o, str) for o in self.overrides):
             raise ConfigError("overrides", self.overrides, "expected a tuple of 'FIELD=VALUE' strings")
+        if self.sink_rule is not None and not isinstance(self.sink_rule, SinkRule):
+            raise ConfigError("sink_rule", self.sink_rule, "expected a gattn.eval.verdict.SinkRule, or None")
         _check_cell_dir(self)
         for cell in cells(self):  # every cell's config is checked before anything trains
             cell_config(self, cell)
@@ -250,6 +256,8 @@ def describe(study: Study) -> dict:
         out["overrides"] = list(study.overrides)
     if study.grad_clips:  # (absent otherwise: a study.json written before the axis still matches)
         out["grad_clips"] = list(study.clips)
+    if study.sink_rule is not None:  # (likewise; a resumed study keeps the rule it started with)
+        out["sink_rule"] = study.sink_rule.as_dict()
     return json.loads(json.dumps(out))
 
 
