@@ -7,7 +7,7 @@ from pathlib import Path
 GATTN = Path(__file__).resolve().parents[1] / "gattn"
 # Left to right. Top-level modules are their own layer; the `python -m` entry points sit on top.
 LAYERS = [("config",), ("variants",), ("cluster",), ("cli",), ("kernels", "data"), ("model",), ("train",), ("eval",),
-          ("interop", "experiments"), ("convert", "study", "main_job", "demo", "params", "launch", "rehearse", "lm_eval", "generate")]
+          ("interop", "experiments"), ("convert", "study", "main_job", "demo", "params", "launch", "rehearse", "lm_eval", "generate", "prepare")]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

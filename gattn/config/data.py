@@ -9,6 +9,8 @@ from gattn.config.checks import DECODE_ERRORS, ConfigError, _bool, _choice, _int
 
 
 BACKCOPY = "bigram_backcopy"  # data.source of the synthetic Bigram-Backcopy task (gattn/data/backcopy.py)
+SHARDS = "shards:"  # data.source="shards:DIR": pretokenized shards from python -m gattn.prepare (gattn/data/shards.py)
+TFDS = "tfds:"      # data.source="tfds:NAME[/CONFIG][:VERSION]": a prepared TFDS dataset (gattn/data/tfds_text.py)
 
 
 def _int_list(text: str) -> list[int]:
@@ -70,7 +72,10 @@ class BackcopySpec:
 class DataConfig:
     """Where text comes from and how it becomes tokens (gattn/data)."""
 
-    source: str = "embedded"        # "embedded" (CPython docs + stdlib sources) or a folder path
+    # "embedded" (CPython docs + stdlib sources), a folder path, "shards:DIR" (pretokenized shards
+    # written by python -m gattn.prepare; DIR local or gs://) or "tfds:NAME[/CONFIG][:VERSION]" (a
+    # TFDS dataset prepared under tfds_data_dir, read with random access and tokenized on the fly)
+    source: str = "embedded"
     code_max_bytes: int = 1_500_000  # how much stdlib source the embedded corpus takes
     tokenizer: str = ""             # a SentencePiece .model file; "" trains one of model.vocab_size
     # Packed rows each batch row's stream shuffles together (gattn/data/pipeline.Rows): a long
@@ -90,10 +95,27 @@ class DataConfig:
     bos: bool = False
     document_resets: bool = True
     backcopy: BackcopySpec = field(default_factory=BackcopySpec)  # used when source is 'bigram_backcopy'
+    # source "tfds:...": where the prepared dataset lies ("": TFDS's default, ~/tensorflow_datasets;
+    # gs:// allowed), the text feature, and the training and held-out splits (TFDS split syntax,
+    # e.g. "train[:99%],train[99%:]" for a dataset with a train split only).
+    tfds_data_dir: str = ""
+    text_feature: str = "text"
+    tfds_splits: str = "train,validation"
 
     def __post_init__(self):
         if not isinstance(self.source, str) or not self.source:
             raise ConfigError("source", self.source, "expected 'embedded' or a folder path")
+        for prefix, form in ((SHARDS, "'shards:DIR'"), (TFDS, "'tfds:NAME[/CONFIG][:VERSION]'")):
+            if self.source.startswith(prefix) and not self.source[len(prefix):].strip():
+                raise ConfigError("source", self.source, f"expected {form} with a non-empty name")
+        for name in ("tfds_data_dir", "text_feature", "tfds_splits"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(name, getattr(self, name), "expected a string")
+        if not self.text_feature:
+            raise ConfigError("text_feature", self.text_feature, "expected the name of a text feature, e.g. 'text'")
+        if len([s for s in self.tfds_splits.split(",") if s.strip()]) != 2:
+            raise ConfigError("tfds_splits", self.tfds_splits,
+                              "expected 'TRAIN,HELD_OUT' (two TFDS splits, e.g. 'train,validation')")
         _choice("decode_errors", self.decode_errors, DECODE_ERRORS)
         if not isinstance(self.tokenizer, str):
             raise ConfigError("tokenizer", self.tokenizer, "expected a path or ''")

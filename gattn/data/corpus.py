@@ -150,14 +150,39 @@ def folder_documents(folder: Path, decode_errors: str = "strict") -> Iterator[Do
     if not files:
         raise DataError(f"data.source={str(folder)!r}", "the folder holds no .txt or .jsonl files", expected)
     for path in files:
-        rel = path.relative_to(folder)
-        if path.suffix == ".txt":
-            domain = rel.parts[0] if len(rel.parts) > 1 else "text"
-            raw, start = _read(path)
-            text, replaced = decode(raw, str(path), decode_errors, start)
-            yield Document(str(rel), domain, text, replaced)
-        else:
-            yield from _jsonl_documents(path, rel, decode_errors)
+        yield from file_documents(path, path.relative_to(folder), decode_errors)
+
+
+def file_documents(path, rel, decode_errors: str = "strict") -> Iterator[Document]:
+    """The documents of one corpus file (a pathlib or etils.epath path; `rel`: its path under
+    the corpus folder, which names its documents and a .txt file's domain)."""
+    if path.suffix == ".txt":
+        domain = rel.parts[0] if len(rel.parts) > 1 else "text"
+        raw, start = _read(path)
+        text, replaced = decode(raw, str(path), decode_errors, start)
+        yield Document(str(rel), domain, text, replaced)
+    else:
+        yield from _jsonl_documents(path, rel, decode_errors)
+
+
+MAX_CHARS = 10_000  # a tokenizer is slow on (or refuses) a string of megabytes; Levanter splits at 10k
+
+
+def pieces(text: str, max_chars: int = MAX_CHARS) -> list[str]:
+    """`text` cut into pieces of at most `max_chars` characters, each cut where a run of
+    whitespace starts (the run goes with the next piece, where a regex pre-tokenizer would put
+    it), or at `max_chars` in text without whitespace. Their concatenation is `text`."""
+    out, start = [], 0
+    while len(text) - start > max_chars:
+        end = start + max_chars
+        cut = end
+        while cut > start and not (text[cut].isspace() and not text[cut - 1].isspace()):
+            cut -= 1
+        cut = cut if cut > start else end
+        out.append(text[start:cut])
+        start = cut
+    out.append(text[start:])
+    return out
 
 
 def documents(source: str, code_max_bytes: int, decode_errors: str = "strict") -> Iterator[Document]:

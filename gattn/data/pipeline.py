@@ -21,7 +21,8 @@ from etils import epath
 from grain._src.python.dataset.transformations import shuffle as grain_shuffle  # (grain is pinned)
 
 from gattn.config import BACKCOPY, ConfigError
-from gattn.data import backcopy, corpus, tfds_text
+from gattn.config.data import SHARDS, TFDS
+from gattn.data import backcopy, corpus, shards, tfds_text
 from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 
 
@@ -46,10 +47,10 @@ class _WindowShuffleIterator(grain_shuffle._WindowShuffleDatasetIterator):
         self._window = [window[i] for i in order]
 
 
-def _tokenize(tokenizer, bos: bool = False):
-    """Text -> ids + [eos]; with `bos` (data.bos) the tokenizer's BOS id opens each document (a
-    tokenizer without one is refused: any id put there would be an ordinary token's); so is one
-    without an EOS, which ends every document."""
+def _specials(tokenizer, bos: bool) -> tuple[list[int], int]:
+    """([BOS] with `bos` (data.bos), else [], and EOS): a tokenizer without an EOS, which ends
+    every document, is refused, and so is one without a BOS under data.bos: any id put there
+    would be an ordinary token's."""
     eos = tokenizer.eos_id()
     if eos < 0:
         raise ConfigError("data.tokenizer", str(getattr(tokenizer, "path", "")) or None,
@@ -61,12 +62,40 @@ def _tokenize(tokenizer, bos: bool = False):
         raise ConfigError("data.bos", True, "this tokenizer has no BOS token (a Hugging Face "
                           "tokenizer_config.json without bos_token, or a SentencePiece model with "
                           "bos_id=-1): set data.bos=false")
-    start = [bos_id] if bos else []
+    return ([bos_id] if bos else []), eos
+
+
+def _tokenize(tokenizer, bos: bool = False, feature: str = "text"):
+    """Text (the example's `feature`) -> ids + [eos], after [bos] with `bos` (`_specials`)."""
+    start, eos = _specials(tokenizer, bos)
     def fn(example) -> dict:
-        ids = tokenizer.encode(example["text"].decode("utf-8") if isinstance(example["text"], bytes)
-                               else example["text"])
+        text = example[feature]
+        ids = tokenizer.encode(text.decode("utf-8") if isinstance(text, bytes) else text)
         return {"tokens": np.asarray(start + ids + [eos], np.int32)}
     return fn
+
+
+def _from_record(tokenizer, bos: bool = False):
+    """A pretokenized shard record (gattn/data/shards.py) -> its ids + [eos], after [bos] with
+    `bos`: no tokenizer call."""
+    start, eos = _specials(tokenizer, bos)
+    head, tail = np.asarray(start, np.int32), np.asarray([eos], np.int32)
+    def fn(record: bytes) -> dict:
+        return {"tokens": np.concatenate([head, shards.decode_record(record)[1], tail])}
+    return fn
+
+
+def documents(cfg, tokenizer, workdir, split: str, domain: str | None = None):
+    """(a random-access source of `split`'s documents, the function that makes an element's
+    {"tokens"}): the local corpus's TFDS build tokenized on the fly, pretokenized shards
+    ("shards:DIR") read as they are, or a named TFDS dataset ("tfds:...") tokenized on the fly.
+    `domain`: shards only, one held-out domain's files."""
+    data = cfg.data
+    if data.source.startswith(SHARDS):
+        return shards.open_shards(data.source).source(split, domain), _from_record(tokenizer, data.bos)
+    if data.source.startswith(TFDS):
+        return tfds_text.named_source(data, split), _tokenize(tokenizer, data.bos, data.text_feature)
+    return tfds_text.data_source(data, workdir, split), _tokenize(tokenizer, data.bos)
 
 
 def _layout(document_resets: bool):
@@ -117,13 +146,13 @@ class Rows:
 
     def __init__(self, cfg, tokenizer, workdir: Path, rows: range):
         t, b = cfg.train, cfg.train.batch_size
-        source = tfds_text.data_source(cfg.data, workdir, "train")
+        source, tokens = documents(cfg, tokenizer, workdir, "train")
         docs = grain.MapDataset.source(source).shuffle(seed=t.seed).repeat()
         self.rows = rows
         self.streams = {}
         for r in rows:
             ds = grain.experimental.ConcatThenSplitIterDataset(
-                docs[r::b].map(_tokenize(tokenizer, cfg.data.bos)).to_iter_dataset(STREAM_READS),
+                docs[r::b].map(tokens).to_iter_dataset(STREAM_READS),
                 length_struct={"tokens": t.seq_len + 1})
             ds = ds.map(_layout(cfg.data.document_resets))
             seed = (t.seed * b + r) % 2**31  # Grain refuses seeds past ~2^32 (train.seed may be 2^32-1)
@@ -177,11 +206,22 @@ def prepare(cfg, workdir: Path, tokenizer=None) -> None:
     resume finds the file and prints nothing). `tokenizer`: the run's, else loaded (only to count)."""
     if cfg.data.source == BACKCOPY:
         return  # generated on the fly
+    if cfg.data.source.startswith(TFDS):
+        tfds_text.describe(cfg.data)  # checks the dataset and its text feature; nothing to build
+        return
     workdir = epath.Path(workdir)
-    key = {"fingerprint": tfds_text.prepare(cfg.data, workdir), "vocab_size": cfg.model.vocab_size,
-           "tokenizer": cfg.data.tokenizer, "bos": cfg.data.bos}
+    folder = shards.open_shards(cfg.data.source) if cfg.data.source.startswith(SHARDS) else None
+    name = f"shards-{folder.sha256[:12]}" if folder else tfds_text.prepare(cfg.data, workdir)
+    key = {"fingerprint": name, "vocab_size": cfg.model.vocab_size, "tokenizer": cfg.data.tokenizer, "bos": cfg.data.bos}
     path = workdir / corpus.REPORT
     if _reported(path, key):
+        return
+    if folder:  # counted when the shards were made: nothing to tokenize
+        _write_report(path, {"data_source": cfg.data.source, **key, "manifest_sha256": folder.sha256,
+                             "tokenizer_pieces": folder.manifest["tokenizer_pieces"],
+                             "held_out_rule": folder.manifest["held_out_rule"],
+                             "tokens_are": "each document's ids + EOS" + (", after a BOS" if cfg.data.bos else ""),
+                             **shards.report(folder.manifest, cfg.data.bos)})
         return
     data, tokenizer = cfg.data, tokenizer if tokenizer is not None else _run_tokenizer(cfg, workdir)
     tokenize = _tokenize(tokenizer, data.bos)
@@ -191,7 +231,11 @@ def prepare(cfg, workdir: Path, tokenizer=None) -> None:
               "tokens_are": "each document's ids + EOS" + (", after a BOS" if data.bos else ""),
               **corpus.count(corpus.documents(data.source, data.code_max_bytes, data.decode_errors),
                              lambda text: len(tokenize({"text": text})["tokens"]))}
-    tmp = workdir / (corpus.REPORT + ".tmp")
+    _write_report(path, report)
+
+
+def _write_report(path, report: dict) -> None:
+    tmp = path.with_name(corpus.REPORT + ".tmp")
     tmp.write_text(json.dumps(report, indent=2))
     tmp.replace(path)
     print(corpus.describe(report, str(path)), file=sys.stderr, flush=True)
@@ -218,13 +262,10 @@ def validation_batches(cfg, tokenizer, workdir: Path) -> dict[str, list[dict]]:
     of held-out sequences (`backcopy.validation_batches`)."""
     if cfg.data.source == BACKCOPY:
         return backcopy.validation_batches(cfg)
-    source = tfds_text.data_source(cfg.data, workdir, "validation")
-    domains = sorted({(source[i]["domain"]).decode() for i in range(len(source))})
     out = {}
-    for domain in domains:
-        ds = grain.MapDataset.source(source).filter(lambda ex, d=domain: ex["domain"].decode() == d)
-        ds = _pack_and_batch(ds.map(_tokenize(tokenizer, cfg.data.bos)).to_iter_dataset(), cfg.train.seq_len,
-                             cfg.data.eval_batch_size, keep_last=True, document_resets=cfg.data.document_resets)
+    for domain, ds in _held_out(cfg, tokenizer, workdir).items():
+        ds = _pack_and_batch(ds.to_iter_dataset(), cfg.train.seq_len, cfg.data.eval_batch_size,
+                             keep_last=True, document_resets=cfg.data.document_resets)
         batches = []
         for batch in ds:
             batches.append(_pad_rows(batch, cfg.data.eval_batch_size))
@@ -243,6 +284,9 @@ def held_out_text(cfg, tokenizer, workdir: Path) -> dict[str, np.ndarray]:
     if cfg.data.source == BACKCOPY:
         raise ConfigError("data.source", BACKCOPY, "long-context evaluation needs held-out text; "
                           "Bigram-Backcopy rows are single sequences of train.seq_len + 1 tokens")
+    if cfg.data.source.startswith((SHARDS, TFDS)):
+        return {d: np.concatenate([ex["tokens"] for ex in ds.to_iter_dataset()])
+                for d, ds in _held_out(cfg, tokenizer, workdir).items()}
     source = tfds_text.data_source(cfg.data, workdir, "validation")
     tokenize = _tokenize(tokenizer, cfg.data.bos)
     out: dict[str, list] = {}
@@ -250,3 +294,20 @@ def held_out_text(cfg, tokenizer, workdir: Path) -> dict[str, np.ndarray]:
         ex = source[i]
         out.setdefault(ex["domain"].decode(), []).append(tokenize(ex)["tokens"])
     return {d: np.concatenate(parts) for d, parts in sorted(out.items())}
+
+
+def _held_out(cfg, tokenizer, workdir) -> dict[str, grain.MapDataset]:
+    """Per held-out domain, its documents' {"tokens"} in a fixed order: a shards folder's files
+    of that domain; a TFDS dataset's held-out split, one domain named after the dataset; the
+    local corpus's held-out split, filtered by domain."""
+    data = cfg.data
+    if data.source.startswith(SHARDS):
+        folder = shards.open_shards(data.source)
+        return {d: grain.MapDataset.source(folder.source("validation", d)).map(_from_record(tokenizer, data.bos))
+                for d in folder.held_out_domains()}
+    source, tokens = documents(cfg, tokenizer, workdir, "validation")
+    if data.source.startswith(TFDS):
+        return {tfds_text.domain(data): grain.MapDataset.source(source).map(tokens)}
+    domains = sorted({(source[i]["domain"]).decode() for i in range(len(source))})
+    return {d: grain.MapDataset.source(source).filter(lambda ex, d=d: ex["domain"].decode() == d).map(tokens)
+            for d in domains}

@@ -27,7 +27,8 @@ import sys
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
 from gattn.config import BACKCOPY, ConfigError
-from gattn.data import backcopy, corpus
+from gattn.config.data import SHARDS, TFDS
+from gattn.data import backcopy, corpus, shards
 
 RECORD = "data.json"
 SYNTHETIC = "synthetic"  # (gattn/data/synthetic.py: no tokenizer, no corpus, nothing to record)
@@ -61,6 +62,12 @@ def fingerprint(cfg) -> str | None:
     data = cfg.data
     if data.source == SYNTHETIC:
         return None
+    if data.source.startswith(SHARDS):  # the manifest names every file by its sha256
+        return "shards-" + shards.open_shards(data.source).sha256[:12]
+    if data.source.startswith(TFDS):
+        from gattn.data import tfds_text  # noqa: PLC0415 (TFDS only where a run reads it)
+
+        return tfds_text.fingerprint(data)
     if data.source == BACKCOPY:
         chars, unigram, bigram = backcopy._counts(data.backcopy.chars)
         h = hashlib.sha256(chars.encode())
@@ -79,6 +86,8 @@ def write(cfg, workdir, tokenizer_file, earlier: list | None = None) -> None:
         name = name[len(str(workdir).rstrip("/")) + 1:]
     rec = {"tokenizer": name, "tokenizer_sha256": sha256(tokenizer_file), "data_source": cfg.data.source,
            "fingerprint": fingerprint(cfg), "earlier_fingerprints": list(earlier or [])}
+    if cfg.data.source.startswith(SHARDS):
+        rec["manifest_sha256"] = shards.open_shards(cfg.data.source).sha256
     tmp = workdir / (RECORD + ".tmp")
     tmp.write_text(json.dumps(rec, indent=2))
     tmp.replace(workdir / RECORD)

@@ -1,14 +1,19 @@
 """A TFDS dataset over local text (the embedded corpus or a user's folder), written as ArrayRecord
-and read back with random access through `tfds.data_source` (no TensorFlow needed)."""
+and read back with random access through `tfds.data_source` (no TensorFlow needed); and a TFDS
+dataset named by data.source="tfds:NAME[/CONFIG][:VERSION]", prepared by someone else, read the
+same way."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import tensorflow_datasets as tfds
 from absl import logging as absl_logging
 
+from gattn.config import ConfigError
 from gattn.data import corpus
 
 
@@ -68,3 +73,68 @@ def data_source(data_cfg, workdir: Path, split: str):
     with `tfds.data_source` (random access, no TensorFlow)."""
     name = prepare(data_cfg, workdir)
     return tfds.data_source(f"{GattnText.name}/{name}", data_dir=str(workdir / "tfds"), split=split)
+
+
+# data.source="tfds:NAME[/CONFIG][:VERSION]": a dataset someone has prepared (c4, wikipedia, ...),
+# read with random access from its ArrayRecord files and tokenized on the fly.
+
+def named(data_cfg) -> str:
+    """The TFDS name of data.source="tfds:NAME[/CONFIG][:VERSION]" (TFDS's own syntax)."""
+    return data_cfg.source[len("tfds:"):]
+
+
+def domain(data_cfg) -> str:
+    """The one held-out domain of a TFDS dataset: its name without config and version."""
+    return named(data_cfg).split("/")[0].split(":")[0]
+
+
+def _builder(data_cfg):
+    tfds.display_progress_bar(False)
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    where = data_cfg.tfds_data_dir or None
+    try:
+        builder = tfds.builder(named(data_cfg), data_dir=where)
+    except Exception as e:  # noqa: BLE001 (TFDS raises several kinds for a name it cannot find)
+        raise ConfigError("data.source", data_cfg.source, "a TFDS dataset prepared under data.tfds_data_dir "
+                          f"({data_cfg.tfds_data_dir or 'TFDS default'}); TFDS says: "
+                          f"{str(e).splitlines()[0][:200]}") from None
+    if not builder.is_prepared():
+        raise ConfigError("data.source", data_cfg.source, f"a TFDS dataset prepared under data.tfds_data_dir: "
+                          f"none is in {builder.data_dir} (gattn downloads nothing: prepare it with `tfds build "
+                          f"{named(data_cfg)} --data_dir DIR --file_format=array_record`)")
+    return builder
+
+
+def named_source(data_cfg, split: str):
+    """The random-access source of the named dataset's training ("train") or held-out
+    ("validation") split, as data.tfds_splits names them; its text feature checked."""
+    builder = _builder(data_cfg)
+    feature = data_cfg.text_feature
+    features = builder.info.features
+    if feature not in features:
+        raise ConfigError("data.text_feature", feature, f"one of the dataset's features: {', '.join(features)}")
+    tfds_split = [s.strip() for s in data_cfg.tfds_splits.split(",")][split != "train"]
+    try:
+        return tfds.data_source(named(data_cfg), data_dir=data_cfg.tfds_data_dir or None, split=tfds_split)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError("data.tfds_splits", data_cfg.tfds_splits,
+                          f"splits of {named(data_cfg)} in ArrayRecord files (it has "
+                          f"{', '.join(builder.info.splits)}; one prepared as TFRecord needs `tfds build "
+                          f"--file_format=array_record`); TFDS says: {str(e).splitlines()[0][:200]}") from None
+
+
+def describe(data_cfg) -> None:
+    """Checks the named dataset and its splits, and says on stderr how many examples each holds."""
+    sizes = [len(named_source(data_cfg, s)) for s in ("train", "validation")]
+    print(f"dataset {named(data_cfg)} ({data_cfg.tfds_data_dir or 'TFDS default data dir'}): {sizes[0]:,} training "
+          f"and {sizes[1]:,} held-out examples (data.tfds_splits={data_cfg.tfds_splits!r}), feature "
+          f"{data_cfg.text_feature!r} tokenized as it is read", file=sys.stderr, flush=True)
+
+
+def fingerprint(data_cfg) -> str:
+    """What a run on a TFDS dataset records: its full name and the number of examples of each
+    split it reads (another version or a re-preparation of other size changes it)."""
+    builder = _builder(data_cfg)
+    splits = {s: len(named_source(data_cfg, s)) for s in ("train", "validation")}
+    text = json.dumps([builder.info.full_name, data_cfg.tfds_splits, data_cfg.text_feature, splits])
+    return "tfds-" + hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -14,7 +14,8 @@ import sentencepiece as spm
 
 from gattn import cli
 from gattn.config import BACKCOPY, ConfigError
-from gattn.data import backcopy, corpus, record
+from gattn.config.data import SHARDS, TFDS
+from gattn.data import backcopy, corpus, record, shards
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 INIT_FROM_TOKENIZER = "init_from.model"  # a continued run's copy of its source's (gattn/init_from.py)
@@ -150,12 +151,18 @@ def tokenizer_path(cfg, workdir: Path, *, fresh: bool = False) -> Path:
     model.vocab_size (which may not exist yet). `fresh`: a run that starts (it has no checkpoint),
     which chooses its tokenizer anew."""
     data, vocab = cfg.data, cfg.model.vocab_size
+    if data.source.startswith(SHARDS):  # the shards' own tokenizer; yours only if it is that file
+        return _shards_tokenizer(cfg)
     if data.tokenizer:
         path = Path(data.tokenizer).expanduser()
         if not path.is_file():
             raise ConfigError("data.tokenizer", data.tokenizer,
                               "expected an existing SentencePiece .model or Hugging Face tokenizer.json file")
         return path
+    if data.source.startswith(TFDS):
+        raise ConfigError("data.tokenizer", "", f"a tokenizer file for data.source={data.source!r} (a TFDS "
+                          "dataset is tokenized as it is read; gattn trains one only on a local corpus): e.g. "
+                          "Qwen's tokenizer.json with its tokenizer_config.json beside it")
     if data.source == BACKCOPY:  # the task's character vocabulary (gattn/data/backcopy.py)
         return Path(workdir) / "tokenizer" / f"backcopy-{data.backcopy.chars}.json"
     if (Path(workdir) / "tokenizer" / HF_TOKENIZER_DIR / "tokenizer.json").is_file():
@@ -179,6 +186,21 @@ def tokenizer_path(cfg, workdir: Path, *, fresh: bool = False) -> Path:
     # A run from before the record: named by the fingerprint now, or by the one of before.
     found = next((p for p in paths if p.is_file()), None) or record.legacy_tokenizer(workdir, paths, vocab)
     return found or paths[0]
+
+
+def _shards_tokenizer(cfg) -> Path:
+    """The tokenizer file a shards folder was made with; data.tokenizer, where set, must be the
+    same file (by sha256): ids mean nothing under another tokenizer."""
+    folder = shards.open_shards(cfg.data.source)
+    if cfg.data.tokenizer:
+        path = Path(cfg.data.tokenizer).expanduser()
+        if not path.is_file() or record.sha256(path) != folder.manifest["tokenizer_sha256"]:
+            raise ConfigError("data.tokenizer", cfg.data.tokenizer,
+                              f"the tokenizer {cfg.data.source} was made with (sha256 "
+                              f"{folder.manifest['tokenizer_sha256'][:12]}..., {folder.tokenizer_file}), or '' "
+                              "to use that file")
+        return path
+    return folder.tokenizer_file
 
 
 def load_tokenizer(cfg, workdir: Path, *, fresh: bool = False, path: Path | None = None) -> Tokenizer:

@@ -1,0 +1,194 @@
+"""Pretokenized shards (`python -m gattn.prepare`, gattn/data/prepare.py, gattn/data/shards.py):
+a Hugging Face tokenizer.json checked against the model, long documents cut before encoding,
+the same bytes from one and from two Beam workers, training that reads the shards without a
+tokenizer call and gives the same batches for any process layout, and a run bound to its shards."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from gattn.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
+from gattn.data import corpus, pipeline, prepare, record, shards
+from gattn.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_path
+
+WORDS = "the gate attention sink sparse head value query key model layer token über 漢字".split()
+
+
+def hf_tokenizer(folder, vocab: int = 300):
+    """A byte-level BPE tokenizer.json (Qwen's kind) with its tokenizer_config.json naming EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return folder / "tokenizer.json"
+
+
+def text(rng, words: int) -> str:
+    return "".join(rng.choice(WORDS) + rng.choice([" ", " ", "  ", "\n", ", "]) for _ in range(words))
+
+
+def corpus_folder(folder):
+    """Two .txt domains (one with long documents) and a .jsonl with two more, 120 documents."""
+    rng = random.Random(0)
+    for domain, n, words in (("law", 30, 400), ("code", 30, 40)):
+        (folder / domain / "sub").mkdir(parents=True)
+        for i in range(n):
+            (folder / domain / ("sub" if i % 3 else ".") / f"{i}.txt").write_text(text(rng, words))
+    (folder / "web.jsonl").write_text("".join(
+        json.dumps({"text": text(rng, 30), **({"domain": "news"} if i % 2 else {})}) + "\n" for i in range(60)))
+    return folder
+
+
+MAX_CHARS = 300  # the law documents (~2.5k characters) are cut into several pieces
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """The corpus, its tokenizer, and its shards written by one Beam worker."""
+    root = tmp_path_factory.mktemp("prepare")
+    source, tok = corpus_folder(root / "corpus"), hf_tokenizer(root / "tok")
+    prepare.prepare(str(source), str(tok), str(root / "one"), workers=1, num_shards=3, max_chars=MAX_CHARS, quiet=True)
+    return root, source, tok
+
+
+def cfg_for(source: str, batch: int = 8, seed: int = 0, **data) -> Config:
+    return Config(model=ModelConfig(vocab_size=512, d_model=32, num_layers=1, q_heads=2, kv_heads=1,
+                                    head_dim=16, d_ff=64),
+                  train=TrainConfig(batch_size=batch, seq_len=32, steps=10, warmup_steps=1, seed=seed),
+                  data=DataConfig(source=source, eval_batches=2, eval_batch_size=2, **data))
+
+
+def test_a_tokenizer_json_larger_than_the_model_vocabulary_is_refused_in_one_line(tmp_path):
+    tok = hf_tokenizer(tmp_path, vocab=300)
+    cfg = Config(model=ModelConfig(vocab_size=280), data=DataConfig(tokenizer=str(tok)))
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(cfg, tmp_path / "run")
+    assert e.value.field == "model.vocab_size" and "300 pieces" in str(e.value) and "\n" not in str(e.value)
+    assert load_tokenizer(Config(model=ModelConfig(vocab_size=300), data=cfg.data), tmp_path / "run").eos_id() == 0
+
+
+def test_long_documents_are_cut_at_whitespace_and_encode_as_the_whole(tmp_path):
+    tok = HFTokenizer(hf_tokenizer(tmp_path))
+    doc = text(random.Random(1), 3000)
+    pieces = corpus.pieces(doc, 1000)
+    assert "".join(pieces) == doc and len(pieces) > 10 and all(len(p) <= 1000 for p in pieces)
+    assert all(p[0].isspace() and not q[-1].isspace() for q, p in zip(pieces, pieces[1:]))  # a run starts each
+    assert sum((tok.encode(p) for p in pieces), []) == tok.encode(doc)  # the same ids as the whole text
+    assert corpus.pieces("x" * 25, 10) == ["x" * 10, "x" * 10, "x" * 5]  # no whitespace: cut at the limit
+
+
+def test_one_and_two_beam_workers_write_the_same_bytes(made, capsys):
+    root, source, tok = made
+    prepare.prepare(str(source), str(tok), str(root / "two"), workers=2, num_shards=3, max_chars=MAX_CHARS)
+    one, two = sorted(p.relative_to(root / "one") for p in (root / "one").rglob("*") if p.is_file()), \
+        sorted(p.relative_to(root / "two") for p in (root / "two").rglob("*") if p.is_file())
+    assert one == two and len([p for p in one if p.suffix == ".array_record"]) >= 6
+    assert all((root / "one" / p).read_bytes() == (root / "two" / p).read_bytes() for p in one)
+    # The summary: per domain, documents and tokens of each split, and what went to held-out.
+    err = capsys.readouterr().err
+    m = json.loads((root / "two" / shards.MANIFEST).read_text())
+    held = m["counts"]["total"]["held_out"]["documents"]
+    assert f"held out: {held} of 120 documents" in err and all(d in err for d in ("law", "code", "news", "text"))
+    # The counts are the on-the-fly corpus report's: the same split rule, the same ids (the cuts
+    # change no token of this tokenizer), + EOS.
+    hf = HFTokenizer(tok)
+    expected = corpus.count(corpus.documents(str(source), 0), lambda t: len(hf.encode(t)) + 1)
+    assert m["counts"] == json.loads(json.dumps(expected))
+    assert m["tokenizer_sha256"] == record.sha256(tok) and len(m["source_fingerprint"]) == 12
+
+
+def test_training_reads_the_shards_with_no_tokenizer_call(made):
+    root, _, tok = made
+
+    class NoEncode(HFTokenizer):
+        def encode(self, text):
+            raise AssertionError("a tokenizer call while reading pretokenized shards")
+
+    cfg = cfg_for(f"shards:{root / 'one'}")
+    batch = next(pipeline.train_iterator(cfg, NoEncode(tok), root / "run"))
+    assert batch["tokens"].shape == (8, 33) and (batch["tokens"] == 0).sum() > 0  # EOS (id 0) ends documents
+    val = pipeline.validation_batches(cfg, NoEncode(tok), root / "run")
+    manifest = json.loads((root / "one" / shards.MANIFEST).read_text())
+    held = {d for d, c in manifest["counts"]["domains"].items() if c["held_out"]["documents"]}
+    assert set(val) == held and len(held) >= 3 and all(len(b) == 2 for b in val.values())
+    # Held-out text is each held-out document's ids + EOS, as the on-the-fly path makes them.
+    hf = HFTokenizer(tok)
+    text_ = pipeline.held_out_text(cfg, NoEncode(tok), root / "run")
+    docs = [d for d in corpus.documents(str(made[1]), 0) if d.split == "validation"]
+    for domain, ids in text_.items():
+        assert len(ids) == sum(len(hf.encode(d.text)) + 1 for d in docs if d.domain == domain)
+
+
+def test_any_process_layout_gives_the_same_batches_and_a_resume_is_exact(made):
+    root, _, tok = made
+    cfg, hf, work = cfg_for(f"shards:{root / 'one'}"), HFTokenizer(tok), root / "run"
+    whole = pipeline.train_iterator(cfg, hf, work, range(8))                                    # 1 process x 8 rows
+    halves = [pipeline.train_iterator(cfg, hf, work, range(p * 4, p * 4 + 4)) for p in (0, 1)]  # 2 processes x 4
+    for _ in range(3):
+        a, parts = next(whole), [next(h) for h in halves]
+        for k in a:
+            assert np.array_equal(a[k], np.concatenate([p[k] for p in parts]))
+    # A checkpoint of the 2 x 4 layout (each process's rows, through JSON) resumes on 1 x 8 and back.
+    state = json.loads(json.dumps({**halves[0].get_state(), **halves[1].get_state()}))
+    expected = [next(whole)["tokens"] for _ in range(4)]
+    resumed = pipeline.train_iterator(cfg, hf, work, range(8))
+    pipeline.set_state(resumed, state)
+    assert all(np.array_equal(e, next(resumed)["tokens"]) for e in expected)
+    back = [pipeline.train_iterator(cfg, hf, work, range(p * 4, p * 4 + 4)) for p in (0, 1)]
+    for b in back:
+        pipeline.set_state(b, state)
+    assert all(np.array_equal(e, np.concatenate([next(b)["tokens"] for b in back])) for e in expected)
+    other = pipeline.train_iterator(cfg_for(cfg.data.source, seed=1), hf, work, range(8))
+    assert not np.array_equal(next(other)["tokens"], next(pipeline.train_iterator(cfg, hf, work, range(8)))["tokens"])
+
+
+def test_a_run_records_its_shards_and_a_resume_on_other_shards_is_refused(made, tmp_path):
+    root, source, tok = made
+    out = tmp_path / "shards"
+    prepare.prepare(str(source), str(tok), str(out), num_shards=3, max_chars=MAX_CHARS, quiet=True)
+    cfg, work = cfg_for(f"shards:{out}"), tmp_path / "run"
+    work.mkdir()
+    path = tokenizer_path(cfg, work)
+    assert path == out / "tokenizer" / "tokenizer.json"
+    record.write(cfg, work, path)
+    rec = json.loads((work / record.RECORD).read_text())
+    manifest_sha = record.sha256(out / shards.MANIFEST)
+    assert rec["manifest_sha256"] == manifest_sha and rec["fingerprint"] == f"shards-{manifest_sha[:12]}"
+    assert record.check_resume(cfg, work, path, False) == []            # the same shards: resumes
+    # The same folder made again from other text (a document edited): another manifest.
+    (source / "law" / "1.txt").write_text("edited " * 50)
+    try:
+        (out.rename(tmp_path / "old"), prepare.prepare(str(source), str(tok), str(out), num_shards=3,
+                                                        max_chars=MAX_CHARS, quiet=True))
+    finally:
+        (source / "law" / "1.txt").write_text(text(random.Random(9), 400))
+    with pytest.raises(ConfigError) as e:
+        record.check_resume(cfg, work, tokenizer_path(cfg, work), False)
+    assert e.value.field == "data.source" and rec["fingerprint"] in str(e.value) and "\n" not in str(e.value)
+    assert record.check_resume(cfg, work, path, True) == [rec["fingerprint"]]  # --allow-corpus-change
+    # data.tokenizer other than the shards' own is refused, naming the field.
+    other = hf_tokenizer(tmp_path / "other", vocab=290)
+    with pytest.raises(ConfigError) as e:
+        tokenizer_path(cfg_for(f"shards:{out}", tokenizer=str(other)), work)
+    assert e.value.field == "data.tokenizer"
+    with pytest.raises(ConfigError, match="manifest.json"):
+        tokenizer_path(cfg_for(f"shards:{tmp_path / 'none'}"), work)
+
+
+def test_a_bad_document_in_a_beam_worker_is_one_line_naming_the_file(tmp_path, made):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps({"text": "fine"}) + "\n{not json\n")
+    with pytest.raises(corpus.DataError) as e:
+        prepare.prepare(str(folder), str(made[2]), str(tmp_path / "out"), quiet=True)
+    assert "a.jsonl:2" in str(e.value) and "not valid JSON" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="holds files already"):
+        prepare.prepare(str(made[1]), str(made[2]), str(made[0] / "one"), quiet=True)
