@@ -92,16 +92,17 @@ def _builder(data_cfg):
     tfds.display_progress_bar(False)
     absl_logging.set_verbosity(absl_logging.ERROR)
     where = data_cfg.tfds_data_dir or None
+    how = (f"gattn downloads nothing: prepare it with `tfds build {named(data_cfg)} --data_dir DIR "
+           "--file_format=array_record` and set data.tfds_data_dir=DIR")
     try:
         builder = tfds.builder(named(data_cfg), data_dir=where)
     except Exception as e:  # noqa: BLE001 (TFDS raises several kinds for a name it cannot find)
         raise ConfigError("data.source", data_cfg.source, "a TFDS dataset prepared under data.tfds_data_dir "
-                          f"({data_cfg.tfds_data_dir or 'TFDS default'}); TFDS says: "
-                          f"{str(e).splitlines()[0][:200]}") from None
+                          f"({data_cfg.tfds_data_dir or 'TFDS default'}; TFDS says: "
+                          f"{str(e).splitlines()[0][:200]}); {how}") from None
     if not builder.is_prepared():
         raise ConfigError("data.source", data_cfg.source, f"a TFDS dataset prepared under data.tfds_data_dir: "
-                          f"none is in {builder.data_dir} (gattn downloads nothing: prepare it with `tfds build "
-                          f"{named(data_cfg)} --data_dir DIR --file_format=array_record`)")
+                          f"none is in {builder.data_dir}; {how}")
     return builder
 
 
@@ -112,7 +113,7 @@ def named_source(data_cfg, split: str):
     feature = data_cfg.text_feature
     features = builder.info.features
     if feature not in features:
-        raise ConfigError("data.text_feature", feature, f"one of the dataset's features: {', '.join(features)}")
+        raise ConfigError("data.text_feature", feature, f"one of the dataset's features: {', '.join(sorted(features))}")
     tfds_split = [s.strip() for s in data_cfg.tfds_splits.split(",")][split != "train"]
     try:
         return tfds.data_source(named(data_cfg), data_dir=data_cfg.tfds_data_dir or None, split=tfds_split)
