@@ -9,6 +9,7 @@ from gattn.config.checks import DECODE_ERRORS, ConfigError, _bool, _choice, _int
 
 
 BACKCOPY = "bigram_backcopy"  # data.source of the synthetic Bigram-Backcopy task (gattn/data/backcopy.py)
+BACKGROUNDS = ("bigram", "unigram", "uniform")  # BackcopySpec.background
 SHARDS = "shards:"  # data.source="shards:DIR": pretokenized shards from python -m gattn.prepare (gattn/data/shards.py)
 TFDS = "tfds:"      # data.source="tfds:NAME[/CONFIG][:VERSION]": a prepared TFDS dataset (gattn/data/tfds_text.py)
 
@@ -31,11 +32,17 @@ class BackcopySpec:
               "0|1|2|3" four one-character sets.
     offsets:  per trigger set, how far before the trigger the copied token is (1 = the token
               just before it, Guo's task), separated by ','.
+    background: what follows a token that is no trigger (and x1): "bigram" (the docs' character
+              bigrams, Guo's task), "unigram" (the docs' character frequencies, independent of the
+              token before) or "uniform" (every character alike). With bigrams the context is a
+              useful prior, so a head that spreads its attention is no worse than one parked on
+              <s> (docs/sinks.md).
     """
 
     chars: int = 63
     triggers: str = "0,1,2"
     offsets: str = "1"
+    background: str = "bigram"
 
     def __post_init__(self):
         _integer("chars", self.chars)
@@ -58,6 +65,7 @@ class BackcopySpec:
         if len(offsets) != len(sets) or any(o < 1 for o in offsets):
             raise ConfigError("offsets", self.offsets,
                               f"expected one integer >= 1 per trigger set ({len(sets)}), separated by ','")
+        _choice("background", self.background, BACKGROUNDS)
 
     @property
     def trigger_sets(self) -> list[list[int]]:

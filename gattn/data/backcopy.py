@@ -7,7 +7,8 @@ rank (token 1 = rank 0, a space). Each row is one sequence of seq_len + 1 tokens
     x_0 = <s>;  x_1 ~ the character frequencies (triggers excluded);
     x_{t+1} = x_{t - offset_j}       if x_t is a trigger of set j, t - offset_j >= 1 and
                                      x_{t - offset_j} is no trigger
-    x_{t+1} ~ bigram(x_t)            otherwise
+    x_{t+1} ~ bigram(x_t)            otherwise (`background`: or the docs' character frequencies,
+                                     or uniform, whatever x_t)
 
 (A trigger is never copied: with offset 1, " e" would otherwise repeat as " e e e ..." forever.)
 
@@ -83,10 +84,14 @@ def task(spec) -> Task:
     copy_from = np.zeros(v, np.int64)
     for ranks, offset in zip(spec.trigger_sets, spec.offset_list):
         copy_from[np.asarray(ranks) + 1] = offset
+    background = spec.background
+    if background == "uniform":
+        uni = np.ones_like(uni)
     unigram = np.concatenate([[0.0], uni])
     unigram[copy_from > 0] = 0.0  # x_1 is never a trigger (it has nothing before it to copy)
     bigram = np.zeros((v, v))
-    bigram[1:, 1:] = bi + 1e-9  # (a character never followed by a kept one: near-uniform)
+    # (a character never followed by a kept one: near-uniform)
+    bigram[1:, 1:] = bi + 1e-9 if background == "bigram" else uni[None, :]
     bigram[START] = unigram  # (never used: <s> is followed by x_1)
     return Task(chars, unigram / unigram.sum(), bigram / bigram.sum(axis=1, keepdims=True), copy_from)
 

@@ -276,7 +276,14 @@ def report_lines(sinks: dict) -> list[str]:
         lines.append(f"- uniform attention's F-Attn on the measured rows: {o['uniform_f_attn']:.3f}")
     for k in extra:
         lines.append(f"- the same on {k.replace('_', '-')} queries: share {o[f'sink_share_{k}']:.0%}, "
-                     f"alpha_1 mean {o[f'alpha_1_{k}_mean']:.3f}, max {o[f'alpha_1_{k}_max']:.3f}")
+                     f"alpha_1 mean {o[f'alpha_1_{k}_mean']:.3f}, max {o[f'alpha_1_{k}_max']:.3f}"
+                     + (f"; x gate score {o[f'alpha_1_gated_{k}_mean']:.3f}, gate score {o[f'gate_score_{k}_mean']:.3f}"
+                        if f"gate_score_{k}_mean" in o else ""))
+    if "ablation_cost" in o:
+        a = sinks.get("ablation", {})
+        lines.append(f"- hiding the first token from every later query costs {o['ablation_cost']:.4f} nats"
+                     + (f" ({a['loss_plain']:.4f} -> {a['loss_hidden']:.4f} on {a['targets']} non-copy targets)"
+                        if a else ""))
     head = ["layer", "alpha_1 per head"] + [f"alpha_1 {k.replace('_', '-')} per head" for k in extra] + [
         "first token value norm", "first token residual norm (others)"]
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -2,9 +2,9 @@
 forms? On configs/sink_lab.py (Bigram-Backcopy, 1 layer of d_model 128, 4 heads): the baseline,
 the G1 elementwise and headwise sigmoid gates and the non-sparse NS-sigmoid gate, three seeds
 each; F-Attn, M-Act and the Sink_1^0.3 share at 4 checkpoints (the emergence
-curve) and at the end. 12 runs of the config's 1,200 steps of 64 x 128 tokens (9.8M tokens
-each): about 30 minutes on 2 idle CPU cores (a cell trains at about 68k tokens/s there,
-logging every step), within the 45 minutes the study is meant to fit.
+curve) and at the end. 12 runs of the config's budget (400 steps of 256 x 32 tokens since the lab
+became one whose sink matters; the 2-seed results in docs/sinks.md are of the earlier lab, 1,200
+steps of 64 x 128 tokens). configs/study/sink_verdict.py is the 10-seed study with a preset rule.
 
     python -m gattn.study configs/study/sink_lab.py --workdir workdir/study/sink_lab
 """
@@ -21,7 +21,7 @@ VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise", "sdpa_ns_sigmoid")
 
 def get_study() -> Study:
     base = load(Path(__file__).parents[1] / "sink_lab.py")
-    train = dataclasses.replace(base.train, steps=1200, eval_every=1200)
+    train = dataclasses.replace(base.train, eval_every=base.train.steps)
     # The paper's claims (its sink claim is about G1 elementwise), and the same sink claim for the
     # headwise and the non-sparse gate.
     claims = CLAIMS + tuple(
