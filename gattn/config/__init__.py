@@ -9,7 +9,7 @@ command-line overrides is `gattn.cli`'s job.
 Where each part lives (every name is importable from `gattn.config` itself):
     checks.py     ConfigError, the choice tuples (POSITIONS ... DECODE_ERRORS), the validators
     model.py      the architecture: ModelConfig, GateSpec, MoESpec, SwitchHeadsSpec, YarnSpec,
-                  POSITION_FIELDS
+                  LinearAttentionSpec, LAYER_TYPES, hybrid_layer_types, POSITION_FIELDS
     execution.py  how and where it is computed: ExecConfig, MOVED_TO_EXEC, MeshConfig
     train.py      TrainConfig, LR_PRESETS, EXTEND
     data.py       DataConfig, BackcopySpec, BACKCOPY
@@ -30,16 +30,17 @@ from gattn.config.checks import (ATTENTION_IMPLS, DECODE_ERRORS, DTYPES, FFN_ACT
                                  SDPA_NONLINEARITIES, SHARINGS, SWITCH_TARGETS, ConfigError)
 from gattn.config.data import BACKCOPY, BackcopySpec, DataConfig
 from gattn.config.execution import MOVED_TO_EXEC, ExecConfig, MeshConfig
-from gattn.config.model import POSITION_FIELDS, GateSpec, ModelConfig, MoESpec, SwitchHeadsSpec, YarnSpec
+from gattn.config.model import (LAYER_TYPES, POSITION_FIELDS, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec,
+                                SwitchHeadsSpec, YarnSpec, hybrid_layer_types)
 from gattn.config.train import EXTEND, LR_PRESETS, TrainConfig
 
 __all__ = [
     "ATTENTION_IMPLS", "BACKCOPY", "DECODE_ERRORS", "DTYPES", "EXTEND", "FFN_ACTIVATIONS", "FORMS", "GATE_ACTIVATIONS",
-    "GRANULARITIES", "GROUPED_MATMULS", "LBL_SCOPES", "LR_PRESETS", "MOE_IMPLS", "MOVED_TO_EXEC", "POSITIONS", "POSITION_FIELDS",
+    "GRANULARITIES", "GROUPED_MATMULS", "LAYER_TYPES", "LBL_SCOPES", "LR_PRESETS", "MOE_IMPLS", "MOVED_TO_EXEC", "POSITIONS", "POSITION_FIELDS",
     "REMAT_POLICIES", "SDPA_NONLINEARITIES", "SHARINGS", "SWITCH_TARGETS",
-    "BackcopySpec", "Config", "ConfigError", "DataConfig", "ExecConfig", "GateSpec", "MeshConfig", "ModelConfig",
+    "BackcopySpec", "Config", "ConfigError", "DataConfig", "ExecConfig", "GateSpec", "LinearAttentionSpec", "MeshConfig", "ModelConfig",
     "MoESpec", "SwitchHeadsSpec", "TrainConfig", "YarnSpec",
-    "differences", "flat_fields", "from_dict", "to_dict",
+    "differences", "flat_fields", "from_dict", "hybrid_layer_types", "to_dict",
 ]
 
 
@@ -78,6 +79,10 @@ class Config:
             raise ConfigError("train.microbatches", self.train.microbatches,
                               f"a count that leaves each microbatch ({self.train.batch_size} / microbatches rows) a "
                               f"multiple of model.moe.micro_batches ({moe.micro_batches})")
+        if self.model.hybrid and self.exec.scan_layers:
+            raise ConfigError("exec.scan_layers", True, "False for a hybrid model (model.layer_types mixes "
+                              "Gated DeltaNet and attention layers, which one scan over identical blocks "
+                              "cannot hold)")
         impl = self.exec.moe_impl
         if impl in ("all_to_all", "ragged"):
             if impl == "all_to_all" and (moe is None or moe.capacity_factor is None):

@@ -52,6 +52,9 @@ class ExecConfig:
                       backward pass, so the [rows, S, V] float32 logits never exist (memory
                       rows x loss_chunk x V per chunk); 0 = all at once. Same values.
                       docs/performance.md.
+    gdn_chunk:        hybrid models: tokens per chunk of the Gated DeltaNet's chunked rule
+                      (memory B x H x S x gdn_chunk per intermediate; the same function for any
+                      value, docs/hybrid.md).
     """
 
     dtype: str = "float32"
@@ -66,6 +69,7 @@ class ExecConfig:
     moe_buffer: float | None = None
     grouped_matmul: str = "ragged_dot"
     loss_chunk: int = 0
+    gdn_chunk: int = 64
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -84,6 +88,7 @@ class ExecConfig:
         _integer("attention_block_q", self.attention_block_q, zero_ok=True)
         _integer("attention_query_chunk", self.attention_query_chunk, zero_ok=True)
         _integer("loss_chunk", self.loss_chunk, zero_ok=True)
+        _integer("gdn_chunk", self.gdn_chunk)
         for name in ("flash_block_q", "flash_block_k"):
             _integer(name, getattr(self, name))
             if getattr(self, name) % 8:

@@ -92,6 +92,9 @@ class MoESpec:
                         ("micro": the batch's rows split into `micro_batches` groups of whole
                         rows, averaged; train.batch_size must be a multiple of it).
     z_loss_coef:        router z-loss weight (mean squared log-sum-exp of router logits).
+    shared_expert_width: > 0: a shared SwiGLU expert of this width that every token also runs,
+                        its output scaled by sigmoid(x w_g) (w_g [D, 1]) and added to the routed
+                        experts' (Qwen3-Next's shared_expert and shared_expert_gate); 0 = none.
     """
 
     num_experts: int = 128
@@ -103,10 +106,12 @@ class MoESpec:
     lbl_scope: str = "global"
     micro_batches: int = 1
     z_loss_coef: float = 0.0
+    shared_expert_width: int = 0
 
     def __post_init__(self):
         for name in ("num_experts", "top_k", "expert_width", "micro_batches"):
             _integer(name, getattr(self, name))
+        _integer("shared_expert_width", self.shared_expert_width, zero_ok=True)
         if self.top_k > self.num_experts:
             raise ConfigError("top_k", self.top_k, f"expected 1..num_experts ({self.num_experts})")
         _bool("renormalize", self.renormalize)
@@ -117,10 +122,50 @@ class MoESpec:
         _choice("lbl_scope", self.lbl_scope, LBL_SCOPES)
 
     def num_params(self, d_model: int) -> tuple[int, int]:
-        """(total, activated) parameters of one MoE FFN: router plus experts (3 matrices each)."""
+        """(total, activated) parameters of one MoE FFN: router plus experts (3 matrices each),
+        plus the shared expert and its gate, which every token uses."""
         expert = 3 * d_model * self.expert_width
         router = d_model * self.num_experts
+        if self.shared_expert_width:
+            router += 3 * d_model * self.shared_expert_width + d_model
         return router + self.num_experts * expert, router + self.top_k * expert
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next's `linear_*` fields; the layer is
+    gattn/model/gdn.py, docs/hybrid.md). Qwen3-Next-80B-A3B: 16 key heads and 32 value heads of
+    128, a conv of width 4.
+
+    num_k_heads, head_k_dim: the G key (and query) heads of the rule's state and their width K.
+    num_v_heads, head_v_dim: the H value heads (a multiple of G; each key head serves H/G
+                      consecutive value heads) and their width V.
+    conv_kernel:      width W of the depthwise causal conv over q, k and v.
+    """
+
+    num_k_heads: int = 2
+    num_v_heads: int = 4
+    head_k_dim: int = 32
+    head_v_dim: int = 32
+    conv_kernel: int = 4
+
+    def __post_init__(self):
+        for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel"):
+            _integer(name, getattr(self, name))
+        if self.num_v_heads % self.num_k_heads:
+            raise ConfigError("num_v_heads", self.num_v_heads,
+                              f"expected a multiple of num_k_heads = {self.num_k_heads} (each key head "
+                              "serves num_v_heads / num_k_heads value heads)")
+
+
+LAYER_TYPES = ("full_attention", "linear_attention")  # transformers' names (Qwen3NextConfig.layer_types)
+
+
+def hybrid_layer_types(num_layers: int, full_attention_interval: int = 4) -> tuple[str, ...]:
+    """Qwen3-Next's pattern: every `full_attention_interval`-th layer full attention (layers
+    interval-1, 2*interval-1, ...), the others Gated DeltaNet: 3 GDN : 1 full for 4."""
+    return tuple("full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+                 for i in range(num_layers))
 
 
 @dataclass(frozen=True)
@@ -204,6 +249,9 @@ class ModelConfig:
     rope_dim: int | None = None            # dims of each head that rotate (the first rope_dim);
                                            # None = all of head_dim. Qwen3-Next rotates head_dim / 4.
     qk_norm: bool = False
+    zero_centered_norm: bool = False       # every RMSNorm but GDN's stores w and scales by 1 + w
+                                           # (initialised 0; Qwen3-Next's), instead of a scale
+                                           # initialised 1.
     attention_bias: bool = False           # biases on W_Q, W_K, W_V, W_O and the gate's W_theta
                                            # (Qwen3's attention_bias, the authors' release's qkv_bias).
     norm_eps: float = 1e-6
@@ -213,6 +261,10 @@ class ModelConfig:
     sdpa_nonlinearity: str = "none"        # Table 3 rows 5-6: per-head RMSNorm or SiLU at G1.
     switch_heads: SwitchHeadsSpec | None = None  # Table 6.
     moe: MoESpec | None = None             # None: a dense SwiGLU FFN of width d_ff.
+    # Hybrid models (Qwen3-Next): each layer's token mixer, "full_attention" (the attention above,
+    # gate and all) or "linear_attention" (Gated DeltaNet, `linear_attention`); None = all full.
+    layer_types: tuple[str, ...] | None = None
+    linear_attention: LinearAttentionSpec | None = None
     sandwich_norm: bool = False            # Table 2 row 7: RMSNorm on attn/FFN outputs.
     output_clip: float | None = None       # Appendix A.5: clip attn/FFN outputs to (-c, c).
     match_ffn_params: bool = False         # Table 2: shrink d_ff so params equal the baseline's.
@@ -239,7 +291,8 @@ class ModelConfig:
         _choice("ffn_activation", self.ffn_activation, FFN_ACTIVATIONS)
         _choice("sdpa_nonlinearity", self.sdpa_nonlinearity, SDPA_NONLINEARITIES)
         _choice("param_dtype", self.param_dtype, DTYPES)
-        for name in ("tie_embeddings", "qk_norm", "attention_bias", "sandwich_norm", "match_ffn_params"):
+        for name in ("tie_embeddings", "qk_norm", "zero_centered_norm", "attention_bias", "sandwich_norm",
+                     "match_ffn_params"):
             _bool(name, getattr(self, name))
         if self.output_clip is not None:
             _positive("output_clip", self.output_clip)
@@ -255,10 +308,41 @@ class ModelConfig:
             raise ConfigError("moe", self.moe, "expected a MoESpec or None")
         if self.moe is not None and self.match_ffn_params:
             raise ConfigError("match_ffn_params", True, "FFN matching is for dense models (moe is set)")
+        self._check_layer_types()
         if self.ffn_width <= 0:
             raise ConfigError("match_ffn_params", True,
                               f"the block adds {self.block_added_params} parameters, more than the "
                               f"FFN (d_ff={self.d_ff}) has; use a larger d_ff or match_ffn_params=False")
+
+    def _check_layer_types(self):
+        if self.layer_types is not None:
+            if isinstance(self.layer_types, list):
+                object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers:
+                raise ConfigError("layer_types", self.layer_types,
+                                  f"a tuple of num_layers ({self.num_layers}) layer types, or None (all full "
+                                  "attention); e.g. gattn.config.hybrid_layer_types(num_layers, 4)")
+            for kind in self.layer_types:
+                _choice("layer_types", kind, LAYER_TYPES)
+        if self.linear_attention is not None and not isinstance(self.linear_attention, LinearAttentionSpec):
+            raise ConfigError("linear_attention", self.linear_attention, "expected a LinearAttentionSpec or None")
+        if self.hybrid and self.linear_attention is None:
+            raise ConfigError("linear_attention", None, "a LinearAttentionSpec: layer_types has "
+                              "'linear_attention' layers")
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers are Gated DeltaNet (linear attention) layers."""
+        return self.layer_types is not None and "linear_attention" in self.layer_types
+
+    def layer_type(self, i: int) -> str:
+        """Layer i's token mixer: "full_attention" or "linear_attention"."""
+        return "full_attention" if self.layer_types is None else self.layer_types[i]
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """The layers with (gated) softmax attention, where the attention measures apply."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "full_attention")
 
     @property
     def group_size(self) -> int:

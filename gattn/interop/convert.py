@@ -23,10 +23,15 @@ Layouts (all Linear weights are [out, in]; gattn stores [in, out], so each is tr
                  widened q_proj, per kv group g: rows [queries of the group's G heads | their gates],
                  G gates per group (headwise) or G * head_dim (elementwise). Written only on
                  request: transformers loads it only with the release's own modeling code.
-    qwen3_next   Qwen3NextForCausalLM with full-attention layers and dense MLPs only. q_proj rows per
-                 head: [query | gate] (elementwise; a headwise gate is written with each head's row
-                 repeated head_dim times). Every RMSNorm scales by (1 + w) with w zero-initialised:
-                 gattn stores 1 + w. Partial rotary embedding (rope_dim).
+    qwen3_next   Qwen3NextForCausalLM: full-attention layers with a G1 gate and Gated DeltaNet
+                 layers in any pattern (layer_types; linear_attn.* through gattn/model/gdn.py's
+                 from_hf / to_hf), dense MLPs or an MoE with a shared expert in every layer
+                 (mlp.shared_expert.*, mlp.shared_expert_gate [1, d]). q_proj rows per head:
+                 [query | gate] (elementwise; a headwise gate is written with each head's row
+                 repeated head_dim times). Every RMSNorm but the GDN's scales by (1 + w): gattn
+                 reads it as model.zero_centered_norm and copies w as it is (a model without it
+                 is written with w = scale - 1). Partial rotary embedding (rope_dim). The
+                 multi-token-prediction tensors (mtp.*) are skipped with a warning.
 
 gattn's GQA grouping (query head h reads kv head h // G) and its rotate-half RoPE are Hugging
 Face's, so no head is permuted. Biases (attention_bias / qkv_bias) split as the weights do.
@@ -72,6 +77,11 @@ def read_hf(src: str | Path) -> tuple[dict, str, ModelConfig, dict[str, np.ndarr
     cfg = model_config(hf, layout)
     files = TensorFiles(src)
     present = [n for n in files.names() if not n.endswith(IGNORED_SUFFIXES)]
+    mtp = [n for n in present if n.startswith("mtp.")]
+    if mtp:  # Qwen3-Next's multi-token-prediction head: transformers does not load it either
+        print(f"warning: skipping {len(mtp)} multi-token-prediction tensors (mtp.*): gattn predicts the next "
+              "token only", file=sys.stderr)
+        present = [n for n in present if not n.startswith("mtp.")]
     if cfg.tie_embeddings and "lm_head.weight" in present and _head_differs(files, src):
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     elif cfg.tie_embeddings and "lm_head.weight" in present:

@@ -5,7 +5,8 @@ gattn/interop/convert.py."""
 
 from __future__ import annotations
 
-from gattn.config import ConfigError, GateSpec, ModelConfig, MoESpec, YarnSpec
+from gattn.config import (LAYER_TYPES, ConfigError, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec, YarnSpec,
+                          hybrid_layer_types)
 
 LAYOUTS = ("qwen3", "llama", "release", "qwen3_next", "qwen3_moe")
 NATIVE = ("qwen3", "llama", "qwen3_next", "qwen3_moe")  # the layouts transformers loads as they are
@@ -103,25 +104,55 @@ def model_config(hf: dict, layout: str) -> ModelConfig:
             gate = GateSpec(granularity="headwise")
         elif hf.get("elementwise_attn_output_gate"):
             gate = GateSpec(granularity="elementwise")
+    layer_types, linear, moe = None, None, None
     if layout == "qwen3_next":
         gate = GateSpec(granularity="elementwise")
-        kinds = hf.get("layer_types") or []
-        if any(k != "full_attention" for k in kinds):
-            raise ConfigError("config.json layer_types", sorted(set(kinds)),
-                              "only 'full_attention' layers (gattn has no linear attention)")
-        sparse = [i for i in range(layers) if i not in (hf.get("mlp_only_layers") or [])
-                  and hf.get("num_experts", 0) > 0 and (i + 1) % hf.get("decoder_sparse_step", 1) == 0]
-        if sparse:
-            raise ConfigError("config.json num_experts", hf.get("num_experts"),
-                              f"dense MLPs only (layers {sparse} would be MoE): set mlp_only_layers to all")
-    moe = _moe(hf, layers) if layout == "qwen3_moe" else None
+        layer_types, linear, moe = _qwen3_next(hf, layers)
+    if layout == "qwen3_moe":
+        moe = _moe(hf, layers)
     return ModelConfig(
         vocab_size=int(_field(hf, "vocab_size")), d_model=d, num_layers=layers, q_heads=heads,
         kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
         d_ff=int(_field(hf, "intermediate_size")), ffn_activation=ACTIVATIONS[act],
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_base=base, yarn=yarn,
         rope_dim=rope_dim, qk_norm=qk_norm, attention_bias=bias, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        gate=gate, moe=moe)
+        gate=gate, moe=moe, zero_centered_norm=layout == "qwen3_next", layer_types=layer_types,
+        linear_attention=linear)
+
+
+def _qwen3_next(hf: dict, layers: int) -> tuple[tuple[str, ...] | None, LinearAttentionSpec | None, MoESpec | None]:
+    """(layer_types, linear_attention, moe) of a Qwen3-Next config.json, with Qwen3NextConfig's
+    defaults for absent fields (the 3:1 pattern from full_attention_interval, 512 experts): MoE
+    layers with a shared expert everywhere or nowhere (gattn has no dense layers between MoE
+    layers)."""
+    kinds = hf.get("layer_types") or hybrid_layer_types(layers, int(hf.get("full_attention_interval", 4)))
+    for kind in kinds:
+        if kind not in LAYER_TYPES:
+            raise ConfigError("config.json layer_types", kind, f"one of {', '.join(LAYER_TYPES)} per layer")
+    kinds = tuple(kinds)
+    linear = None
+    if "linear_attention" in kinds:
+        linear = LinearAttentionSpec(
+            num_k_heads=int(hf.get("linear_num_key_heads", 16)), num_v_heads=int(hf.get("linear_num_value_heads", 32)),
+            head_k_dim=int(hf.get("linear_key_head_dim", 128)), head_v_dim=int(hf.get("linear_value_head_dim", 128)),
+            conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)))
+    experts, step = int(hf.get("num_experts", 512)), int(hf.get("decoder_sparse_step", 1))
+    dense_only = set(hf.get("mlp_only_layers") or [])
+    sparse = [i for i in range(layers) if i not in dense_only and experts > 0 and (i + 1) % step == 0]
+    moe = None
+    if sparse and len(sparse) != layers:
+        raise ConfigError("config.json mlp_only_layers", sorted(dense_only), f"all layers or none (layers {sparse} "
+                          "would be MoE and the others dense; gattn's MoE models have an MoE FFN in every layer)")
+    if sparse:
+        shared = int(hf.get("shared_expert_intermediate_size", 512))
+        if shared < 1:
+            raise ConfigError("config.json shared_expert_intermediate_size", shared, "an integer >= 1 (Qwen3-Next's "
+                              "MoE always runs its shared expert)")
+        moe = MoESpec(num_experts=experts, top_k=int(hf.get("num_experts_per_tok", 10)),
+                      expert_width=int(hf.get("moe_intermediate_size", 512)),
+                      renormalize=bool(hf.get("norm_topk_prob", True)),
+                      lbl_coef=float(hf.get("router_aux_loss_coef", 1e-3)), shared_expert_width=shared)
+    return (kinds if linear is not None else None), linear, moe
 
 
 def _moe(hf: dict, layers: int) -> MoESpec:
@@ -190,8 +221,20 @@ def hf_config(cfg: ModelConfig, layout: str, max_len: int) -> dict:
                    elementwise_attn_output_gate=cfg.gate is not None and cfg.gate.granularity == "elementwise",
                    use_qk_norm=cfg.qk_norm, qkv_bias=cfg.attention_bias, attention_bias=False)
     if layout == "qwen3_next":
-        out.update(layer_types=["full_attention"] * cfg.num_layers, mlp_only_layers=list(range(cfg.num_layers)),
-                   num_experts=0, decoder_sparse_step=1)
+        out.update(layer_types=[cfg.layer_type(i) for i in range(cfg.num_layers)], decoder_sparse_step=1)
+        if cfg.linear_attention is not None:
+            la = cfg.linear_attention
+            out.update(linear_num_key_heads=la.num_k_heads, linear_num_value_heads=la.num_v_heads,
+                       linear_key_head_dim=la.head_k_dim, linear_value_head_dim=la.head_v_dim,
+                       linear_conv_kernel_dim=la.conv_kernel)
+        if cfg.moe is None:
+            out.update(mlp_only_layers=list(range(cfg.num_layers)), num_experts=0)
+        else:
+            m = cfg.moe
+            out.update(mlp_only_layers=[], num_experts=m.num_experts, num_experts_per_tok=m.top_k,
+                       moe_intermediate_size=m.expert_width, shared_expert_intermediate_size=m.shared_expert_width,
+                       norm_topk_prob=m.renormalize, router_aux_loss_coef=m.lbl_coef, output_router_logits=False,
+                       intermediate_size=cfg.d_ff)
     return out
 
 
@@ -200,6 +243,8 @@ def native_layout(cfg: ModelConfig) -> str | None:
     `--layout auto` picks), or None: a headwise gate, an elementwise gate without QK-norm, or
     partial rotary embeddings without an elementwise gate and QK-norm."""
     g, full_rope = cfg.gate, cfg.rope_dim in (None, cfg.head_dim)
+    if _next_only(cfg):
+        return "qwen3_next" if g is not None and g.granularity == "elementwise" and cfg.qk_norm else None
     if cfg.moe is not None:
         return "qwen3_moe" if g is None and cfg.qk_norm and full_rope else None
     if g is not None and g.granularity == "elementwise" and cfg.qk_norm:
@@ -209,8 +254,20 @@ def native_layout(cfg: ModelConfig) -> str | None:
     return None
 
 
+def _next_only(cfg: ModelConfig) -> str | None:
+    """What only the qwen3_next layout holds in `cfg` (Gated DeltaNet layers, a shared expert), or None."""
+    if cfg.hybrid:
+        return "Gated DeltaNet layers (model.layer_types)"
+    if cfg.moe is not None and cfg.moe.shared_expert_width:
+        return "a shared expert (model.moe.shared_expert_width)"
+    return None
+
+
 def _why_not_native(cfg: ModelConfig) -> str:
     g = cfg.gate
+    if _next_only(cfg):
+        return (f"only qwen3_next holds {_next_only(cfg)}, and it needs an elementwise G1 gate and "
+                "model.qk_norm=True (Qwen3-Next's attention)")
     if cfg.moe is not None:
         return ("qwen3_moe, the one MoE layout, has no attention gate" if g is not None else
                 "qwen3_moe needs model.qk_norm=True and full rotary embeddings (Qwen3-MoE's attention)")
@@ -226,15 +283,16 @@ def _instead(cfg: ModelConfig) -> str:
     native = native_layout(cfg)
     if native is not None:
         return f"--layout {native} (what auto picks) holds this run"
-    if cfg.moe is not None:
+    if cfg.moe is not None and not _next_only(cfg):
         return ("no Hugging Face layout holds this MoE run: Qwen3-MoE's has no attention gate, and Qwen3-Next's, "
-                "which has one, pairs its MoE with a shared expert that gattn's MoE lacks") if cfg.gate is not None \
+                "which has one, pairs its MoE with a shared expert that this run lacks "
+                "(model.moe.shared_expert_width = 0)") if cfg.gate is not None \
             else "no Hugging Face layout holds it (train it with model.qk_norm=True to export as qwen3_moe)"
     ways = []
     if cfg.gate is not None and cfg.gate.granularity == "headwise" and cfg.qk_norm:
         ways.append("--layout qwen3_next writes it loadable as is, with each head's gate repeated over its "
                     "head_dim rows (the same logits; from-hf reads it back as an elementwise gate)")
-    if cfg.rope_dim in (None, cfg.head_dim):
+    if cfg.rope_dim in (None, cfg.head_dim) and cfg.moe is None and not cfg.hybrid:
         ways.append(RELEASE_CAVEAT)
     return "; or ".join(ways) if ways else "no Hugging Face layout holds this run"
 
@@ -268,9 +326,17 @@ def export_layout(cfg: ModelConfig, layout: str = "auto") -> str:
         layout = native_layout(cfg)
     if layout not in LAYOUTS:
         raise ConfigError("--layout", layout, f"expected auto or one of {', '.join(LAYOUTS)}")
-    if (cfg.moe is not None) != (layout == "qwen3_moe"):
+    if _next_only(cfg) and layout != "qwen3_next":
+        field = "model.layer_types" if cfg.hybrid else "model.moe.shared_expert_width"
+        raise ConfigError(field, cfg.layer_types if cfg.hybrid else cfg.moe.shared_expert_width,
+                          f"layout {layout} has no {_next_only(cfg)}: only qwen3_next does; {_instead(cfg)}")
+    moe_ok = {"qwen3_moe": cfg.moe is not None, "qwen3_next": True}.get(layout, cfg.moe is None)
+    if not moe_ok or (layout == "qwen3_moe" and cfg.moe.shared_expert_width):
         raise ConfigError("model.moe", cfg.moe, (f"None for layout {layout} (a dense FFN); " if cfg.moe is not None
                                                   else "an MoE for layout qwen3_moe; ") + _instead(cfg))
+    if layout == "qwen3_next" and cfg.moe is not None and not cfg.moe.shared_expert_width:
+        raise ConfigError("model.moe.shared_expert_width", 0, "> 0 for layout qwen3_next (its MoE always runs a "
+                          f"shared expert); {_instead(cfg)}")
     holds_gate = {"qwen3": g is None, "llama": g is None, "qwen3_next": g is not None, "release": True,
                   "qwen3_moe": g is None}[layout]
     if not holds_gate:

@@ -147,14 +147,17 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["lm_head.weight"] = (v, d)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        attn = {"q_proj": (_q_rows(cfg), d), "k_proj": (kv, d), "v_proj": (kv, d),
-                "o_proj": (d, cfg.q_heads * cfg.head_dim)}
-        for name, shape in attn.items():
-            out[f"{p}self_attn.{name}.weight"] = shape
-            if cfg.attention_bias:
-                out[f"{p}self_attn.{name}.bias"] = shape[:1]
-        if cfg.qk_norm:
-            out[f"{p}self_attn.q_norm.weight"] = out[f"{p}self_attn.k_norm.weight"] = (cfg.head_dim,)
+        if cfg.layer_type(i) == "linear_attention":
+            out.update({f"{p}linear_attn.{name}": shape for name, shape in _gdn_shapes(cfg).items()})
+        else:
+            attn = {"q_proj": (_q_rows(cfg), d), "k_proj": (kv, d), "v_proj": (kv, d),
+                    "o_proj": (d, cfg.q_heads * cfg.head_dim)}
+            for name, shape in attn.items():
+                out[f"{p}self_attn.{name}.weight"] = shape
+                if cfg.attention_bias:
+                    out[f"{p}self_attn.{name}.bias"] = shape[:1]
+            if cfg.qk_norm:
+                out[f"{p}self_attn.q_norm.weight"] = out[f"{p}self_attn.k_norm.weight"] = (cfg.head_dim,)
         out.update({f"{p}input_layernorm.weight": (d,), f"{p}post_attention_layernorm.weight": (d,)})
         if cfg.moe is None:
             out.update({f"{p}mlp.gate_proj.weight": (f, d), f"{p}mlp.up_proj.weight": (f, d),
@@ -165,7 +168,20 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         for j in range(e):
             out.update({f"{p}mlp.experts.{j}.gate_proj.weight": (fe, d), f"{p}mlp.experts.{j}.up_proj.weight": (fe, d),
                         f"{p}mlp.experts.{j}.down_proj.weight": (d, fe)})
+        if fs := cfg.moe.shared_expert_width:  # Qwen3-Next: and a shared SwiGLU, scaled by a sigmoid gate
+            out.update({f"{p}mlp.shared_expert.gate_proj.weight": (fs, d), f"{p}mlp.shared_expert.up_proj.weight": (fs, d),
+                        f"{p}mlp.shared_expert.down_proj.weight": (d, fs), f"{p}mlp.shared_expert_gate.weight": (1, d)})
     return out
+
+
+def _gdn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors of one Gated DeltaNet layer (transformers' Qwen3NextGatedDeltaNet) and their shapes."""
+    from gattn.model import gdn  # noqa: PLC0415 (jax; this module stays numpy-only to import)
+    spec = gdn.GDNSpec.of(cfg)
+    g, h, dk, dv, d = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, spec.d_model
+    return {"in_proj_qkvz.weight": (2 * g * dk + 2 * h * dv, d), "in_proj_ba.weight": (2 * h, d),
+            "conv1d.weight": (spec.conv_dim, 1, spec.conv_kernel), "dt_bias": (h,), "A_log": (h,),
+            "norm.weight": (dv,), "out_proj.weight": (d, h * dv)}
 
 
 # gattn's SwiGLU weights <-> the projections of a Hugging Face MLP (transposed); an MoE holds them per
@@ -174,32 +190,41 @@ _FFN_PROJ = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
 
 
 def _norm_names(cfg: ModelConfig) -> list[str]:
+    """The RMSNorms that model.zero_centered_norm concerns (not the Gated DeltaNet's own norm)."""
     names = ["model.norm.weight"]
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
-        if cfg.qk_norm:
+        if cfg.qk_norm and cfg.layer_type(i) == "full_attention":
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
     return names
 
 
+def _recentre(t: dict[str, np.ndarray], cfg: ModelConfig, offset: float) -> dict[str, np.ndarray]:
+    """`t` with `offset` added to every norm weight of `_norm_names` (a copy; float32)."""
+    t = dict(t)
+    for name in _norm_names(cfg):
+        t[name] = (t[name].astype(np.float32) + np.float32(offset)).astype(np.float32)
+    return t
+
+
+def _norm_offset(cfg: ModelConfig, layout: str) -> float:
+    """What to add to a Hugging Face norm weight to get gattn's: qwen3_next stores w of a (1 + w)
+    norm; gattn stores w too when model.zero_centered_norm (then the tensors are copied bit for
+    bit), else the factor itself."""
+    return float(layout == "qwen3_next") - float(cfg.zero_centered_norm)
+
+
 def to_gattn(tensors: dict[str, np.ndarray], cfg: ModelConfig, layout: str) -> dict[tuple, np.ndarray]:
     """Hugging Face tensors -> gattn parameters {path: array} of the unscanned model."""
-    t = dict(tensors)
-    if layout == "qwen3_next":  # (1 + w) norms: gattn's scale is the whole factor
-        for name in _norm_names(cfg):
-            t[name] = (1.0 + t[name].astype(np.float32)).astype(np.float32)
+    t = _recentre(tensors, cfg, _norm_offset(cfg, layout)) if _norm_offset(cfg, layout) else dict(tensors)
     out = {("embed",): t["model.embed_tokens.weight"], ("final_norm", "scale"): t["model.norm.weight"]}
     if not cfg.tie_embeddings:
         out[("lm_head",)] = t["lm_head.weight"].T
     for i in range(cfg.num_layers):
         p, b = f"model.layers.{i}.", ("blocks", i)
-        a = p + "self_attn."
-        q, gate = _split_q(t[a + "q_proj.weight"], cfg, layout)
         out.update({b + ("attn_norm", "scale"): t[p + "input_layernorm.weight"],
-                    b + ("ffn_norm", "scale"): t[p + "post_attention_layernorm.weight"],
-                    b + ("attn", "wq"): q.T, b + ("attn", "wk"): t[a + "k_proj.weight"].T,
-                    b + ("attn", "wv"): t[a + "v_proj.weight"].T, b + ("attn", "wo"): t[a + "o_proj.weight"].T})
+                    b + ("ffn_norm", "scale"): t[p + "post_attention_layernorm.weight"]})
         if cfg.moe is None:
             out.update({b + ("ffn", ours): t[f"{p}mlp.{theirs}.weight"].T for ours, theirs in _FFN_PROJ})
         else:
@@ -207,6 +232,19 @@ def to_gattn(tensors: dict[str, np.ndarray], cfg: ModelConfig, layout: str) -> d
             out.update({b + ("ffn", ours): np.stack([t[f"{p}mlp.experts.{j}.{theirs}.weight"].T
                                                      for j in range(cfg.moe.num_experts)])
                         for ours, theirs in _FFN_PROJ})
+            if cfg.moe.shared_expert_width:
+                out.update({b + ("ffn", "shared_expert", ours): t[f"{p}mlp.shared_expert.{theirs}.weight"].T
+                            for ours, theirs in _FFN_PROJ})
+                out[b + ("ffn", "shared_gate")] = t[p + "mlp.shared_expert_gate.weight"].T
+        if cfg.layer_type(i) == "linear_attention":
+            from gattn.model import gdn  # noqa: PLC0415
+            layer = gdn.from_hf(t, p + "linear_attn.", gdn.GDNSpec.of(cfg))
+            out.update({b + ("linear_attn",) + path: value for path, value in layer.items()})
+            continue
+        a = p + "self_attn."
+        q, gate = _split_q(t[a + "q_proj.weight"], cfg, layout)
+        out.update({b + ("attn", "wq"): q.T, b + ("attn", "wk"): t[a + "k_proj.weight"].T,
+                    b + ("attn", "wv"): t[a + "v_proj.weight"].T, b + ("attn", "wo"): t[a + "o_proj.weight"].T})
         if gate is not None:
             out[b + ("attn", "gate", "w")] = gate.T
         if cfg.attention_bias:
@@ -229,19 +267,28 @@ def from_gattn(params: dict[tuple, np.ndarray], cfg: ModelConfig, layout: str) -
         out["lm_head.weight"] = P[("lm_head",)].T
     for i in range(cfg.num_layers):
         p, b = f"model.layers.{i}.", ("blocks", i)
-        a = p + "self_attn."
-        gate = P[b + ("attn", "gate", "w")].T if cfg.gate is not None else None
         out.update({p + "input_layernorm.weight": P[b + ("attn_norm", "scale")],
-                    p + "post_attention_layernorm.weight": P[b + ("ffn_norm", "scale")],
-                    a + "q_proj.weight": _join_q(P[b + ("attn", "wq")].T, gate, cfg, layout),
-                    a + "k_proj.weight": P[b + ("attn", "wk")].T, a + "v_proj.weight": P[b + ("attn", "wv")].T,
-                    a + "o_proj.weight": P[b + ("attn", "wo")].T})
+                    p + "post_attention_layernorm.weight": P[b + ("ffn_norm", "scale")]})
         if cfg.moe is None:
             out.update({f"{p}mlp.{theirs}.weight": P[b + ("ffn", ours)].T for ours, theirs in _FFN_PROJ})
         else:
             out[p + "mlp.gate.weight"] = P[b + ("ffn", "router")].T
             for ours, theirs in _FFN_PROJ:
                 out.update({f"{p}mlp.experts.{j}.{theirs}.weight": w.T for j, w in enumerate(P[b + ("ffn", ours)])})
+            if cfg.moe.shared_expert_width:
+                out.update({f"{p}mlp.shared_expert.{theirs}.weight": P[b + ("ffn", "shared_expert", ours)].T
+                            for ours, theirs in _FFN_PROJ})
+                out[p + "mlp.shared_expert_gate.weight"] = P[b + ("ffn", "shared_gate")].T
+        if cfg.layer_type(i) == "linear_attention":
+            from gattn.model import gdn  # noqa: PLC0415
+            layer = {path[len(b) + 1:]: value for path, value in P.items() if path[:len(b) + 1] == b + ("linear_attn",)}
+            out.update(gdn.to_hf(layer, p + "linear_attn.", gdn.GDNSpec.of(cfg)))
+            continue
+        a = p + "self_attn."
+        gate = P[b + ("attn", "gate", "w")].T if cfg.gate is not None else None
+        out.update({a + "q_proj.weight": _join_q(P[b + ("attn", "wq")].T, gate, cfg, layout),
+                    a + "k_proj.weight": P[b + ("attn", "wk")].T, a + "v_proj.weight": P[b + ("attn", "wv")].T,
+                    a + "o_proj.weight": P[b + ("attn", "wo")].T})
         if cfg.attention_bias:
             gb = P[b + ("attn", "gate", "b")] if cfg.gate is not None else None
             out.update({a + "q_proj.bias": _join_q(P[b + ("attn", "bq")], gb, cfg, layout),
@@ -250,7 +297,6 @@ def from_gattn(params: dict[tuple, np.ndarray], cfg: ModelConfig, layout: str) -
         if cfg.qk_norm:
             out[a + "q_norm.weight"] = P[b + ("attn", "q_norm")]
             out[a + "k_norm.weight"] = P[b + ("attn", "k_norm")]
-    if layout == "qwen3_next":
-        for name in _norm_names(cfg):
-            out[name] = out[name].astype(np.float32) - 1.0
+    if _norm_offset(cfg, layout):
+        out = _recentre(out, cfg, -_norm_offset(cfg, layout))
     return {k: np.ascontiguousarray(v) for k, v in out.items()}

@@ -19,7 +19,7 @@ from gattn import kernels
 from gattn.config import ExecConfig, ModelConfig
 from gattn.model.capture import NOTHING, Capture
 from gattn.model.gates import Gate, sdpa_nonlinearity
-from gattn.model.layers import DTYPES, apply_rope, dense, param, rms_norm
+from gattn.model.layers import DTYPES, apply_rope, dense, norm_scale, param, rms_norm
 
 
 class SwitchProjection(nnx.Module):
@@ -64,8 +64,8 @@ class Attention(nnx.Module):
             self.bv = param("bias", None, (hk * hd,), ("kv_heads",), dtype=pd)
             self.bo = param("bias", None, (d,), ("embed",), dtype=pd)
         if cfg.qk_norm:
-            self.q_norm = param("scale", None, (hd,), ("head_dim",), value=1.0, dtype=pd)
-            self.k_norm = param("scale", None, (hd,), ("head_dim",), value=1.0, dtype=pd)
+            self.q_norm = norm_scale((hd,), ("head_dim",), cfg)
+            self.k_norm = norm_scale((hd,), ("head_dim",), cfg)
         if cfg.sdpa_nonlinearity == "rmsnorm":
             self.sdpa_norm = param("scale", None, (hq, hd), ("heads", "head_dim"), value=1.0, dtype=pd)
         self.gate = Gate(cfg.gate, cfg, ex, rngs=rngs) if cfg.gate is not None else None
@@ -104,8 +104,8 @@ class Attention(nnx.Module):
             k = (self.k_experts(x_NxD, weights) if cfg.switch_heads.targets == "kv"
                   else dense(x_NxD, self.wk, self.dtype).reshape(n, hk, hd))
         if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
-            k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
+            q = rms_norm(q, self.q_norm[...], cfg.norm_eps, cfg.zero_centered_norm)
+            k = rms_norm(k, self.k_norm[...], cfg.norm_eps, cfg.zero_centered_norm)
         q = self._gate_at("query", q, x_NxD, capture)
         k = self._gate_at("key", k, x_NxD, capture)
         v = self._gate_at("value", v, x_NxD, capture)

@@ -65,6 +65,13 @@ class GDNSpec:
         if not isinstance(self.norm_eps, (int, float)) or isinstance(self.norm_eps, bool) or not self.norm_eps > 0:
             raise ConfigError("norm_eps", self.norm_eps, "expected a number > 0")
 
+    @classmethod
+    def of(cls, cfg) -> GDNSpec:
+        """The GDN layers' spec in gattn model `cfg` (a ModelConfig with `linear_attention`)."""
+        la = cfg.linear_attention
+        return cls(cfg.d_model, la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim, la.conv_kernel,
+                   cfg.norm_eps)
+
     @property
     def conv_dim(self) -> int:
         return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim

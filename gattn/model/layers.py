@@ -51,22 +51,37 @@ def dense(x_NxI: jax.Array, w_IxO: nnx.Param | jax.Array, dtype, out_dtype=None)
                    preferred_element_type=out_dtype or dtype)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in float32 and returned in x's dtype."""
+def rms_norm(x: jax.Array, scale: jax.Array | None, eps: float, zero_centered: bool = False) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32 and returned in x's dtype; the factor is
+    `scale`, or 1 + scale when `zero_centered` (model.zero_centered_norm, Qwen3-Next's norms)."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if scale is not None:
-        y = y * scale.astype(jnp.float32)
+        y = y * (1.0 + scale.astype(jnp.float32) if zero_centered else scale.astype(jnp.float32))
     return y.astype(x.dtype)
 
 
+def norm_scale(shape, axes: tuple, cfg: ModelConfig) -> nnx.Param:
+    """An RMSNorm's scale parameter: 1, or 0 for a zero-centred norm (which multiplies by 1 + it)."""
+    return param("scale", None, shape, axes, value=0.0 if cfg.zero_centered_norm else 1.0,
+                 dtype=DTYPES[cfg.param_dtype])
+
+
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, axis_name: str = "embed", *, param_dtype=jnp.float32):
-        self.scale = param("scale", None, (dim,), (axis_name,), value=1.0, dtype=param_dtype)
-        self.eps = eps
+    def __init__(self, dim: int, eps: float, axis_name: str = "embed", *, param_dtype=jnp.float32,
+                 zero_centered: bool = False):
+        self.scale = param("scale", None, (dim,), (axis_name,), value=0.0 if zero_centered else 1.0,
+                           dtype=param_dtype)
+        self.eps, self.zero_centered = eps, zero_centered
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> "RMSNorm":
+        """The residual-stream norm of model `cfg` (d_model wide, its eps, dtype and centring)."""
+        return cls(cfg.d_model, cfg.norm_eps, param_dtype=DTYPES[cfg.param_dtype],
+                   zero_centered=cfg.zero_centered_norm)
 
     def __call__(self, x):
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.scale[...], self.eps, self.zero_centered)
 
 
 def rope_frequencies(head_dim: int, base: float, yarn: YarnSpec | None = None) -> tuple[np.ndarray, float]:

@@ -38,13 +38,15 @@ from flax import nnx
 
 from gattn.config import ExecConfig, ModelConfig
 from gattn.model import dropless_ep, expert_parallel
-from gattn.model.layers import DTYPES, FFN_ACTIVATIONS, param
+from gattn.model.layers import DTYPES, FFN_ACTIVATIONS, SwiGLU, dense, param
 from gattn.model.moe_ops import (batched_swiglu, capacity, combine, dispatch, load_balancing_loss, permute,
                                  route, router_logits, router_z_loss, unpermute)
 
 
 class MoE(nnx.Module):
-    """Router [D, E] and E SwiGLU experts w1, w3 [E, D, F], w2 [E, F, D]."""
+    """Router [D, E] and E SwiGLU experts w1, w3 [E, D, F], w2 [E, F, D]; with
+    moe.shared_expert_width, a shared SwiGLU expert that every token runs, scaled by
+    sigmoid(x shared_gate) (shared_gate [D, 1]) and added (Qwen3-Next's)."""
 
     def __init__(self, cfg: ModelConfig, ex: ExecConfig = ExecConfig(), *, rngs: nnx.Rngs):
         spec, d = cfg.moe, cfg.d_model
@@ -60,6 +62,9 @@ class MoE(nnx.Module):
         self.impl = ex.moe_impl
         self.moe_buffer = ex.moe_buffer
         self.grouped_matmul = ex.grouped_matmul
+        if spec.shared_expert_width:
+            self.shared_expert = SwiGLU(cfg, spec.shared_expert_width, ex, rngs=rngs)
+            self.shared_gate = param("weight", rngs, (d, 1), ("embed", None), std=std, dtype=pd)
 
     def _w(self, p):
         return p[...].astype(self.dtype)
@@ -91,6 +96,14 @@ class MoE(nnx.Module):
         batch holds unrelated prompts and their left padding): every token computes what it would
         alone, so dropless whatever the capacity factor (capacity pools the batch's tokens, and rows
         would compete for expert slots), and aux is {} (the auxiliary losses are training terms)."""
+        out, aux = self._routed(x_NxD, num_rows, decoding)
+        if self.spec.shared_expert_width:
+            gate_Nx1 = jax.nn.sigmoid(dense(x_NxD, self.shared_gate, jnp.float32))
+            out = out + (gate_Nx1 * self.shared_expert(x_NxD).astype(jnp.float32)).astype(out.dtype)
+        return out, aux
+
+    def _routed(self, x_NxD, num_rows, decoding):
+        """The routed experts' output and aux (`__call__` without the shared expert)."""
         spec = self.spec
         if self.impl == "all_to_all" and not decoding:  # exec.moe_impl: the explicit exchange over the expert axis
             mesh = expert_parallel.context_mesh(spec)

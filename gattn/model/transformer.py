@@ -1,5 +1,8 @@
 """The decoder-only LM: embedding, pre-RMSNorm blocks (gated attention + SwiGLU), final norm, head.
 
+A hybrid model (model.layer_types, Qwen3-Next's) has Gated DeltaNet layers (gattn/model/gdn.py)
+in place of attention in some blocks; everything else about the block is the same.
+
 The residual stream is 2-D, x_NxD with N = batch * sequence: every projection is then a plain
 [N, D] x [D, *] matmul and every weight gradient a single contraction (docs/performance.md).
 
@@ -15,9 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gattn.config import ExecConfig, ModelConfig
+from gattn.config import ConfigError, ExecConfig, ModelConfig
 from gattn.model.attention import Attention
 from gattn.model.capture import NOTHING, Capture
+from gattn.model.gdn import GatedDeltaNet, GDNSpec, GDNState
 from gattn.model.layers import DTYPES, RMSNorm, SwiGLU, dense, param
 from gattn.model.moe import MoE
 
@@ -29,17 +33,23 @@ REMAT_POLICIES = {
 
 
 class Block(nnx.Module):
-    """x + attn(norm(x)), then x + ffn(norm(x)); sandwich norm and clipping act on the branch."""
+    """x + attn(norm(x)), then x + ffn(norm(x)); sandwich norm and clipping act on the branch.
+    In a "linear_attention" layer (`layer_type`) the token mixer is a Gated DeltaNet
+    (`linear_attn`) instead of `attn`."""
 
-    def __init__(self, cfg: ModelConfig, ex: ExecConfig, *, rngs: nnx.Rngs):
-        pd = DTYPES[cfg.param_dtype]
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
-        self.attn = Attention(cfg, ex, rngs=rngs)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
+    def __init__(self, cfg: ModelConfig, ex: ExecConfig, *, rngs: nnx.Rngs, layer_type: str = "full_attention"):
+        self.layer_type = layer_type
+        self.attn_norm = RMSNorm.of(cfg)
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(GDNSpec.of(cfg), rngs=rngs, param_dtype=DTYPES[cfg.param_dtype],
+                                             dtype=DTYPES[ex.dtype], init_std=cfg.init_std, chunk_size=ex.gdn_chunk)
+        else:
+            self.attn = Attention(cfg, ex, rngs=rngs)
+        self.ffn_norm = RMSNorm.of(cfg)
         self.ffn = MoE(cfg, ex, rngs=rngs) if cfg.moe is not None else SwiGLU(cfg, cfg.ffn_width, ex, rngs=rngs)
         if cfg.sandwich_norm:
-            self.attn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
-            self.ffn_post_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
+            self.attn_post_norm = RMSNorm.of(cfg)
+            self.ffn_post_norm = RMSNorm.of(cfg)
         self.clip = cfg.output_clip
 
     def _branch_out(self, h, post_norm):
@@ -59,7 +69,10 @@ class Block(nnx.Module):
 
     def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch, capture: Capture = NOTHING):
         """(x, aux): aux holds the MoE's auxiliary values ({} for a dense FFN)."""
-        h = self.attn(self.attn_norm(x_NxD), positions_N, segment_ids_BxS, batch, capture)
+        if self.layer_type == "linear_attention":
+            h = self.linear_attn(self.attn_norm(x_NxD).reshape(*batch, -1), segment_ids_BxS).reshape(x_NxD.shape)
+        else:
+            h = self.attn(self.attn_norm(x_NxD), positions_N, segment_ids_BxS, batch, capture)
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
         x_NxD, aux = self._ffn_residual(x_NxD, batch[0], capture)
         if capture.block_out:
@@ -74,6 +87,23 @@ class Block(nnx.Module):
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
         return self._ffn_residual(x_NxD, mask_BxSxT.shape[0], decoding=True)[0], k_BxHxTxK, v_BxHxTxK
 
+    def decode_linear(self, x_NxD, state: GDNState, valid_BxS) -> tuple[jax.Array, GDNState]:
+        """A Gated DeltaNet block on S new tokens per row with this layer's recurrent and conv
+        state: (x, state). One token runs the recurrent rule; more (a prompt) the chunked one,
+        where invalid tokens (left padding) form a segment of their own, so the state after the
+        prompt is the real tokens' alone. A row whose new tokens are all padding (a prompt
+        prefilled in pieces, shorter than its padding) keeps its state."""
+        b, s = valid_BxS.shape
+        x_BxSxD = self.attn_norm(x_NxD).reshape(b, s, -1)
+        if s == 1:
+            h, new = self.linear_attn.step(x_BxSxD, state)
+        else:
+            h, new = self.linear_attn.prefill(x_BxSxD, valid_BxS.astype(jnp.int32), state)
+        state = jax.tree.map(lambda n, o: jnp.where(valid_BxS[:, -1].reshape((b,) + (1,) * (n.ndim - 1)), n, o),
+                             new, state)
+        x_NxD = x_NxD + self._branch_out(h.reshape(x_NxD.shape), getattr(self, "attn_post_norm", None))
+        return self._ffn_residual(x_NxD, b, decoding=True)[0], state
+
 
 class Transformer(nnx.Module):
     """The model `cfg` (its architecture), computed as `ex` says (dtype, kernel, scan, remat)."""
@@ -82,6 +112,10 @@ class Transformer(nnx.Module):
         self.cfg, self.ex = cfg, ex
         pd = DTYPES[cfg.param_dtype]
         self.dtype = DTYPES[ex.dtype]
+        if cfg.hybrid and ex.scan_layers:
+            raise ConfigError("exec.scan_layers", True, "False for a hybrid model (model.layer_types mixes "
+                              "Gated DeltaNet and attention layers, which one scan over identical blocks "
+                              "cannot hold)")
         self.embed = param("weight", rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                            std=cfg.init_std, dtype=pd)
         if ex.scan_layers:
@@ -92,8 +126,9 @@ class Transformer(nnx.Module):
 
             self.blocks = make(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, ex, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=pd)
+            self.blocks = nnx.List([Block(cfg, ex, rngs=rngs, layer_type=cfg.layer_type(i))
+                                    for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm.of(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param("weight", rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                  std=cfg.init_std, dtype=pd)
@@ -159,14 +194,22 @@ class Transformer(nnx.Module):
         A layer loop keeps a tuple of L per-layer arrays, each updated in place by a decode step;
         a scanned model keeps one stacked [L, B, Hk, T, K] array, which its scan slices and
         re-stacks every step (a copy of the whole cache: ~2x slower decoding at long lengths;
-        `unscanned(model)` decodes with the tuple)."""
+        `unscanned(model)` decodes with the tuple).
+
+        A hybrid model's Gated DeltaNet layers keep no kv slots (None in k and v) but a GDNState
+        each in "gdn" (None for the attention layers): the conv's last inputs and the rule's
+        state, whose size does not grow with max_len."""
         cfg = self.cfg
         shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
+        full = [cfg.layer_type(i) == "full_attention" for i in range(cfg.num_layers)]
         if self.ex.scan_layers:  # (two buffers: a decode step donates both)
             k, v = (jnp.zeros((cfg.num_layers, *shape), self.dtype) for _ in "kv")
         else:
-            k, v = (tuple(jnp.zeros(shape, self.dtype) for _ in range(cfg.num_layers)) for _ in "kv")
-        return {"k": k, "v": v, "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
+            k, v = (tuple(jnp.zeros(shape, self.dtype) if f else None for f in full) for _ in "kv")
+        cache = {"k": k, "v": v, "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
+        if cfg.hybrid:
+            cache["gdn"] = tuple(None if f else blk.linear_attn.init_state(batch) for f, blk in zip(full, self.blocks))
+        return cache
 
     def decode(self, tokens_BxS: jax.Array, positions_BxS: jax.Array, cache: dict,
                valid_BxS: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -196,13 +239,21 @@ class Transformer(nnx.Module):
             scan = nnx.scan(step, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
             x_NxD, (k_L, v_L) = scan(x_NxD, self.blocks, cache["k"], cache["v"])
         else:
-            ks, vs = [], []
-            for block, k, v in zip(self.blocks, cache["k"], cache["v"], strict=True):
-                x_NxD, k, v = run(x_NxD, block, k, v)
+            ks, vs, states = [], [], []
+            for block, k, v, state in zip(self.blocks, cache["k"], cache["v"],
+                                          cache.get("gdn", (None,) * len(self.blocks)), strict=True):
+                if state is not None:
+                    x_NxD, state = block.decode_linear(x_NxD, state, valid_BxS)
+                else:
+                    x_NxD, k, v = run(x_NxD, block, k, v)
                 ks.append(k)
                 vs.append(v)
+                states.append(state)
             k_L, v_L = tuple(ks), tuple(vs)
-        cache = {"k": k_L, "v": v_L, "valid": valid_BxT, "index": index + s}
+        new = {"k": k_L, "v": v_L, "valid": valid_BxT, "index": index + s}
+        if "gdn" in cache:
+            new["gdn"] = tuple(states)
+        cache = new
         logits_NxV = head_logits(self.final_norm(x_NxD), self.head_weight(), self.dtype)
         return logits_NxV.reshape(b, s, self.cfg.vocab_size), cache
 

@@ -1,0 +1,179 @@
+"""Issue 31: the Qwen3-Next hybrid as a gattn model (model.layer_types, model.linear_attention,
+the shared expert, zero-centred norms), checked against transformers' Qwen3NextForCausalLM built
+here with a random tiny config: 3 Gated DeltaNet layers : 1 gated attention layer, an MoE with a
+shared expert in every layer, partial RoPE. The GDN layer alone is tests/test_gdn.py."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from gattn.config import (Config, ConfigError, ExecConfig, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec,
+                          hybrid_layer_types)
+from gattn.eval import decode
+from gattn.interop import convert, hf_config
+from gattn.model.transformer import Transformer
+from gattn.train import rundir
+from test_convert import _flat_params, randomize, save, tokenizer_file  # noqa: F401 (a fixture)
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+# 80 tokens: GDN's chunk (64 in transformers and here) is crossed, so the carried state is checked.
+TOKENS = np.random.default_rng(1).integers(0, 320, size=(2, 80))
+
+
+def hybrid_hf_model(seed=0):
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], attn_implementation="eager",
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25})
+    model = randomize(transformers.Qwen3NextForCausalLM(cfg), seed=seed, norm_center=0.0)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for layer in model.model.layers[:3]:
+            gdn = layer.linear_attn
+            # decay rates A from 0.02 to 4: some heads remember across the chunk boundary
+            gdn.A_log.copy_(torch.log(0.02 + 4 * torch.rand(gdn.A_log.shape, generator=g)))
+            gdn.norm.weight.copy_(1.0 + 0.2 * torch.randn(gdn.norm.weight.shape, generator=g))  # not (1 + w)
+    return model
+
+
+def hf_logits(model, tokens=TOKENS):
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens)).logits.float().numpy()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, tokenizer_file):  # noqa: F811
+    tmp = tmp_path_factory.mktemp("hybrid")
+    model = hybrid_hf_model()
+    convert.from_hf(save(model, tmp / "hf", tokenizer_file), tmp / "run")
+    return model, tmp
+
+
+def test_qwen3_next_hybrid_logits_match_transformers(converted):
+    model, tmp = converted
+    run = json.loads((tmp / "run" / "config.json").read_text())["model"]
+    assert run["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert run["linear_attention"] == {"num_k_heads": 2, "num_v_heads": 4, "head_k_dim": 16, "head_v_dim": 8,
+                                       "conv_kernel": 4}
+    assert run["moe"]["shared_expert_width"] == 32 and run["moe"]["renormalize"] and run["zero_centered_norm"]
+    assert run["rope_dim"] == 4 and run["gate"]["granularity"] == "elementwise"
+    graphdef, state = nnx.split(rundir.load(tmp / "run").model)
+    ours = np.asarray(jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))(state, jnp.asarray(TOKENS)))
+    theirs = hf_logits(model)
+    assert np.abs(theirs).max() > 0.5  # (logits that carry signal)
+    np.testing.assert_allclose(ours, theirs, **TOL)
+
+
+def test_qwen3_next_hybrid_round_trip_is_bit_identical(converted, tmp_path):
+    """HF -> gattn -> HF gives the same tensors bit for bit (the (1 + w) norms are stored as w), and
+    transformers loads the export with the same logits; gattn -> HF -> gattn too."""
+    from safetensors.numpy import load_file
+
+    model, tmp = converted
+    convert.to_hf(tmp / "run", tmp_path / "back")  # auto: GDN layers and a shared expert -> qwen3_next
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "qwen3_next"
+    original = {k: v.numpy() for k, v in model.state_dict().items()}
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    # transformers keeps the experts fused in memory (gate_up_proj) and saves them per expert: compare files
+    saved = load_file(tmp / "hf" / "model.safetensors")
+    assert saved.keys() == back.keys() and len(saved) > 60
+    for name in saved:
+        np.testing.assert_array_equal(saved[name], back[name], err_msg=name)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager")
+    np.testing.assert_array_equal(hf_logits(again), hf_logits(model))
+    assert any("linear_attn" in k for k in original)
+    convert.from_hf(tmp_path / "back", tmp_path / "run2")
+    a, b = _flat_params(tmp / "run"), _flat_params(tmp_path / "run2")
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
+
+
+def test_cached_greedy_decoding_gives_transformers_tokens(converted):
+    """Two prompts in one batch (left padding), prefilled 16 tokens at a time (the short prompt's
+    first chunks are all padding: its state must stay empty), then recurrent steps: each row
+    decodes what transformers' generate decodes for it alone."""
+    model, tmp = converted
+    prompts = [TOKENS[0, :70].tolist(), TOKENS[1, :9].tolist()]  # the long one crosses the 64-token chunk
+    theirs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.as_tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
+        theirs.append(out[0, len(prompt):].tolist())
+    ours = decode.generate(rundir.load(tmp / "run").model, prompts, max_new_tokens=10, prefill_chunk=16)
+    assert ours == theirs
+
+
+def tiny_hybrid(**kw) -> ModelConfig:
+    fields = dict(vocab_size=64, d_model=32, num_layers=4, q_heads=4, kv_heads=2, head_dim=8, d_ff=64, qk_norm=True,
+                  zero_centered_norm=True, gate=GateSpec(), layer_types=hybrid_layer_types(4),
+                  linear_attention=LinearAttentionSpec(2, 4, 8, 8, 4))
+    return ModelConfig(**{**fields, **kw})
+
+
+def test_a_packed_row_equals_its_documents_run_separately():
+    """Segment ids reset the GDN state and conv at each document start, and attention is per
+    document: a packed row computes what its documents compute alone. One batch (one compile):
+    the packed row, each document alone (padding after it), and the packed row without
+    document boundaries (the documents leak)."""
+    model = Transformer(tiny_hybrid(moe=MoESpec(num_experts=4, top_k=2, expert_width=16, shared_expert_width=8)),
+                        ExecConfig(gdn_chunk=8), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    lengths, s = (11, 5, 14), 32  # 30 tokens and 2 of padding; chunks of 8 cut every document
+    docs = [rng.integers(0, 64, n) for n in lengths]
+    tokens, segments, positions = (np.zeros((5, s), np.int32) for _ in range(3))
+    tokens[0, :30] = tokens[4, :30] = np.concatenate(docs)
+    segments[0, :30] = np.repeat([1, 2, 3], lengths)
+    segments[4, :30] = 1
+    positions[0, :30] = positions[4, :30] = np.concatenate([np.arange(n) for n in lengths])
+    for row, d in enumerate(docs, start=1):
+        tokens[row, :len(d)], segments[row, :len(d)], positions[row, :len(d)] = d, 1, np.arange(len(d))
+    graphdef, state = nnx.split(model)
+    logits = np.asarray(jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a))(
+        state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments)))
+    start = 0
+    for row, n in enumerate(lengths, start=1):
+        np.testing.assert_allclose(logits[0, start:start + n], logits[row, :n], rtol=1e-6, atol=1e-6)
+        start += n
+    assert np.abs(logits[4, 11:16] - logits[0, 11:16]).max() > 1e-3
+
+
+def test_hybrid_configs_are_checked():
+    with pytest.raises(ConfigError, match="'layer_types'.*num_layers \\(4\\)"):
+        ModelConfig(num_layers=4, layer_types=hybrid_layer_types(3), linear_attention=LinearAttentionSpec())
+    with pytest.raises(ConfigError, match="'layer_types' = 'mamba'"):
+        ModelConfig(num_layers=2, layer_types=("mamba", "full_attention"))
+    with pytest.raises(ConfigError, match="'linear_attention' = None.*LinearAttentionSpec"):
+        ModelConfig(num_layers=4, layer_types=hybrid_layer_types(4))
+    with pytest.raises(ConfigError, match="'num_v_heads' = 3"):
+        LinearAttentionSpec(num_k_heads=2, num_v_heads=3)
+    with pytest.raises(ConfigError, match="'exec.scan_layers' = True"):
+        Config(model=tiny_hybrid(), exec=ExecConfig(scan_layers=True))
+    assert hybrid_layer_types(8) == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 \
+        + ("full_attention",)
+    assert tiny_hybrid().full_attention_layers == (3,)
+
+
+def test_hybrid_export_refusals_name_the_field():
+    shared = MoESpec(num_experts=4, top_k=2, expert_width=8, shared_expert_width=8)
+    assert hf_config.export_layout(tiny_hybrid(moe=shared)) == "qwen3_next"
+    with pytest.raises(ConfigError, match="'model.layer_types'.*only qwen3_next"):
+        hf_config.export_layout(tiny_hybrid(), "qwen3")
+    with pytest.raises(ConfigError, match="'--layout' = 'auto'.*Gated DeltaNet layers.*elementwise G1 gate"):
+        hf_config.export_layout(tiny_hybrid(gate=None))
+    with pytest.raises(ConfigError, match="'model.moe.shared_expert_width' = 0.*qwen3_next"):
+        hf_config.export_layout(tiny_hybrid(moe=MoESpec(num_experts=4, top_k=2, expert_width=8)), "qwen3_next")
+    with pytest.raises(ConfigError, match="'model.moe.shared_expert_width' = 8.*only qwen3_next"):
+        hf_config.export_layout(ModelConfig(qk_norm=True, moe=shared), "qwen3_moe")
+    hf = hf_config.hf_config(tiny_hybrid(moe=shared), "qwen3_next", 128)
+    assert hf_config.model_config(hf, "qwen3_next") == tiny_hybrid(moe=shared)
