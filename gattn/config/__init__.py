@@ -12,7 +12,7 @@ Where each part lives (every name is importable from `gattn.config` itself):
                   LinearAttentionSpec, LAYER_TYPES, hybrid_layer_types, POSITION_FIELDS
     execution.py  how and where it is computed: ExecConfig, MOVED_TO_EXEC, MeshConfig
     train.py      TrainConfig, LR_PRESETS, EXTEND
-    data.py       DataConfig, BackcopySpec, BACKCOPY
+    data.py       DataConfig, BackcopySpec, BACKCOPY, SHARDS, TFDS
     __init__.py   Config (the run: all of the above) and its dicts: from_dict, to_dict,
                   flat_fields, differences (a run's config.json)
 """
@@ -28,7 +28,7 @@ from typing import Any
 from gattn.config.checks import (ATTENTION_IMPLS, DECODE_ERRORS, DTYPES, FFN_ACTIVATIONS, FORMS, GATE_ACTIVATIONS,
                                  GRANULARITIES, GROUPED_MATMULS, LBL_SCOPES, MOE_IMPLS, POSITIONS, REMAT_POLICIES,
                                  SDPA_NONLINEARITIES, SHARINGS, SWITCH_TARGETS, ConfigError)
-from gattn.config.data import BACKCOPY, BackcopySpec, DataConfig
+from gattn.config.data import BACKCOPY, SHARDS, TFDS, BackcopySpec, DataConfig
 from gattn.config.execution import MOVED_TO_EXEC, ExecConfig, MeshConfig
 from gattn.config.model import (LAYER_TYPES, POSITION_FIELDS, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec,
                                 SwitchHeadsSpec, YarnSpec, hybrid_layer_types)
@@ -37,7 +37,7 @@ from gattn.config.train import EXTEND, LR_PRESETS, TrainConfig
 __all__ = [
     "ATTENTION_IMPLS", "BACKCOPY", "DECODE_ERRORS", "DTYPES", "EXTEND", "FFN_ACTIVATIONS", "FORMS", "GATE_ACTIVATIONS",
     "GRANULARITIES", "GROUPED_MATMULS", "LAYER_TYPES", "LBL_SCOPES", "LR_PRESETS", "MOE_IMPLS", "MOVED_TO_EXEC", "POSITIONS", "POSITION_FIELDS",
-    "REMAT_POLICIES", "SDPA_NONLINEARITIES", "SHARINGS", "SWITCH_TARGETS",
+    "REMAT_POLICIES", "SDPA_NONLINEARITIES", "SHARDS", "SHARINGS", "SWITCH_TARGETS", "TFDS",
     "BackcopySpec", "Config", "ConfigError", "DataConfig", "ExecConfig", "GateSpec", "LinearAttentionSpec", "MeshConfig", "ModelConfig",
     "MoESpec", "SwitchHeadsSpec", "TrainConfig", "YarnSpec",
     "differences", "flat_fields", "from_dict", "hybrid_layer_types", "to_dict",
