@@ -226,3 +226,21 @@ def test_the_sink_verdict_preset_carries_its_rule():
     assert s.variants == ("baseline", "sdpa_elementwise", "sdpa_headwise") and len(s.seeds) >= 10
     assert s.sink_rule == SinkRule() and s.base.data.source == "bigram_backcopy"
     assert study.describe(s)["sink_rule"]["sink"] == ["alpha_1_non_trigger_rest_mean", "f_attn"]
+
+
+def test_the_background_decides_what_follows_a_non_trigger():
+    from gattn.config import BackcopySpec, ConfigError
+    from gattn.data import backcopy
+
+    uniform = backcopy.task(BackcopySpec(chars=15, triggers="0|1", offsets="1,2", background="uniform"))
+    assert np.allclose(uniform.bigram_VxV[1:, 1:], 1 / 15) and np.allclose(uniform.unigram_V[3:], 1 / 13)
+    unigram = backcopy.task(BackcopySpec(chars=15, triggers="0|1", offsets="1,2", background="unigram"))
+    assert np.allclose(unigram.bigram_VxV[1:], unigram.bigram_VxV[1]) and unigram.bigram_VxV[1, 1] > 0.1
+    bigram = backcopy.task(BackcopySpec(chars=15, triggers="0|1", offsets="1,2"))
+    assert not np.allclose(bigram.bigram_VxV[1], bigram.bigram_VxV[2])  # the docs' bigrams differ by row
+    x = backcopy.sample(uniform, [(0, r, 0) for r in range(64)], 200)
+    free = x[:, 1:][~backcopy.is_copy_target(uniform, x)[:, 1:]]
+    counts = np.bincount(free, minlength=16)[1:]
+    assert counts.min() > 0.8 * counts.mean()  # every character alike
+    with pytest.raises(ConfigError, match="background"):
+        BackcopySpec(background="zipf")
