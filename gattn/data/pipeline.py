@@ -20,8 +20,7 @@ import numpy as np
 from etils import epath
 from grain._src.python.dataset.transformations import shuffle as grain_shuffle  # (grain is pinned)
 
-from gattn.config import BACKCOPY, ConfigError
-from gattn.config.data import SHARDS, TFDS
+from gattn.config import BACKCOPY, SHARDS, TFDS, ConfigError
 from gattn.data import backcopy, corpus, shards, tfds_text
 from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 

@@ -26,8 +26,7 @@ import sys
 
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 
-from gattn.config import BACKCOPY, ConfigError
-from gattn.config.data import SHARDS, TFDS
+from gattn.config import BACKCOPY, SHARDS, TFDS, ConfigError
 from gattn.data import backcopy, corpus, shards
 
 RECORD = "data.json"

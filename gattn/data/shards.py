@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from etils import epath
 
-from gattn.config import ConfigError
-from gattn.config.data import SHARDS
+from gattn.config import SHARDS, ConfigError
 
 MANIFEST = "manifest.json"
 FORMAT = "gattn-shards/1"

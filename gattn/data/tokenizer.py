@@ -13,8 +13,7 @@ from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import sentencepiece as spm
 
 from gattn import cli
-from gattn.config import BACKCOPY, ConfigError
-from gattn.config.data import SHARDS, TFDS
+from gattn.config import BACKCOPY, SHARDS, TFDS, ConfigError
 from gattn.data import backcopy, corpus, record, shards
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
