@@ -16,6 +16,7 @@ The manifest is written last, by this process, once the corpus has passed the co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -219,17 +220,18 @@ def prepare(source: str, tokenizer: str, out: str, *, workers: int = 1, num_shar
         bad = next((n, v) for n, v in (("--workers", workers), ("--num-shards", num_shards),
                                        ("--max-chars", max_chars)) if v < 1)
         raise ConfigError(*bad, "expected an integer >= 1")
+    files = inputs(source)
     root = epath.Path(out).expanduser()
     if root.exists() and any(root.iterdir()):
         raise ConfigError("--out", out, "an empty or new folder (the shards of one corpus and tokenizer); "
                           "this one holds files already")
     root.mkdir(parents=True, exist_ok=True)
-    files = inputs(source)
     tokenizer_file = copy_tokenizer(tokenizer, root)
     logging.getLogger("apache_beam").setLevel(logging.ERROR)
     start = time.perf_counter()
     try:
-        with beam.Pipeline(options=beam_options(workers, list(beam_args))) as p:
+        with _workers_log(workers > 1 and not any(a.startswith("--runner") for a in beam_args)), \
+                beam.Pipeline(options=beam_options(workers, list(beam_args))) as p:
             pipeline(p, files, str(tokenizer_file), str(root), num_shards, max_chars, decode_errors, code_max_bytes)
     except Exception as e:  # a worker's corpus error, as one line
         text = str(e)
@@ -246,6 +248,31 @@ def prepare(source: str, tokenizer: str, out: str, *, workers: int = 1, num_shar
     if not quiet:
         print(summary(m, str(root), workers, seconds), file=sys.stderr, flush=True)
     return {"manifest": m, "seconds": seconds}
+
+
+@contextlib.contextmanager
+def _workers_log(local_workers: bool):
+    """Local worker processes log their start-up at INFO on the stderr they inherit: while they
+    run, this process's stderr goes to a file, printed only if the pipeline fails otherwise than
+    with a corpus error (which is said in one line)."""
+    if not local_workers:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        except Exception as e:
+            os.dup2(saved, 2)
+            log.seek(0)
+            if _ERROR not in str(e):
+                sys.stderr.write(log.read().decode(errors="replace")[-5000:])
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def summary(m: dict, where: str, workers: int, seconds: float) -> str:
