@@ -85,7 +85,9 @@ class DataConfig:
     # TFDS dataset prepared under tfds_data_dir, read with random access and tokenized on the fly)
     source: str = "embedded"
     code_max_bytes: int = 1_500_000  # how much stdlib source the embedded corpus takes
-    tokenizer: str = ""             # a SentencePiece .model file; "" trains one of model.vocab_size
+    # a SentencePiece .model or a Hugging Face tokenizer.json (tokenizer_config.json beside it); ""
+    # trains a SentencePiece model of model.vocab_size on the corpus (shards: their own tokenizer)
+    tokenizer: str = ""
     # Packed rows each batch row's stream shuffles together (gattn/data/pipeline.Rows): a long
     # document's consecutive rows are spread over that many steps, at any batch size. Memory: a
     # process holds up to this many rows per stream it reads, 32 x 49 KB = 1.6 MB per stream at
