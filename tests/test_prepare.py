@@ -66,6 +66,18 @@ def cfg_for(source: str, batch: int = 8, seed: int = 0, **data) -> Config:
                   data=DataConfig(source=source, eval_batches=2, eval_batch_size=2, **data))
 
 
+def remade(source, tok, out, old) -> None:
+    """`out` made again from the corpus with one document edited (the corpus is then restored)."""
+    doc = source / "law" / "sub" / "1.txt"
+    kept = doc.read_bytes()
+    doc.write_text("edited " * 50)
+    try:
+        out.rename(old)
+        prepare.prepare(str(source), str(tok), str(out), num_shards=3, max_chars=MAX_CHARS, quiet=True)
+    finally:
+        doc.write_bytes(kept)
+
+
 def test_a_tokenizer_json_larger_than_the_model_vocabulary_is_refused_in_one_line(tmp_path):
     tok = hf_tokenizer(tmp_path, vocab=300)
     cfg = Config(model=ModelConfig(vocab_size=280), data=DataConfig(tokenizer=str(tok)))
@@ -164,12 +176,7 @@ def test_a_run_records_its_shards_and_a_resume_on_other_shards_is_refused(made, 
     assert rec["manifest_sha256"] == manifest_sha and rec["fingerprint"] == f"shards-{manifest_sha[:12]}"
     assert record.check_resume(cfg, work, path, False) == []            # the same shards: resumes
     # The same folder made again from other text (a document edited): another manifest.
-    (source / "law" / "1.txt").write_text("edited " * 50)
-    try:
-        (out.rename(tmp_path / "old"), prepare.prepare(str(source), str(tok), str(out), num_shards=3,
-                                                        max_chars=MAX_CHARS, quiet=True))
-    finally:
-        (source / "law" / "1.txt").write_text(text(random.Random(9), 400))
+    remade(source, tok, out, tmp_path / "old")
     with pytest.raises(ConfigError) as e:
         record.check_resume(cfg, work, tokenizer_path(cfg, work), False)
     assert e.value.field == "data.source" and rec["fingerprint"] in str(e.value) and "\n" not in str(e.value)
@@ -192,3 +199,30 @@ def test_a_bad_document_in_a_beam_worker_is_one_line_naming_the_file(tmp_path, m
     assert "a.jsonl:2" in str(e.value) and "not valid JSON" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="holds files already"):
         prepare.prepare(str(made[1]), str(made[2]), str(made[0] / "one"), quiet=True)
+
+
+@pytest.mark.slow  # ~90 s: three train.py runs (the data-level checks above run by default)
+def test_train_py_trains_on_shards_and_refuses_a_resume_on_other_shards(made, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import run_config_file
+
+    root, source, tok = made
+    out = tmp_path / "shards"
+    prepare.prepare(str(source), str(tok), str(out), num_shards=3, max_chars=MAX_CHARS, quiet=True)
+    config = tmp_path / "run.py"
+    config.write_text(run_config_file(steps=2, warmup_steps=1, eval_every=2, checkpoint_every=2)
+                      .replace("code_max_bytes=200_000", f"source='shards:{out}'"))
+    cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "--config", str(config),
+           "--workdir", str(tmp_path / "run"), "--quiet"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    rec = json.loads((tmp_path / "run" / record.RECORD).read_text())
+    assert rec["manifest_sha256"] == record.sha256(out / shards.MANIFEST)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["completed"]
+    remade(source, tok, out, tmp_path / "old")
+    refused = subprocess.run(cmd + ["--steps", "3"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "data.source" in refused.stderr and rec["fingerprint"] in refused.stderr
+    assert "Traceback" not in refused.stderr
