@@ -201,6 +201,16 @@ def test_a_bad_document_in_a_beam_worker_is_one_line_naming_the_file(tmp_path, m
         prepare.prepare(str(made[1]), str(made[2]), str(made[0] / "one"), quiet=True)
 
 
+def test_the_command_says_a_bad_source_in_one_line_and_exits_2(tmp_path, made, capsys):
+    from gattn import cli
+
+    argv = ["--source", str(tmp_path / "none"), "--tokenizer", str(made[2]), "--out", str(tmp_path / "out")]
+    assert cli.run_cli(prepare.main, argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --source=") and "no such folder" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow  # ~90 s: three train.py runs (the data-level checks above run by default)
 def test_train_py_trains_on_shards_and_refuses_a_resume_on_other_shards(made, tmp_path):
     import subprocess
