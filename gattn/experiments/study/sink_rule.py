@@ -109,7 +109,9 @@ def mechanism_figure(study, records: list[dict], path: Path) -> Path | None:
                 ax.scatter(a, layer.get("gate_score_non_trigger_rest_per_head", [1.0] * len(a)), c="C0", s=18)
                 ax.scatter(a, layer.get("gate_score_trigger_per_head", [1.0] * len(a)), facecolors="none",
                            edgecolors="C3", s=18)
-        ax.set_title(v)
+        gated = any("gate_score_trigger_per_head" in layer for r in ok if r["variant"] == v
+                    for layer in r["sinks"]["per_layer"])
+        ax.set_title(v if gated else f"{v} (no gate: 1)")
         ax.set_xlabel("non-trigger alpha_1 on <s> (per head)")
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1.05)
