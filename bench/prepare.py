@@ -90,6 +90,7 @@ def generate_corpus(folder: Path, mb: int, seed: int = 0) -> Path:
 
 def run_prepare(source: Path, tokenizer: Path, out: Path, workers: int) -> dict:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    load = os.getloadavg()[0]  # other jobs on the machine take cores from the workers
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "gattn.prepare", "--source", str(source), "--tokenizer",
                            str(tokenizer), "--out", str(out), "--workers", str(workers), "--num-shards", "16",
@@ -106,7 +107,7 @@ def run_prepare(source: Path, tokenizer: Path, out: Path, workers: int) -> dict:
     return {"workers": workers, "seconds_pipeline": result["seconds"],
             "seconds_process": round(time.perf_counter() - start, 1), "tokens": tokens, "mb": round(nbytes / 2**20, 1),
             "tokens_per_s": round(tokens / result["seconds"]), "mb_per_s": round(nbytes / 2**20 / result["seconds"], 2),
-            "shards_sha256": digest.hexdigest()[:16]}
+            "shards_sha256": digest.hexdigest()[:16], "load_average_before_after": [load, os.getloadavg()[0]]}
 
 
 def main() -> None:
