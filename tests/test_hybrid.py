@@ -177,3 +177,61 @@ def test_hybrid_export_refusals_name_the_field():
         hf_config.export_layout(ModelConfig(qk_norm=True, moe=shared), "qwen3_moe")
     hf = hf_config.hf_config(tiny_hybrid(moe=shared), "qwen3_next", 128)
     assert hf_config.model_config(hf, "qwen3_next") == tiny_hybrid(moe=shared)
+
+
+def test_the_tiny_hybrid_trains_and_resumes_bit_identically(tmp_path):
+    """configs/hybrid_tiny.py trains with the trainer like any config; resumed from its step-2
+    checkpoint, it logs again what the uninterrupted run logged after it."""
+    import shutil
+
+    from gattn import cli
+    from gattn.train import trainer
+
+    small = ["train.steps=4", "train.batch_size=4", "train.seq_len=64", "train.log_every=1", "train.warmup_steps=1",
+             "train.eval_every=4", "train.checkpoint_every=2", "data.eval_batches=1", "data.eval_batch_size=2",
+             "data.code_max_bytes=200000", "model.vocab_size=512"]
+    cfg = cli.load("hybrid_tiny", small)
+    assert cfg.model.hybrid and cfg.model.moe.shared_expert_width
+    full = trainer.train(cfg, tmp_path / "full", progress=False)
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    resumed = trainer.train(cfg, tmp_path / "cut", progress=False, resume_step=2)
+
+    def rows(workdir):
+        lines = (workdir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k != "tokens_per_sec"} for line in lines]
+
+    assert [r["step"] for r in rows(tmp_path / "full")] == [1, 2, 3, 4]
+    assert rows(tmp_path / "cut") == rows(tmp_path / "full")  # steps 3 and 4 trained again, bit for bit
+    assert [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.set_aside.jsonl").read_text().splitlines()] \
+        == [3, 4]
+    assert resumed["step"] == full["step"] == 4
+
+
+def test_measurements_on_a_hybrid_cover_attention_layers_and_m_act_everywhere(tmp_path):
+    """eval.py's measurements: the attention measures (F-Attn, gate score, mean |Y|, sparsity)
+    on the full-attention layers only, None on the Gated DeltaNet layers, which say why; M-Act and
+    the FFN activations on every layer; attention maps refused on a GDN layer."""
+    from gattn.eval import analysis, plots
+
+    cfg = tiny_hybrid(num_layers=8, layer_types=hybrid_layer_types(8))
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = np.random.default_rng(0).integers(0, 64, (2, 24))
+    out = analysis.summarize(model, tokens)
+    rows = out["per_layer"]
+    assert [r["mixer"] for r in rows] == list(cfg.layer_types) and cfg.full_attention_layers == (3, 7)
+    for r in rows:
+        assert r["m_act"] > 0 and r["ffn_act"] > 0
+        attention = r["mixer"] == "full_attention"
+        for key in ("f_attn", "gate_score", "mean_abs_y", "sparsity", "sink_head_share"):
+            assert (r[key] is not None) == attention, (r["layer"], key)
+    assert out["overall"]["f_attn"] == pytest.approx(np.mean([rows[3]["f_attn"], rows[7]["f_attn"]]))
+    assert out["overall"]["gate_score"] == pytest.approx(np.mean([rows[3]["gate_score"], rows[7]["gate_score"]]))
+    assert out["overall"]["m_act"] == pytest.approx(np.mean([r["m_act"] for r in rows]))
+    assert out["overall"]["attention_layers"] == [3, 7] and "Gated DeltaNet" in out["overall"]["not_measured"]
+    assert set(out["attn_maps"]) == {"3", "7"}
+    with pytest.raises(ConfigError, match="'map_layers' = 2 .*Gated DeltaNet layer"):
+        analysis.Measurements(cfg, analysis.Options(map_layers=(2,)))
+    # the figures draw the GDN layers as gaps
+    assert plots.per_layer({"hybrid": out}, tmp_path / "p.png").is_file()
+    assert plots.f_attn_heads(out, tmp_path / "f.png").is_file()
+    assert plots.sparsity(out, tmp_path / "s.png").is_file()

@@ -93,7 +93,11 @@ def _collect(model, tokens_BxS, positions_BxS, segment_ids_BxS, map_layers, map_
     inter = nnx.pop(model, nnx.Intermediate)
     layers = []
     for i in range(len(model.blocks)):
-        blk, attn = inter["blocks"][i], inter["blocks"][i]["attn"]
+        blk = inter["blocks"][i]
+        if "attn" not in blk:  # a Gated DeltaNet layer (hybrid models): no attention matrix, SDPA output or gate
+            layers.append({"block_out": blk["block_out"][0], "ffn_out": blk["ffn_out"][0]})
+            continue
+        attn = blk["attn"]
         probs = attn["attn_probs"][0]
         layer = {"block_out": blk["block_out"][0], "ffn_out": blk["ffn_out"][0], "sdpa_out": attn["sdpa_out"][0],
                  "first_probs": first_token_probs(probs, segment_ids_BxS)}
@@ -128,7 +132,8 @@ def moe_shards(cfg) -> int:
 def collect(model, tokens_BxS, segment_ids_BxS=None, positions_BxS=None, *,
             map_layers: tuple[int, ...] = (), map_len: int = 64) -> list[dict[str, np.ndarray]]:
     """One dict per layer (N = B * S): 'block_out' [N, D], 'ffn_out' [N, D] (the FFN's addition to
-    the residual stream), 'sdpa_out' [N, Hq, K], 'first_probs'
+    the residual stream) and, for attention layers (a hybrid's Gated DeltaNet layers have only those
+    two), 'sdpa_out' [N, Hq, K], 'first_probs'
     [B, Hq, S] (see `first_token_probs`), 'attn_map' [B, Hq, L, L] for `map_layers` (L = min(map_len,
     S)) and, for gated variants, 'gate_scores' [N, heads, width] and, at the gate's position,
     'gate_input' / 'gated' (what the gate multiplies and what it returns). Runs `for_analysis(model)`."""
@@ -154,11 +159,24 @@ SINK_HEADS_DEFINITION = ("the share of (layer, head) pairs whose F-Attn (the pap
                          "every query of the held-out rows but each document's first) exceeds the threshold")
 
 
-def check_map_layers(map_layers, num_layers: int, field: str = "map_layers") -> tuple[int, ...]:
-    """`map_layers` as a tuple, or ConfigError (naming `field`) for a layer the model lacks."""
+# Per-layer fields that only attention layers have; a hybrid's Gated DeltaNet rows hold None there.
+ATTENTION_ONLY = ("mean_abs_y", "f_attn", "sink_head_share", "sparsity", "gate_score", "mean_abs_y_gated")
+HYBRID_NOTE = ("F-Attn, the sink-head share, the gate score, mean |Y| and the sparsity are attention measures: "
+               "they are averaged over the full-attention layers (attention_layers) and are None for the Gated "
+               "DeltaNet layers, which have no softmax attention, SDPA output or gate; M-Act and the FFN "
+               "activations cover every layer")
+
+
+def check_map_layers(map_layers, num_layers: int, field: str = "map_layers", *,
+                     attention_layers: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """`map_layers` as a tuple, or ConfigError (naming `field`) for a layer the model lacks or,
+    in a hybrid, a Gated DeltaNet layer (`attention_layers`: the layers with an attention map)."""
     for i in map_layers:
         if not 0 <= i < num_layers:
             raise ConfigError(field, i, f"layers 0..{num_layers - 1} of this model")
+        if attention_layers is not None and i not in attention_layers:
+            raise ConfigError(field, i, f"an attention layer ({', '.join(map(str, attention_layers))}): layer "
+                              f"{i} is a Gated DeltaNet layer, which has no attention map")
     return tuple(map_layers)
 
 
@@ -185,8 +203,11 @@ class Measurements:
         self.gated = gate is not None
         self.gate_on_sdpa = self.gated and gate.position == "sdpa"
         self.gate_range = GATE_RANGES[gate.activation] if self.gated else None
-        self.map_layers = (check_map_layers(self.opts.map_layers, n) if self.opts.map_layers is not None
-                           else tuple(sorted({0, n // 2, n - 1})))
+        full = model_cfg.full_attention_layers  # where the attention measures apply (all layers but a hybrid's GDN)
+        self.attention_layers = full
+        self.map_layers = (check_map_layers(self.opts.map_layers, n, attention_layers=full)
+                           if self.opts.map_layers is not None
+                           else tuple(sorted({full[0], full[len(full) // 2], full[-1]})))
         t, l_ = len(self.opts.sparsity_thresholds), self.opts.map_len
         self.m_act = np.zeros(n)
         self.m_act_token_sum, self.ffn_act = np.zeros(n), np.zeros(n)  # sum of per-token maxima; max |FFN out|
@@ -201,7 +222,8 @@ class Measurements:
         self.map_queries = np.zeros(l_, np.int64)  # per query position: rows whose first document reaches it
 
     def add(self, layers: list[dict[str, np.ndarray]], segment_ids_BxS=None) -> None:
-        b, _, s = layers[0]["first_probs"].shape
+        first_attention = layers[self.attention_layers[0]]
+        b, _, s = first_attention["first_probs"].shape
         seg = np.ones((b, s), np.int64) if segment_ids_BxS is None else np.asarray(segment_ids_BxS)
         valid_N = seg.reshape(-1) != 0
         keep_BxS = np.asarray(f_attn_mask(jnp.asarray(seg)))
@@ -214,6 +236,8 @@ class Measurements:
             self.m_act[i] = max(self.m_act[i], float(token_max_T.max(initial=0.0)))
             self.m_act_token_sum[i] += float(token_max_T.astype(np.float64).sum())
             self.ffn_act[i] = max(self.ffn_act[i], float(np.abs(layer["ffn_out"][valid_N]).max(initial=0.0)))
+            if "first_probs" not in layer:  # a Gated DeltaNet layer: M-Act and the FFN only
+                continue
             self.abs_sum["sdpa_out"][i] += float(np.abs(layer["sdpa_out"][valid_N]).astype(np.float64).sum())
             self.f_attn_sum[i] += (layer["first_probs"] * keep_BxS[:, None, :]).sum(axis=(0, 2))
             self._count_below("sdpa_out", i, layer["sdpa_out"][valid_N], thresholds)
@@ -232,7 +256,7 @@ class Measurements:
                 self.map_sum[i][:, :l_, :l_] += m
         self.f_attn_count += int(keep_BxS.sum())
         self.gate_count += int(valid_N.sum())
-        self.values += int(valid_N.sum()) * layers[0]["sdpa_out"][0].size
+        self.values += int(valid_N.sum()) * first_attention["sdpa_out"][0].size
         self.map_queries[:l_] += in_first_BxL.sum(axis=0)
 
     def add_batch(self, model, tokens_BxS, segment_ids_BxS=None, positions_BxS=None) -> None:
@@ -250,14 +274,19 @@ class Measurements:
         f_head = self.f_attn_sum / max(self.f_attn_count, 1)
         per_layer = []
         for i in range(n):
-            row = {"layer": i, "m_act": float(self.m_act[i]),
+            row = {"layer": i, "mixer": self.cfg.layer_type(i), "m_act": float(self.m_act[i]),
                    "m_act_per_token": float(self.m_act_token_sum[i] / max(self.gate_count, 1)),
-                   "ffn_act": float(self.ffn_act[i]),
+                   "ffn_act": float(self.ffn_act[i])}
+            if i not in self.attention_layers:  # no softmax attention, SDPA output or gate: no number
+                row.update({k: None for k in ATTENTION_ONLY}, f_attn_per_head=[None] * self.cfg.q_heads)
+                per_layer.append(row)
+                continue
+            row.update({
                    "mean_abs_y": float(self.abs_sum["sdpa_out"][i] / max(self.values, 1)),
                    "f_attn": float(f_head[i].mean()),
                    "f_attn_per_head": [float(x) for x in f_head[i]],
                    "sink_head_share": float(np.mean(f_head[i] > self.opts.sink_threshold)),
-                   "sparsity": {"sdpa_out": self._shares(self.below["sdpa_out"][i], names)}}
+                   "sparsity": {"sdpa_out": self._shares(self.below["sdpa_out"][i], names)}})
             if self.gated:
                 row["gate_score"] = float(self.gate_sum[i] / max(self.gate_count, 1))
                 if self.gate_on_sdpa:
@@ -266,21 +295,26 @@ class Measurements:
                     if self.cfg.gate.form == "multiplicative":
                         row["sparsity"]["mean_gate_scaled"] = self._mean_scaled(i, row["gate_score"], names)
             per_layer.append(row)
+        att = [per_layer[i] for i in self.attention_layers]  # the attention measures average these
+        f_att = f_head[list(self.attention_layers)]
         overall = {"m_act": float(self.m_act.mean()), "m_act_max": float(self.m_act.max()),
                    "m_act_per_token": float(np.mean([r["m_act_per_token"] for r in per_layer])),
                    "ffn_act": float(self.ffn_act.mean()), "ffn_act_max": float(self.ffn_act.max()),
-                   **{k: float(np.mean([r[k] for r in per_layer])) for k in ("mean_abs_y", "mean_abs_y_gated")
-                      if k in per_layer[0]},
-                   "f_attn": float(f_head.mean()),
-                   "sink_head_share": float(np.mean(f_head > self.opts.sink_threshold)),
-                   "sparsity": {k: {t: float(np.mean([r["sparsity"][k][t] for r in per_layer])) for t in names}
-                                for k in per_layer[0]["sparsity"]}}
+                   **{k: float(np.mean([r[k] for r in att])) for k in ("mean_abs_y", "mean_abs_y_gated")
+                      if k in att[0]},
+                   "f_attn": float(f_att.mean()),
+                   "sink_head_share": float(np.mean(f_att > self.opts.sink_threshold)),
+                   "sparsity": {k: {t: float(np.mean([r["sparsity"][k][t] for r in att])) for t in names}
+                                for k in att[0]["sparsity"]}}
+        if len(att) < n:
+            overall["attention_layers"] = list(self.attention_layers)
+            overall["not_measured"] = HYBRID_NOTE
         out = {"per_layer": per_layer, "overall": overall,
                "counts": {"queries_for_f_attn": self.f_attn_count, "tokens": self.gate_count,
                           "attn_map_rows": int(self.map_queries[0])},
                "sink_threshold": self.opts.sink_threshold}
         if self.gated:
-            overall["gate_score"] = float(np.mean([r["gate_score"] for r in per_layer]))
+            overall["gate_score"] = float(np.mean([r["gate_score"] for r in att]))
             lo, hi = self.gate_range
             out["gate_histogram"] = {"range": [lo, hi], "per_layer": self.gate_hist.tolist(),
                                      "all_layers": self.gate_hist.sum(axis=0).tolist()}

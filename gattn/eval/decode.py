@@ -41,7 +41,11 @@ def init_cache(model: Transformer, batch: int, max_len: int) -> dict:
     """An empty cache for `batch` rows of `max_len` slots (layout: Transformer.init_cache); with
     several processes, a global array replicated over every device."""
     if jax.process_count() == 1:
-        return model.init_cache(batch, max_len)
+        cache = model.init_cache(batch, max_len)
+        sharding = getattr(model.embed[...], "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):  # as the prefill returns it: one compile, not two
+            cache = jax.device_put(cache, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+        return cache
     return jax.jit(lambda: model.init_cache(batch, max_len), out_shardings=_replicated())()
 
 

@@ -43,7 +43,8 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     options = options or analysis.Options()
     run_cfg = rundir.load_config(workdir, overrides)  # an architecture change is refused here
     # Checked before anything is restored, named as eval.py's flag.
-    analysis.check_map_layers(options.map_layers or (), run_cfg.model.num_layers, "--map-layers")
+    analysis.check_map_layers(options.map_layers or (), run_cfg.model.num_layers, "--map-layers",
+                              attention_layers=run_cfg.model.full_attention_layers)
     cfg, model, step = rundir.load(workdir, step, overrides, cfg=run_cfg)
     out_dir = out_path(workdir, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,12 @@ def dodge(j: int, n: int, width: float = 0.12) -> float:
     return (j - (n - 1) / 2) * width / max(n - 1, 1) if n > 1 else 0.0
 
 
+def _values(rows: list[dict], key: str) -> np.ndarray:
+    """rows[i][key] as floats; None (an attention measure on a hybrid's Gated DeltaNet layer) is
+    NaN, a gap in the line."""
+    return np.asarray([r[key] for r in rows], float)
+
+
 def per_layer(runs: dict[str, dict], path: Path, title: str = "") -> Path:
     """One panel per quantity, one line per run (name -> measurements; `run_style`); gate scores
     only for the gated runs. In the sink-head panel the runs are dodged along x (`dodge`) and
@@ -49,7 +55,7 @@ def per_layer(runs: dict[str, dict], path: Path, title: str = "") -> Path:
             rows = m["per_layer"]
             if key in rows[0]:
                 dx = dodge(j, len(runs)) if key == "sink_head_share" else 0.0
-                ax.plot([r["layer"] + dx for r in rows], [r[key] for r in rows], label=name, **run_style(j))
+                ax.plot([r["layer"] + dx for r in rows], _values(rows, key), label=name, **run_style(j))
         if key == "sink_head_share":
             ax.set_ylim(-0.05, 1.05)
             if ax.lines:
@@ -113,9 +119,9 @@ def mean_abs_y(runs: dict[str, dict], path: Path, title: str = "") -> Path:
         if "mean_abs_y" not in rows[0]:
             continue
         layers = [r["layer"] for r in rows]
-        ax.plot(layers, [r["mean_abs_y"] for r in rows], marker="o", color=f"C{j % 10}", label=f"{name}: Y")
+        ax.plot(layers, _values(rows, "mean_abs_y"), marker="o", color=f"C{j % 10}", label=f"{name}: Y")
         if "mean_abs_y_gated" in rows[0]:
-            ax.plot(layers, [r["mean_abs_y_gated"] for r in rows], marker="s", ls="--", color=f"C{j % 10}",
+            ax.plot(layers, _values(rows, "mean_abs_y_gated"), marker="s", ls="--", color=f"C{j % 10}",
                     label=f"{name}: Y' (after the gate)")
     ax.set(xlabel="layer", ylabel="mean |value|", yscale="log")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -147,18 +153,18 @@ def gate_histogram(m: dict, path: Path, name: str = "") -> Path:
 def sparsity(m: dict, path: Path, name: str = "") -> Path:
     """Fig. 5: share of SDPA-output values below each threshold per layer, before and after the
     gate and after scaling by the mean gate score instead."""
-    rows = m["per_layer"]
+    rows = [r for r in m["per_layer"] if r["sparsity"] is not None]  # (a hybrid's attention layers)
     kinds = list(rows[0]["sparsity"])
     thresholds = list(rows[0]["sparsity"][kinds[0]])
     fig, axes = _subplots(1, len(thresholds), figsize=(5.5 * len(thresholds), 3.6), squeeze=False)
-    layers = np.arange(len(rows))
+    layers = np.asarray([r["layer"] for r in rows])
     width = 0.8 / len(kinds)
     labels = {"sdpa_out": "SDPA output", "gated": "after the gate", "mean_gate_scaled": "x mean gate score"}
     for ax, t in zip(axes[0], thresholds):
         for j, kind in enumerate(kinds):
-            ax.bar(layers + j * width, [r["sparsity"][kind][t] for r in rows], width, label=labels[kind])
+            ax.bar(np.arange(len(rows)) + j * width, [r["sparsity"][kind][t] for r in rows], width, label=labels[kind])
         ax.set(xlabel="layer", ylabel=f"share of |values| < {t}", title=f"sparsity below {t}")
-        ax.set_xticks(layers + width * (len(kinds) - 1) / 2, layers)
+        ax.set_xticks(np.arange(len(rows)) + width * (len(kinds) - 1) / 2, layers)
         ax.legend(fontsize=8)
     fig.suptitle(f"{name}: SDPA-output sparsity")
     return _save(fig, path)
@@ -166,7 +172,7 @@ def sparsity(m: dict, path: Path, name: str = "") -> Path:
 
 def f_attn_heads(m: dict, path: Path, name: str = "") -> Path:
     """Per-head first-token attention, layers x heads."""
-    grid = np.asarray([r["f_attn_per_head"] for r in m["per_layer"]])
+    grid = np.asarray([r["f_attn_per_head"] for r in m["per_layer"]], float)  # (None: a GDN layer, blank)
     fig, ax = _subplots(figsize=(1.0 + 0.45 * grid.shape[1], 1.0 + 0.35 * grid.shape[0]))
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set(xlabel="head", ylabel="layer", title=f"{name}: F-Attn per head")

@@ -136,6 +136,24 @@ def recurrent_gated_delta_rule(q_BxSxGxK, k_BxSxGxK, v_BxSxHxV, g_BxSxH, beta_Bx
     return jnp.moveaxis(o_SxBxHxV, 0, 1), state
 
 
+def unit_lower_inverse(a_XxCxC: jax.Array) -> jax.Array:
+    """(I + A)^-1 for strictly lower-triangular A (batched over leading axes), by forward
+    substitution one row at a time, as FLA and transformers compute the chunk's T: row i of
+    (I + A)^-1 - I is -a_i - a_i (rows < i of it), and a_i is zero from column i on, so the
+    not yet computed rows (still -A, strictly lower) never enter. Pure matmuls in a fori_loop:
+    no LAPACK call (XLA:CPU's triangular solve inside the training step's jit hung the second
+    call of the step on jax 0.10.2, docs/hybrid.md)."""
+    c = a_XxCxC.shape[-1]
+    neg = -a_XxCxC
+
+    def row(i, t):
+        r = jax.lax.dynamic_index_in_dim(t, i, axis=-2, keepdims=False)  # [..., C]: -a_i
+        r = r + jnp.einsum("...j,...jk->...k", r, t, precision=PRECISION)
+        return jax.lax.dynamic_update_index_in_dim(t, r, i, axis=-2)
+
+    return jax.lax.fori_loop(1, c, row, neg) + jnp.eye(c, dtype=a_XxCxC.dtype)
+
+
 def chunk_gated_delta_rule(q_BxSxGxK, k_BxSxGxK, v_BxSxHxV, g_BxSxH, beta_BxSxH, resets_BxS=None,
                            state_BxHxKxV=None, chunk_size: int = 64) -> tuple[jax.Array, jax.Array]:
     """The same function as `recurrent_gated_delta_rule`, C tokens at a time (training, prefill).
@@ -184,8 +202,10 @@ def chunk_gated_delta_rule(q_BxSxGxK, k_BxSxGxK, v_BxSxHxV, g_BxSxH, beta_BxSxH,
     strictly_lower_CxC = ~jnp.eye(c, dtype=bool)
     system_BxHxNxCxC = jnp.where(strictly_lower_CxC, mm("bhnck,bhnjk->bhncj", k_beta, k) * gamma_BxHxNxCxC, 0.0)
 
-    def solve(rhs):  # T rhs = (I + system)^-1 rhs, by forward substitution
-        return jax.scipy.linalg.solve_triangular(system_BxHxNxCxC, rhs, lower=True, unit_diagonal=True)
+    t_BxHxNxCxC = unit_lower_inverse(system_BxHxNxCxC)
+
+    def solve(rhs):  # T rhs = (I + system)^-1 rhs
+        return mm("bhnij,bhnjd->bhnid", t_BxHxNxCxC, rhs)
 
     u_BxHxNxCxV = solve(v_beta)
     wk_BxHxNxCxK = solve(jnp.where(from_start, k_beta * jnp.exp(cum_BxHxNxC)[..., None], 0.0))

@@ -22,14 +22,21 @@ def _count_built(cfg: ModelConfig) -> int:
 
 
 def count_params(cfg: ModelConfig) -> int:
-    """Number of parameters of the model `cfg` describes; no weight is allocated. The blocks are
-    identical, so the abstract model is built with one and two layers only (building all of a
-    paper-size model's layers abstractly takes seconds): one + (L - 1) x (two - one)."""
-    if cfg.num_layers <= 2:
+    """Number of parameters of the model `cfg` describes; no weight is allocated. Blocks of one
+    kind are identical, so the abstract model is built with one and two layers of each kind only
+    (building all of a paper-size model's layers abstractly takes seconds): the embedding and
+    head, (one - (two - one)), plus each layer's block, (two - one) of its kind."""
+    if cfg.num_layers <= 2 and not cfg.hybrid:
         return _count_built(cfg)
-    one = _count_built(dataclasses.replace(cfg, num_layers=1))
-    two = _count_built(dataclasses.replace(cfg, num_layers=2))
-    return one + (cfg.num_layers - 1) * (two - one)
+    total, rest = 0, 0
+    for kind in sorted({cfg.layer_type(i) for i in range(cfg.num_layers)}):
+        def built(n):
+            kinds = (kind,) * n if cfg.hybrid else None
+            return _count_built(dataclasses.replace(cfg, num_layers=n, layer_types=kinds))
+        one, two = built(1), built(2)
+        rest = one - (two - one)
+        total += (two - one) * sum(cfg.layer_type(i) == kind for i in range(cfg.num_layers))
+    return rest + total
 
 
 def activated_params(cfg: ModelConfig) -> int:

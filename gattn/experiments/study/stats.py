@@ -36,8 +36,9 @@ def _mean_curves(rows: list[list[dict]], keys: tuple[str, ...]) -> list[dict]:
     for i in range(n):
         entry = {k: v for k, v in rows[0][i].items() if not isinstance(v, (float, list, dict))}
         for k in keys:
-            if all(k in r[i] for r in rows):
-                entry[k] = float(np.mean([r[i][k] for r in rows]))
+            if all(k in r[i] for r in rows):  # (None: an attention measure on a hybrid's GDN layer)
+                values = [r[i][k] for r in rows]
+                entry[k] = None if any(v is None for v in values) else float(np.mean(values))
         out.append(entry)
     return out
 
