@@ -120,9 +120,9 @@ def model_tflops(cfg, chips: int) -> float:
     return round((6 * n + attn) * tokens / chips / 1e12, 2)
 
 
-def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True) -> dict:
+def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_step: bool = True) -> dict:
     """Compiles the train step (and the eval step) of `cfg` at its global batch on `topology`;
-    returns the JSON-able report."""
+    returns the JSON-able report. `train_step=False`: the eval step (the forward pass) only."""
     devices = topology_devices(topology)
     shape = resolve_mesh(cfg, len(devices), mesh_shape)
     cfg = dataclasses.replace(cfg, mesh=MeshConfig(*shape))
@@ -152,13 +152,14 @@ def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True) -> dict:
            "params": param_counts.count_params(cfg.model),
            "activated_params": param_counts.activated_params(cfg.model),
            "model_tflops_per_chip": model_tflops(cfg, len(devices))}
-    step = trainer.make_train_step(cfg, graphdef, shardings, mesh)
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = step.lower(state, batch(t.batch_size)).compile()
-    out["train"] = {**memory(compiled, kind), "compile_s": round(time.perf_counter() - t0, 1),
-                    "ragged_all_to_all": compiled.as_text().count("ragged-all-to-all(")}
-    del compiled
+    if train_step:
+        step = trainer.make_train_step(cfg, graphdef, shardings, mesh)
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            compiled = step.lower(state, batch(t.batch_size)).compile()
+        out["train"] = {**memory(compiled, kind), "compile_s": round(time.perf_counter() - t0, 1),
+                        "ragged_all_to_all": compiled.as_text().count("ragged-all-to-all(")}
+        del compiled
     if eval_step:
         rows = cfg.data.eval_batch_size
         rows += -rows % shards  # trainer.validate pads to a multiple of the shards
@@ -173,13 +174,13 @@ def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True) -> dict:
                    "fits": None if out["hbm_gib"] is None else resident < out["hbm_gib"] * GIB,
                    "compile_s": round(time.perf_counter() - t0, 1)})
         out["eval"] = ev
-    out["fits"] = out["train"]["fits"] and (not eval_step or out["eval"]["fits"])
+    out["fits"] = (not train_step or out["train"]["fits"]) and (not eval_step or out["eval"]["fits"])
     return out
 
 
-def run_row(preset, topology, mesh_shape, overrides=(), variant=None, eval_step=True) -> dict:
+def run_row(preset, topology, mesh_shape, overrides=(), variant=None, eval_step=True, train_step=True) -> dict:
     cfg = cli.load(preset, list(overrides), variant=variant)
-    out = fit(cfg, topology, mesh_shape, eval_step=eval_step)
+    out = fit(cfg, topology, mesh_shape, eval_step=eval_step, train_step=train_step)
     out["preset"], out["overrides"] = preset, list(overrides)
     return out
 
@@ -191,6 +192,7 @@ def main(argv=None):
     ap.add_argument("--topology", default="v5p:4x4x2")
     ap.add_argument("--mesh", default=None, help="data,expert,model (default: the preset's mesh)")
     ap.add_argument("--no-eval", action="store_true", help="compile the train step only")
+    ap.add_argument("--eval-only", action="store_true", help="compile the eval step (the forward pass) only")
     ap.add_argument("--all", action="store_true", help="every row of the table (ROWS)")
     ap.add_argument("--rows", default="configured,smallest", help="with --all: which parts of ROWS")
     ap.add_argument("--jsonl", default=None, help="with --all: also append each row to this file")
@@ -206,8 +208,8 @@ def main(argv=None):
                         f.write(json.dumps(out) + "\n")
         return
     mesh_shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else None
-    print(json.dumps(run_row(args.preset, args.topology, mesh_shape, overrides, args.variant, not args.no_eval),
-                     indent=1))
+    print(json.dumps(run_row(args.preset, args.topology, mesh_shape, overrides, args.variant, not args.no_eval,
+                             not args.eval_only), indent=1))
 
 
 if __name__ == "__main__":

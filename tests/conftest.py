@@ -64,6 +64,8 @@ def entry_point(name: str):
 # minutes on 2 slow cores (it took 34 minutes on such a machine with these in it). Each keeps a
 # cheaper check of the same code in the default run, named after the "#".
 SLOW_HERE = {
+    "test_sharding.py::test_a_hybrid_shards_its_gdn_heads_and_equals_one_device":
+        "60-100 s: 8 processes' worth of compiles",  # test_hybrid: the model itself; the dense mesh test
     "test_hybrid.py::test_the_tiny_hybrid_trains_and_resumes_bit_identically":
         "60-110 s: a run and a resume",  # test_hybrid's model checks; test_train's resume of a dense run
     "test_rehearse.py::test_a_small_rehearsal_passes_every_stage":

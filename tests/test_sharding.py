@@ -40,6 +40,12 @@ def test_sharded_loss_and_gradients_equal_one_device():
     assert out.count("ok") == 2 * len(meshes), out
 
 
+def test_a_hybrid_shards_its_gdn_heads_and_equals_one_device():
+    """Issue 31: the Qwen3-Next-shaped hybrid on a (2, 2, 2) mesh: the Gated DeltaNet heads split
+    over the model axis, the experts over the expert axis; loss and gradients equal one device's."""
+    assert multidevice.run("sharded_step", "--models", "hybrid", "--meshes", "2,2,2").count("ok") == 1
+
+
 def test_pallas_attention_runs_sharded_under_the_context_mesh():
     """exec.attention_impl='pallas' under jax.set_mesh((2, 2, 2)) runs the kernel in shard_map over
     batch and heads and equals the single-device xla model (loss and gradients)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gattn.config import MeshConfig, MoESpec
+from gattn.config import GateSpec, LinearAttentionSpec, MeshConfig, MoESpec, hybrid_layer_types
 from gattn.model import sharding
 from gattn.model.transformer import Transformer
 from gattn.train.loss import aux_loss, lm_loss_and_aux
@@ -23,10 +23,14 @@ from gattn.train.loss import aux_loss, lm_loss_and_aux
 from conftest import tiny_model
 from multidevice import check_devices, shape
 
-MODELS = ("dense", "moe")
+MODELS = ("dense", "moe", "hybrid")
 
 
 def config(name: str):
+    if name == "hybrid":  # Qwen3-Next-shaped: 3 GDN : 1 gated attention, a shared expert
+        return tiny_model(vocab_size=64, num_layers=4, layer_types=hybrid_layer_types(4), qk_norm=True,
+                          zero_centered_norm=True, gate=GateSpec(), linear_attention=LinearAttentionSpec(2, 4, 8, 8),
+                          moe=MoESpec(num_experts=8, top_k=2, expert_width=16, shared_expert_width=16))
     moe = MoESpec(num_experts=8, top_k=2, expert_width=16, z_loss_coef=1e-3) if name == "moe" else None
     return tiny_model(vocab_size=64, moe=moe)
 
@@ -54,7 +58,10 @@ def main(argv=None):
             t = jax.device_put(tokens, sharding.batch_sharding(mesh))
             if name == "moe" and mesh_shape[1] > 1:  # experts really are split
                 assert "expert" in str(p["blocks"][0]["ffn"]["w1"].sharding.spec)
-            if mesh_shape[2] > 1:
+            if mesh_shape[2] > 1 and cfg.hybrid:  # GDN heads (key and value) over the model axis
+                gdn = p["blocks"][0]["linear_attn"]
+                assert all("model" in str(gdn[w].sharding.spec) for w in ("wq", "wk", "wv", "wo", "a_log"))
+            elif mesh_shape[2] > 1:
                 assert "model" in str(p["blocks"][0]["attn"]["wq"].sharding.spec)
             l, g = step(p, t)
             np.testing.assert_allclose(l, ref_loss, rtol=1e-5)
