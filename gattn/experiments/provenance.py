@@ -40,6 +40,11 @@ COMMON = {
     "model.output_clip": _VARIANT,
     "model.match_ffn_params": _VARIANT + " (Table 2: gated dense models narrow the FFN)",
     "model.moe": "a dense model (Sec. 3.2.2)",
+    "model.moe.shared_expert_width": "none: the paper's MoE has routed experts only (Sec. 3.1); Qwen3-Next "
+                                     "adds a shared one (docs/hybrid.md)",
+    "model.zero_centered_norm": "ours: RMSNorm scales start at 1 (Qwen3-Next stores w of 1 + w; docs/hybrid.md)",
+    "model.layer_types": "every layer softmax attention, as in the paper (Qwen3-Next's hybrid: docs/hybrid.md)",
+    "model.linear_attention": "none: no Gated DeltaNet layers (the paper's models are attention only)",
     "model.param_dtype": "ours: float32 weights and optimizer state (the paper does not say)",
     "train.seed": "ours: any seed",
     "train.weight_decay": "Sec. 3.1 (AdamW's defaults): PyTorch's weight decay 0.01, with its betas "
