@@ -200,16 +200,24 @@ def measure(model, cfg, batches: list[dict], *, window: int = WINDOW, eps: float
     (`ablation`, on the whole rows): {"overall": {...}, "per_layer": [...], "ablation": {...}}."""
     w = windows(batches, window)
     window = w["tokens"].shape[1]
-    stats = SinkStats(model.cfg.num_layers, model.cfg.q_heads, eps)
+    attention = model.cfg.full_attention_layers  # a hybrid's Gated DeltaNet layers have no attention
+    stats = SinkStats(len(attention), model.cfg.q_heads, eps)
     model = analysis.for_analysis(model)
     on_sdpa = model.cfg.gate is not None and model.cfg.gate.position == "sdpa"
     for r in range(0, len(w["tokens"]), rows):
         part = {k: v[r:r + rows] for k, v in w.items()}
         layers = analysis.collect(model, part["tokens"], part["segment_ids"], part["positions"])
+        layers = [layers[i] for i in attention]
         if not on_sdpa:  # (the head output and the gate score per head are those of a gate on the SDPA output)
             layers = [{k: v for k, v in layer.items() if k not in ("gated", "gate_scores")} for layer in layers]
         stats.add(layers, part["segment_ids"], query_masks(cfg, part["tokens"]))
     out = stats.result(window)
+    if len(attention) < model.cfg.num_layers:  # rows are the attention layers: name them by the model's index
+        for row, i in zip(out["per_layer"], attention):
+            row["layer"] = i
+        out["overall"]["attention_layers"] = list(attention)
+        out["overall"]["not_measured"] = ("Sink_1^eps, alpha_1 and the first token's norms are measured on the "
+                                          "full-attention layers: a Gated DeltaNet layer has no attention weights")
     out["overall"]["uniform_f_attn"] = uniform_f_attn(batches)
     out["ablation"] = ablation(model, cfg, batches, rows=rows)
     out["overall"]["ablation_cost"] = out["ablation"]["cost"]
