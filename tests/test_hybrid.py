@@ -231,6 +231,10 @@ def test_measurements_on_a_hybrid_cover_attention_layers_and_m_act_everywhere(tm
     assert set(out["attn_maps"]) == {"1", "3"}
     with pytest.raises(ConfigError, match="'map_layers' = 2 .*Gated DeltaNet layer"):
         analysis.Measurements(cfg, analysis.Options(map_layers=(2,)))
+    from gattn.eval.evaluate import report  # eval.py's results.md: the GDN rows say what they are
+
+    text = report({"variant": "v", "step": 1, "workdir": "w", "perplexity": {}, "measurements": out})
+    assert text.count("| - (Gated DeltaNet) |") == 2 and "attention layers [1, 3]" in text
     # the figures draw the GDN layers as gaps
     assert plots.per_layer({"hybrid": out}, tmp_path / "p.png").is_file()
     assert plots.f_attn_heads(out, tmp_path / "f.png").is_file()

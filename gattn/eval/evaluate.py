@@ -177,7 +177,13 @@ def report(results: dict) -> str:
               "| layer | M-Act | M-Act per token | FFN-Act | F-Attn | F-Attn sink heads | gate score "
               "| SDPA values < 1e-3 (before / after gate) | mean abs SDPA output (before / after gate) |",
               "|---|---|---|---|---|---|---|---|---|"]
+    if "not_measured" in o:
+        lines[-3:-3] = [f"- hybrid: {o['not_measured']} (attention layers {o['attention_layers']})"]
     for r in m["per_layer"]:
+        if r["f_attn"] is None:  # a hybrid's Gated DeltaNet layer
+            lines.append(f"| {r['layer']} | {r['m_act']:.2f} | {r['m_act_per_token']:.2f} | {r['ffn_act']:.3g} "
+                         "| - (Gated DeltaNet) | - | - | - | - |")
+            continue
         sp = r["sparsity"]
         after = f"{sp['gated']['0.001']:.1%}" if "gated" in sp and "0.001" in sp["gated"] else "-"
         before = f"{sp['sdpa_out']['0.001']:.1%}" if "0.001" in sp["sdpa_out"] else "-"
