@@ -239,3 +239,21 @@ def test_measurements_on_a_hybrid_cover_attention_layers_and_m_act_everywhere(tm
     assert plots.per_layer({"hybrid": out}, tmp_path / "p.png").is_file()
     assert plots.f_attn_heads(out, tmp_path / "f.png").is_file()
     assert plots.sparsity(out, tmp_path / "s.png").is_file()
+
+
+def test_multi_token_prediction_tensors_are_skipped_with_one_warning(converted, tmp_path, capsys):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    _, tmp = converted
+    src = tmp_path / "hf_mtp"
+    shutil.copytree(tmp / "hf", src)
+    tensors = load_file(src / "model.safetensors")
+    tensors.update({"mtp.fc.weight": np.ones((64, 128), np.float32), "mtp.norm.weight": np.ones(64, np.float32)})
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    convert.from_hf(src, tmp_path / "run")
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "mtp" in line]
+    assert len(warnings) == 1 and "skipping 2 multi-token-prediction tensors" in warnings[0]
+    a, b = _flat_params(tmp / "run"), _flat_params(tmp_path / "run")
+    assert all(np.array_equal(a[k], b[k]) for k in a)
