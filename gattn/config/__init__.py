@@ -28,14 +28,14 @@ from typing import Any
 from gattn.config.checks import (ATTENTION_IMPLS, DECODE_ERRORS, DTYPES, FFN_ACTIVATIONS, FORMS, GATE_ACTIVATIONS,
                                  GRANULARITIES, GROUPED_MATMULS, LBL_SCOPES, MOE_IMPLS, POSITIONS, REMAT_POLICIES,
                                  SDPA_NONLINEARITIES, SHARINGS, SWITCH_TARGETS, ConfigError)
-from gattn.config.data import BACKCOPY, SHARDS, TFDS, BackcopySpec, DataConfig
+from gattn.config.data import BACKCOPY, BACKGROUNDS, SHARDS, TFDS, BackcopySpec, DataConfig
 from gattn.config.execution import MOVED_TO_EXEC, ExecConfig, MeshConfig
 from gattn.config.model import (LAYER_TYPES, POSITION_FIELDS, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec,
                                 SwitchHeadsSpec, YarnSpec, hybrid_layer_types)
 from gattn.config.train import EXTEND, LR_PRESETS, TrainConfig
 
 __all__ = [
-    "ATTENTION_IMPLS", "BACKCOPY", "DECODE_ERRORS", "DTYPES", "EXTEND", "FFN_ACTIVATIONS", "FORMS", "GATE_ACTIVATIONS",
+    "ATTENTION_IMPLS", "BACKCOPY", "BACKGROUNDS", "DECODE_ERRORS", "DTYPES", "EXTEND", "FFN_ACTIVATIONS", "FORMS", "GATE_ACTIVATIONS",
     "GRANULARITIES", "GROUPED_MATMULS", "LAYER_TYPES", "LBL_SCOPES", "LR_PRESETS", "MOE_IMPLS", "MOVED_TO_EXEC", "POSITIONS", "POSITION_FIELDS",
     "REMAT_POLICIES", "SDPA_NONLINEARITIES", "SHARDS", "SHARINGS", "SWITCH_TARGETS", "TFDS",
     "BackcopySpec", "Config", "ConfigError", "DataConfig", "ExecConfig", "GateSpec", "LinearAttentionSpec", "MeshConfig", "ModelConfig",
