@@ -235,6 +235,14 @@ def test_measurements_on_a_hybrid_cover_attention_layers_and_m_act_everywhere(tm
 
     text = report({"variant": "v", "step": 1, "workdir": "w", "perplexity": {}, "measurements": out})
     assert text.count("| - (Gated DeltaNet) |") == 2 and "attention layers [1, 3]" in text
+    # the sink lab's measures (eval.py's "sinks"): Sink_1^eps and alpha_1 on the attention layers
+    from gattn.eval import sinks
+
+    batch = {"tokens": np.random.default_rng(1).integers(0, 64, (2, 25)), "segment_ids": np.ones((2, 25), int),
+             "positions": np.broadcast_to(np.arange(25), (2, 25))}
+    sink = sinks.measure(model, Config(model=cfg), [batch])
+    assert [r["layer"] for r in sink["per_layer"]] == [1, 3] and sink["overall"]["attention_layers"] == [1, 3]
+    assert "Gated DeltaNet" in sink["overall"]["not_measured"]
     # the figures draw the GDN layers as gaps
     assert plots.per_layer({"hybrid": out}, tmp_path / "p.png").is_file()
     assert plots.f_attn_heads(out, tmp_path / "f.png").is_file()
