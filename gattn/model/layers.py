@@ -68,17 +68,11 @@ def norm_scale(shape, axes: tuple, cfg: ModelConfig) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, axis_name: str = "embed", *, param_dtype=jnp.float32,
-                 zero_centered: bool = False):
-        self.scale = param("scale", None, (dim,), (axis_name,), value=0.0 if zero_centered else 1.0,
-                           dtype=param_dtype)
-        self.eps, self.zero_centered = eps, zero_centered
+    """The residual-stream norm of model `cfg`: d_model wide, its eps, dtype and centring."""
 
-    @classmethod
-    def of(cls, cfg: ModelConfig) -> "RMSNorm":
-        """The residual-stream norm of model `cfg` (d_model wide, its eps, dtype and centring)."""
-        return cls(cfg.d_model, cfg.norm_eps, param_dtype=DTYPES[cfg.param_dtype],
-                   zero_centered=cfg.zero_centered_norm)
+    def __init__(self, cfg: ModelConfig):
+        self.scale = norm_scale((cfg.d_model,), ("embed",), cfg)
+        self.eps, self.zero_centered = cfg.norm_eps, cfg.zero_centered_norm
 
     def __call__(self, x):
         return rms_norm(x, self.scale[...], self.eps, self.zero_centered)

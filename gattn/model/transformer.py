@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gattn.config import ConfigError, ExecConfig, ModelConfig
+from gattn.config import ExecConfig, ModelConfig, check_layer_scan
 from gattn.model.attention import Attention
 from gattn.model.capture import NOTHING, Capture
 from gattn.model.gdn import GatedDeltaNet, GDNSpec, GDNState
@@ -39,17 +39,17 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, ex: ExecConfig, *, rngs: nnx.Rngs, layer_type: str = "full_attention"):
         self.layer_type = layer_type
-        self.attn_norm = RMSNorm.of(cfg)
+        self.attn_norm = RMSNorm(cfg)
         if layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(GDNSpec.of(cfg), rngs=rngs, param_dtype=DTYPES[cfg.param_dtype],
                                              dtype=DTYPES[ex.dtype], init_std=cfg.init_std, chunk_size=ex.gdn_chunk)
         else:
             self.attn = Attention(cfg, ex, rngs=rngs)
-        self.ffn_norm = RMSNorm.of(cfg)
+        self.ffn_norm = RMSNorm(cfg)
         self.ffn = MoE(cfg, ex, rngs=rngs) if cfg.moe is not None else SwiGLU(cfg, cfg.ffn_width, ex, rngs=rngs)
         if cfg.sandwich_norm:
-            self.attn_post_norm = RMSNorm.of(cfg)
-            self.ffn_post_norm = RMSNorm.of(cfg)
+            self.attn_post_norm = RMSNorm(cfg)
+            self.ffn_post_norm = RMSNorm(cfg)
         self.clip = cfg.output_clip
 
     def _branch_out(self, h, post_norm):
@@ -112,10 +112,7 @@ class Transformer(nnx.Module):
         self.cfg, self.ex = cfg, ex
         pd = DTYPES[cfg.param_dtype]
         self.dtype = DTYPES[ex.dtype]
-        if cfg.hybrid and ex.scan_layers:
-            raise ConfigError("exec.scan_layers", True, "False for a hybrid model (model.layer_types mixes "
-                              "Gated DeltaNet and attention layers, which one scan over identical blocks "
-                              "cannot hold)")
+        check_layer_scan(cfg, ex)
         self.embed = param("weight", rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                            std=cfg.init_std, dtype=pd)
         if ex.scan_layers:
@@ -128,7 +125,7 @@ class Transformer(nnx.Module):
         else:
             self.blocks = nnx.List([Block(cfg, ex, rngs=rngs, layer_type=cfg.layer_type(i))
                                     for i in range(cfg.num_layers)])
-        self.final_norm = RMSNorm.of(cfg)
+        self.final_norm = RMSNorm(cfg)
         if not cfg.tie_embeddings:
             self.lm_head = param("weight", rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                  std=cfg.init_std, dtype=pd)
