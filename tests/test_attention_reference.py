@@ -26,7 +26,7 @@ import pytest
 from flax import nnx
 
 from gattn.config import ExecConfig, GateSpec, SwitchHeadsSpec
-from gattn.kernels import attention_xla
+from gattn.kernels import attention_masked, attention_xla
 from gattn.model.attention import Attention
 from gattn.model.capture import NOTHING, Capture
 
@@ -551,6 +551,49 @@ def test_packed_row_equals_documents_run_separately(case):
     for lo, hi in [(0, 4), (4, 9), (s, 2 * s)]:  # doc 1, doc 2 of row 0; the whole of row 1
         alone = run_layer(attn, x[lo:hi], np.arange(hi - lo, dtype=np.int32), None, (1, hi - lo))
         np.testing.assert_allclose(packed[lo:hi], alone, rtol=RTOL, atol=ATOL)
+
+
+# A row holding a context (segment 1) once and three choices that share it (segments 2-4, prefix
+# id 1), then a document alone (segment 5) and padding: each choice sees the context and itself.
+SHARED_SEG = np.array([[1, 1, 1, 1, 1, 2, 2, 3, 4, 4, 4, 5, 5, 5, 0, 0]], np.int32)
+SHARED_PRE = np.array([[0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]], np.int32)
+
+
+@pytest.mark.parametrize("options", [{}, {"block_q": 4}, {"query_chunk": 5}])
+def test_prefix_ids_let_choices_share_a_context(options):
+    """With prefix ids each choice's queries see the shared context and their own earlier keys,
+    never another choice's: the same output as the explicit mask, and as the context and that
+    choice laid out alone (keys in the same order); padding rows stay zero."""
+    q, k, v = (jnp.asarray(a[:1]) for a in kernel_inputs(b=1, s=16, seed=7))
+    seg, pre = jnp.asarray(SHARED_SEG), jnp.asarray(SHARED_PRE)
+    got = np.asarray(attention_xla(q, k, v, segment_ids=seg, prefix_ids=pre, **options))
+    i = np.arange(16)
+    visible = ((SHARED_SEG[0][None, :] == SHARED_SEG[0][:, None]) | (SHARED_PRE[0][:, None] == SHARED_SEG[0][None, :])
+               & (SHARED_SEG[0][None, :] != 0)) & (i[None, :] <= i[:, None])
+    want = np.asarray(attention_masked(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), jnp.asarray(visible[None])))
+    np.testing.assert_allclose(got[0, :14], want[0, :14], rtol=1e-6, atol=1e-6)
+    assert np.all(got[0, 14:] == 0)
+    for choice in ([5, 6], [7], [8, 9, 10]):
+        idx = [0, 1, 2, 3, 4] + choice
+        alone = np.asarray(attention_xla(q[:, idx], k[:, idx], v[:, idx]))
+        np.testing.assert_allclose(got[0, choice], alone[0, 5:], rtol=1e-6, atol=1e-6)
+    without = np.asarray(attention_xla(q, k, v, segment_ids=seg, **options))  # no prefix: a choice sees itself only
+    assert not np.allclose(without[0, 5:11], got[0, 5:11], atol=1e-3)
+    np.testing.assert_allclose(without[0, :5], got[0, :5], rtol=1e-6, atol=1e-6)
+
+
+def test_prefix_ids_need_segment_ids_and_a_hybrid_refuses_them():
+    q, k, v = (jnp.asarray(a[:1]) for a in kernel_inputs(b=1, s=16))
+    with pytest.raises(ValueError, match="prefix_ids.*segment_ids"):
+        attention_xla(q, k, v, prefix_ids=jnp.asarray(SHARED_PRE))
+    from test_hybrid import tiny_hybrid
+
+    from gattn.model.transformer import Transformer
+
+    model = Transformer(tiny_hybrid(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="prefix_ids.*Gated DeltaNet"):
+        model.hidden(jnp.ones((1, 16), jnp.int32), jnp.asarray(np.arange(16)[None]), jnp.asarray(SHARED_SEG),
+                     prefix_ids_BxS=jnp.asarray(SHARED_PRE))
 
 
 # --------------------------------------------------------------------------- the kernel

@@ -167,6 +167,39 @@ def test_packing_fills_rows_and_keeps_every_request_exact(qwen3):
     assert lm.scorer.loglikelihood([(ctx, toks[:-1] + [(toks[-1] + 1) % 300])], 1)[0][1] is False
 
 
+def test_choices_that_share_a_context_compute_it_once_and_score_as_alone(qwen3):
+    """A multiple-choice question's requests (one context, several continuations, one-token ones
+    among them) are laid out as the context once and the choices after it (prefix ids): each
+    log-likelihood and is_greedy equals the request run alone, with fewer tokens computed; a
+    group too long for a row is cut into groups that fit."""
+    from gattn.eval import decode
+
+    hf_dir, _, _ = qwen3
+    lm = harness.GattnLM(workdir=str(hf_dir), batch_size=2)
+    rng = np.random.default_rng(1)
+    ctx, other = (list(map(int, rng.integers(1, 300, n))) for n in (40, 25))
+    greedy = decode.generate(lm.scorer.model, [ctx], max_new_tokens=3)[0]
+    reqs = [(ctx, c) for c in ([5], [7, 8, 9], greedy, [11, 12], [13])] + [(other, [3, 4]), (other, [6]), ([9] * 30, [2])]
+    batches = []
+
+    def score(batch):
+        batches.append(batch)
+        return lm.scorer.score(batch)
+
+    shared = lm.scorer.loglikelihood(reqs, 2, score=score)
+    alone = [lm.scorer.loglikelihood([r], 1)[0] for r in reqs]
+    np.testing.assert_allclose([s[0] for s in shared], [a[0] for a in alone], atol=2e-5)
+    assert [s[1] for s in shared] == [a[1] for a in alone] and shared[2][1] is True and not shared[1][1]
+    computed = sum(int((b.segments != 0).sum()) for b in batches)
+    assert all(b.prefixes is not None for b in batches)
+    assert computed == (40 + 0 + 2 + 2 + 1 + 0) + (25 + 1 + 0) + 30 < sum(len(c) + len(x) - 1 for c, x in reqs)
+    items = [(i, c, x) for i, (c, x) in enumerate(reqs)]
+    groups = harness.group(items, 44, share=True)
+    assert max(g.length for g in groups) <= 44 and len(groups) == 4  # ctx's five choices in two groups
+    assert sorted(i for g in groups for i, _ in g.members) == list(range(len(reqs)))
+    assert len(harness.group(items, 256, share=False)) == len(reqs)
+
+
 def test_registered_as_gattn_and_refuses_sampling(qwen3):
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
@@ -293,3 +326,21 @@ def test_eval_py_lm_eval_refuses_bad_flags_before_loading_a_model(tmp_path, caps
     fixture_data(tmp_path / "data")
     code, err = refused("--workdir", tmp_path, "--lm-eval", "paper_table4", "--data-dir", tmp_path / "data")
     assert code == 2 and "hellaswag" not in err and "local_mmlu_anatomy" in err  # (no model was needed)
+
+
+def test_a_hybrid_scores_choices_without_sharing_their_context():
+    """A Gated DeltaNet layer's recurrence cannot see a context laid out once: a hybrid's choices
+    are laid out whole (no prefix ids), and score as alone."""
+    from flax import nnx
+    from test_hybrid import tiny_hybrid
+
+    from gattn.model.transformer import Transformer
+
+    scorer = harness.Scorer(Transformer(tiny_hybrid(), rngs=nnx.Rngs(0)), None, 64)
+    assert not scorer.share
+    ctx = list(range(3, 23))
+    reqs = [(ctx, [5]), (ctx, [7, 8, 9]), (ctx, [11, 12])]
+    batches = []
+    got = scorer.loglikelihood(reqs, 2, score=lambda b: batches.append(b) or scorer.score(b))
+    assert all(b.prefixes is None for b in batches)
+    np.testing.assert_allclose([g[0] for g in got], [scorer.loglikelihood([r], 1)[0][0] for r in reqs], atol=2e-5)

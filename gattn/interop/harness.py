@@ -34,12 +34,14 @@ the results are too.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import json
 import os
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,34 +72,103 @@ def row_length(longest: int, max_length: int) -> int:
 
 
 def pack(lengths: list[int], row: int) -> list[list[int]]:
-    """Request indices per row (first fit, longest first): each row holds requests whose lengths
-    sum to at most `row`. Deterministic."""
+    """Item indices per row (best fit, longest first: each item goes to the fullest row it fits
+    in): each row holds items whose lengths sum to at most `row`. Deterministic, O(n log n)."""
     rows: list[list[int]] = []
-    free: list[int] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for r, room in enumerate(free):
-            if lengths[i] <= room:
-                rows[r].append(i)
-                free[r] -= lengths[i]
-                break
+        at = bisect.bisect_left(free, (lengths[i], -1))
+        if at < len(free):
+            room, r = free.pop(at)
         else:
-            rows.append([i])
-            free.append(row - lengths[i])
+            room, r = row, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        bisect.insort(free, (room - lengths[i], r))
     return rows
 
 
+class Group(NamedTuple):
+    """Requests that share a context, laid out as the context once and then each continuation's
+    inputs (all but its last token) as a segment that also sees the context (prefix ids). The
+    first token of every continuation is predicted at the context's last token. `members`:
+    (request index, continuation) pairs."""
+
+    context: list[int]
+    members: list[tuple[int, list[int]]]
+
+    @property
+    def length(self) -> int:
+        return len(self.context) + sum(len(cont) - 1 for _, cont in self.members)
+
+
+def group(items: list[tuple[int, list[int], list[int]]], max_length: int, share: bool) -> list[Group]:
+    """(request index, context, continuation) triples as Groups of at most `max_length` tokens:
+    requests with the same context tokens share it (`share`), else each is a group alone."""
+    by_context: dict[tuple, list] = {}
+    for i, ctx, cont in items:  # (a one-token context, a rolling window's first, is not worth sharing)
+        by_context.setdefault(tuple(ctx) if share and len(ctx) > 1 else (i,), []).append((i, ctx, cont))
+    groups = []
+    for members in by_context.values():
+        current = Group(members[0][1], [])
+        for i, _, cont in members:
+            if current.members and current.length + len(cont) - 1 > max_length:
+                groups.append(current)
+                current = Group(current.context, [])
+            current.members.append((i, cont))
+        groups.append(current)
+    return groups
+
+
+def choose_rows(lengths: list[int], rows: int, max_length: int) -> tuple[int, list[list[int]]]:
+    """(row length, layout): of the row lengths SHORTEST_ROW * 2^k from the longest item's up to
+    max_length, the one that packs `lengths` into the fewest token slots, counted in whole batches
+    of `rows` rows (the shorter on a tie)."""
+    best = None
+    length = row_length(max(lengths), max_length)
+    while True:
+        layout = pack(lengths, length)
+        cells = -(-len(layout) // rows) * rows * length
+        if best is None or cells < best[0]:
+            best = (cells, length, layout)
+        if length >= max_length:
+            return best[1], best[2]
+        length = min(2 * length, max_length)
+
+
+class Packed(NamedTuple):
+    """One batch of packed requests: token ids, positions, segment ids and prefix ids ([rows,
+    length] int32; prefixes None when no context is shared), and the scored positions (flat
+    indices into the rows, padded with 0) with their target tokens ([P] int32)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    segments: np.ndarray
+    prefixes: np.ndarray | None
+    where: np.ndarray
+    targets: np.ndarray
+
+
+def _bucket(n: int, cap: int) -> int:
+    """How many scored positions a batch computes: a power of two >= n (at least 64, at most cap)."""
+    p = 64
+    while p < n:
+        p *= 2
+    return max(min(p, cap), n)
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def _score(graphdef, state, tokens_BxL, targets_BxL, positions_BxL, segments_BxL):
-    """(log p(target), target is the argmax) per position: [B, L] each; logits a chunk of
-    TOKEN_CHUNK tokens at a time (float32)."""
+def _score(graphdef, state, batch: Packed):
+    """(log p(target), target is the argmax) at the batch's scored positions ([P] each); the logits
+    only there, TOKEN_CHUNK positions at a time (float32)."""
     model = nnx.merge(graphdef, state)
-    b, length = tokens_BxL.shape
-    x_NxD, _ = model.hidden(tokens_BxL, positions_BxL, segments_BxL)
-    n = x_NxD.shape[0]
-    chunk = min(TOKEN_CHUNK, n)
-    pad = -n % chunk
-    x_CxKxD = jnp.pad(x_NxD, ((0, pad), (0, 0))).reshape(-1, chunk, x_NxD.shape[-1])
-    t_CxK = jnp.pad(targets_BxL.reshape(-1), (0, pad)).reshape(-1, chunk)
+    x_NxD, _ = model.hidden(batch.tokens, batch.positions, batch.segments, prefix_ids_BxS=batch.prefixes)
+    x_PxD = jnp.take(x_NxD, batch.where, axis=0)
+    p = x_PxD.shape[0]
+    chunk = min(TOKEN_CHUNK, p)
+    pad = -p % chunk
+    x_CxKxD = jnp.pad(x_PxD, ((0, pad), (0, 0))).reshape(-1, chunk, x_PxD.shape[-1])
+    t_CxK = jnp.pad(batch.targets, (0, pad)).reshape(-1, chunk)
     head = model.head_weight()
 
     def one(args):
@@ -108,7 +179,7 @@ def _score(graphdef, state, tokens_BxL, targets_BxL, positions_BxL, segments_BxL
         return logp_K, jnp.argmax(logits_KxV, axis=-1) == t_K
 
     logp, greedy = jax.lax.map(one, (x_CxKxD, t_CxK))
-    return logp.reshape(-1)[:n].reshape(b, length), greedy.reshape(-1)[:n].reshape(b, length)
+    return logp.reshape(-1)[:p], greedy.reshape(-1)[:p]
 
 
 class Scorer:
@@ -119,44 +190,67 @@ class Scorer:
         self.model = with_exec(model, off_mesh(model.ex))  # (no mesh is set here)
         self.graphdef, self.state = nnx.split(self.model)
         self.tokenizer, self.max_length = tokenizer, max_length
+        self.share = not model.cfg.hybrid  # a Gated DeltaNet layer cannot share a context (Transformer.hidden)
 
-    def score(self, arrays_4xBxL: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One packed batch (tokens, targets, positions, segment ids): (log p(target), target is the argmax)."""
-        logp, greedy = _score(self.graphdef, self.state, *(decode.to_device(a) for a in arrays_4xBxL))
+    def score(self, batch: Packed) -> tuple[np.ndarray, np.ndarray]:
+        """One packed batch: (log p(target), target is the argmax) at its scored positions."""
+        logp, greedy = _score(self.graphdef, self.state, Packed(*(None if a is None else decode.to_device(a)
+                                                                 for a in batch)))
         return decode.to_host(logp), decode.to_host(greedy)
 
     def loglikelihood(self, requests: list[tuple[list[int], list[int]]], rows: int,
                       score=None) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether greedy decoding gives the continuation)
         per (context, continuation) pair of token ids; `score` runs each packed batch (default
-        `self.score`)."""
+        `self.score`). Requests with the same context compute it once (a multiple-choice
+        question's choices), unless the model has Gated DeltaNet layers."""
         score = score or self.score
-        items = []  # (input tokens, targets, how many of the last targets are scored)
-        for ctx, cont in requests:
+        out: list[tuple[float, bool]] = [(0.0, True)] * len(requests)  # (nothing to score: a lone token)
+        items = []
+        for i, (ctx, cont) in enumerate(requests):
             if not cont:
                 raise ValueError("loglikelihood: an empty continuation has no tokens to score")
             seq = (list(ctx) + list(cont))[-(self.max_length + 1):]
-            items.append((seq[:-1], seq[1:], min(len(cont), len(seq) - 1)))
+            n = min(len(cont), len(seq) - 1)  # the scored tokens: the continuation, or what fits of it
+            if n:
+                items.append((i, seq[:-n], seq[-n:]))
         if not items:
-            return []
-        length = row_length(max(len(x) for x, _, _ in items), self.max_length)
-        layout = pack([len(x) for x, _, _ in items], length)
-        out: list[tuple[float, bool] | None] = [None] * len(items)
+            return out
+        groups = group(items, self.max_length, self.share)
+        length, layout = choose_rows([g.length for g in groups], rows, self.max_length)
         for start in range(0, len(layout), rows):
-            batch = layout[start:start + rows]
-            arrays = np.zeros((4, rows, length), np.int32)  # tokens, targets, positions, segments
-            where = []
-            for r, members in enumerate(batch):
-                at = 0
-                for seg, i in enumerate(members, start=1):
-                    x, t, n = items[i]
-                    arrays[:, r, at:at + len(x)] = (x, t, np.arange(len(x)), np.full(len(x), seg))
-                    where.append((i, r, at + len(x) - n, at + len(x)))
-                    at += len(x)
-            logp, greedy = score(arrays)
-            for i, r, a, b in where:
-                out[i] = (float(logp[r, a:b].astype(np.float64).sum()), bool(greedy[r, a:b].all()))
+            batch, spans = self._lay_out([[groups[g] for g in row] for row in layout[start:start + rows]], rows, length)
+            logp, greedy = score(batch)
+            for i, (a, b) in spans.items():
+                out[i] = (float(logp[a:b].astype(np.float64).sum()), bool(greedy[a:b].all()))
         return out
+
+    @staticmethod
+    def _lay_out(rows_of_groups: list[list[Group]], rows: int, length: int) -> tuple[Packed, dict]:
+        """The Packed batch of these rows, and each request's span of scored positions in it."""
+        tokens, positions, segments, prefixes = np.zeros((4, rows, length), np.int32)
+        where, targets, spans = [], [], {}
+        for r, groups in enumerate(rows_of_groups):
+            at, seg = 0, 0
+            for g in groups:
+                c, seg = len(g.context), seg + 1
+                shared = len(g.members) > 1
+                tokens[r, at:at + c], positions[r, at:at + c], segments[r, at:at + c] = g.context, np.arange(c), seg
+                last, at, context_seg = r * length + at + c - 1, at + c, seg
+                for i, cont in g.members:
+                    m = len(cont) - 1  # the continuation's inputs: all but its last token
+                    if shared:
+                        seg += 1
+                    tokens[r, at:at + m], positions[r, at:at + m], segments[r, at:at + m] = cont[:-1], np.arange(c, c + m), seg
+                    prefixes[r, at:at + m] = context_seg if shared else 0
+                    spans[i] = (len(where), len(where) + m + 1)
+                    where += [last] + list(range(r * length + at, r * length + at + m))
+                    targets += cont
+                    at += m
+        p = _bucket(len(where), rows * length)
+        pad = p - len(where)
+        return Packed(tokens, positions, segments, prefixes if prefixes.any() else None,
+                      np.asarray(where + [0] * pad, np.int32), np.asarray(targets + [0] * pad, np.int32)), spans
 
     def generate(self, prompts: list[list[int]], until: list[str], max_tokens: int, eos: int | None) -> list[str]:
         """Greedy continuations (text), each stopped at eos or cut before the first `until` string."""
@@ -289,14 +383,14 @@ class GattnLM(TemplateLM):
             _send(message)
         return self._execute(message)
 
-    def _score(self, arrays: np.ndarray):
+    def _score(self, batch: Packed):
         if jax.process_count() == 1:
-            return self.scorer.score(arrays)
-        return self._run("score", {"arrays": arrays.tolist()})
+            return self.scorer.score(batch)
+        return self._run("score", {"batch": [None if a is None else a.tolist() for a in batch]})
 
     def _execute(self, m: dict):
         if m["kind"] == "score":
-            return self.scorer.score(np.asarray(m["arrays"], np.int32))
+            return self.scorer.score(Packed(*(None if a is None else np.asarray(a, np.int32) for a in m["batch"])))
         if m["kind"] == "generate":
             return self.scorer.generate(m["prompts"], m["until"], m["max_tokens"], self.eos)
         raise ValueError(f"unknown harness message {m['kind']!r}")

@@ -8,7 +8,10 @@ attention core near the matmul floor; see docs/performance.md).
 
 Segment ids [B, S] (int): a query attends only to keys with the same id. Id 0 marks padding:
 the output (and attention row) of a padding query is set to exactly zero, and no real token
-attends to padding.
+attends to padding. Prefix ids [B, S] (int, with segment ids; xla only) also let a query see the
+earlier keys of one other segment, a prefix that several segments share: a multiple-choice
+question's context, laid out once before its choices, each choice a segment whose prefix id is
+the context's segment id (0: no shared prefix). See gattn/interop/harness.py.
 
 `attention_masked` takes an explicit [B, S, T] visibility mask instead (cached decoding: S new
 queries over T cache slots), with k/v in the kv cache's [B, Hk, T, K] layout, so a decode step
@@ -76,7 +79,7 @@ def _block(q_BHGQK, k_BHTK, v_BHTK, bias, scale):
 
 def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
                   sm_scale: float | None = None, block_q: int = 128, query_chunk: int = 0,
-                  return_probs: bool = False):
+                  return_probs: bool = False, prefix_ids=None):
     """softmax(q k^T * sm_scale + mask) v [* sigmoid(gate)]. Returns o [B, S, Hq, K] (and probs
     [B, Hq, S, T] in float32 if `return_probs`). `gate`: logits [B, S, Hq, K] (elementwise) or
     [B, S, Hq] / [B, S, Hq, 1] (headwise), applied in float32 after the attention.
@@ -87,6 +90,9 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
     last chunk padded): memory O(query_chunk * T) per layer at any length, for long contexts on
     CPU, at the price of the masked upper triangle's FLOPs."""
     check_inputs(q, k, v, segment_ids, gate)
+    if prefix_ids is not None and (segment_ids is None or prefix_ids.shape != segment_ids.shape):
+        raise ValueError(f"prefix_ids {prefix_ids.shape} need segment_ids of the same [B, S] shape "
+                         f"(got {None if segment_ids is None else segment_ids.shape})")
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
     g = hq // hk
@@ -94,7 +100,7 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
     q5 = q.reshape(b, s, hk, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, G, S, K]
     k4, v4 = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hk, T, K]
 
-    def bias_for(q0, bq, kv_end, q_ids_BxS=segment_ids):
+    def bias_for(q0, bq, kv_end, q_ids_BxS=segment_ids, q_prefix_BxS=prefix_ids):
         bias = jnp.zeros((bq, kv_end), jnp.float32)
         if causal:  # query at absolute position q0 + r sees keys at <= q0 + r (+ t - s offset)
             rows = jnp.arange(bq)[:, None] + q0 + (t - s)
@@ -102,7 +108,11 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
         bias = bias[None, None, None]
         if segment_ids is not None:
             q_ids = jax.lax.dynamic_slice_in_dim(q_ids_BxS, q0, bq, axis=1)
-            same = q_ids[:, :, None] == segment_ids[:, None, :kv_end]
+            k_ids = segment_ids[:, None, :kv_end]
+            same = q_ids[:, :, None] == k_ids
+            if q_prefix_BxS is not None:  # and the keys of the segment the query's prefix id names
+                prefix = jax.lax.dynamic_slice_in_dim(q_prefix_BxS, q0, bq, axis=1)
+                same |= (prefix[:, :, None] == k_ids) & (k_ids != 0)
             bias = jnp.where(same[:, None, None], bias, _NEG)
         return bias
 
@@ -110,12 +120,12 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
         n = -(-s // query_chunk)  # the last chunk is padded with queries that are sliced off
         pad = n * query_chunk - s
         q5p = jnp.pad(q5, ((0, 0),) * 3 + ((0, pad), (0, 0)))
-        q_ids = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (0, pad)))
+        q_ids, q_prefix = (None if a is None else jnp.pad(a, ((0, 0), (0, pad))) for a in (segment_ids, prefix_ids))
 
         def chunk(i):
             q0 = i * query_chunk
             q_c = jax.lax.dynamic_slice_in_dim(q5p, q0, query_chunk, axis=3)
-            o, p = _block(q_c, k4, v4, bias_for(q0, query_chunk, t, q_ids), scale)
+            o, p = _block(q_c, k4, v4, bias_for(q0, query_chunk, t, q_ids, q_prefix), scale)
             return (o, p) if return_probs else (o, None)
 
         o_n, p_n = jax.lax.map(chunk, jnp.arange(n))  # [n, B, Hk, G, chunk, ...]
