@@ -1,15 +1,21 @@
 """Requests per second through lm-evaluation-harness: gattn's model class vs lm-eval's own `hf`
-backend, on the same tiny Qwen3 (built here with transformers, converted by gattn on load) and the
-same generated tasks.
+backend, on the same Qwen3 (built here with transformers at random, converted by gattn on load)
+and the same generated tasks.
 
-    python bench/harness.py [--docs 200] [--layers 4] [--width 256] [--batch 16]
+    python bench/harness.py [--docs 100] [--layers 8] [--width 512] [--vocab 32768] [--batch 16]
+    python bench/harness.py --docs 200 --layers 4 --width 256 --vocab 1024    (the toy: ~1 minute)
 
 Tasks: an ARC-style multiple-choice task (`--docs` questions x 4 choices, 1-shot: loglikelihood),
 a rolling-perplexity task over the same texts (loglikelihood_rolling) and a GSM8K-style generation
 task (`--docs // 10` questions, 16 greedy tokens: generate_until). Each backend runs the suite
 twice: `cold` includes what the first run pays (model load, conversion, compiles; torch has none),
-`warm` is the second. Prints JSON: requests, seconds and requests/s per backend and run, and the
-ratios. Target (issue 30): gattn >= 2x the hf backend.
+`warm` is the second.
+
+Two clocks per run: `end_to_end` is lm-eval's `simple_evaluate` (building the prompts from their
+templates, the metrics, ...: work that is the same whichever model answers), `model` is the time
+inside the model class's three request methods (tokenizing, batching, the forward passes,
+decoding), which is what a backend decides. Prints JSON: requests, seconds and requests/s per
+backend, run and clock, and the ratios. Target (issue 30): gattn >= 2x the hf backend.
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 WORDS = "the gate attention sigmoid input output head query key value layer model token sink score"
 
 
-def build(root: Path, layers: int, width: int) -> Path:
+def build(root: Path, layers: int, width: int, vocab: int = 1024) -> Path:
+    """The model: a random Qwen3, `vocab` rows of embedding (the tokenizer uses the first 1,000)."""
     from test_lm_eval import build_qwen3
 
     return build_qwen3(root / "hf", [f"Question: {WORDS} ? Answer: x\n#### {i}\n" for i in range(100)], 1000, 0.05,
-                       vocab_size=1024, hidden_size=width, intermediate_size=3 * width, num_hidden_layers=layers,
+                       vocab_size=vocab, hidden_size=width, intermediate_size=3 * width, num_hidden_layers=layers,
                        num_attention_heads=width // 32, num_key_value_heads=width // 64, head_dim=32,
                        max_position_embeddings=1024)
 
@@ -65,25 +72,52 @@ def tasks(root: Path, docs: int) -> Path:
     return folder
 
 
-def run(model, manager) -> tuple[int, float]:
+REQUEST_METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+
+
+def timed(model) -> dict:
+    """Wraps the model's request methods (on the instance) to add their seconds to the dict returned."""
+    clock = {"model": 0.0}
+
+    def wrap(method):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                clock["model"] += time.perf_counter() - start
+        return call
+
+    for name in REQUEST_METHODS:
+        setattr(model, name, wrap(getattr(model, name)))
+    return clock
+
+
+def run(model, manager, clock: dict) -> tuple[int, float, float]:
+    """(requests, end-to-end seconds, seconds in the model's request methods) of one suite run."""
     import lm_eval
 
+    clock["model"] = 0.0
     start = time.perf_counter()
     res = lm_eval.simple_evaluate(model=model, tasks=["local_arc_easy", "rolling", "local_gsm8k"], num_fewshot=1,
                                   task_manager=manager, gen_kwargs="max_gen_toks=16",
                                   log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                                   fewshot_random_seed=0, verbosity="ERROR")
     seconds = time.perf_counter() - start
-    return sum(len(s["arguments"]) for samples in res["samples"].values() for s in samples), seconds
+    return sum(len(s["arguments"]) for samples in res["samples"].values() for s in samples), seconds, clock["model"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--docs", type=int, default=200)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--docs", type=int, default=100)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=32768, help="the model's vocabulary rows (>= 1024)")
     ap.add_argument("--batch", type=int, default=16)
     args = ap.parse_args()
+    from gattn.cli import ensure_malloc_tunables
+
+    ensure_malloc_tunables()  # glibc's settings of every gattn command (both backends run in this process)
     import torch
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -91,9 +125,9 @@ def main() -> None:
     from gattn.interop import harness
 
     root = Path(tempfile.mkdtemp(prefix="bench-lm-eval-"))
-    hf, folder = build(root, args.layers, args.width), tasks(root, args.docs)
+    hf, folder = build(root, args.layers, args.width, args.vocab), tasks(root, args.docs)
     manager = TaskManager(include_path=str(folder), include_defaults=False)
-    out = {"docs": args.docs, "layers": args.layers, "width": args.width, "batch": args.batch,
+    out = {"docs": args.docs, "layers": args.layers, "width": args.width, "vocab": args.vocab, "batch": args.batch,
            "torch_threads": torch.get_num_threads()}
     for name, make in (("gattn", lambda: harness.GattnLM(workdir=str(hf), batch_size=args.batch, max_length=1024)),
                        ("hf", lambda: HFLM(pretrained=str(hf), dtype="float32", batch_size=args.batch, max_length=1024,
@@ -101,12 +135,17 @@ def main() -> None:
         start = time.perf_counter()
         model = make()
         load = time.perf_counter() - start
+        clock = timed(model)
         for attempt in ("cold", "warm"):
-            n, seconds = run(model, manager)
-            seconds += load if attempt == "cold" else 0.0
-            out[f"{name}_{attempt}"] = {"requests": n, "seconds": round(seconds, 2), "requests_per_s": round(n / seconds, 1)}
+            n, seconds, in_model = run(model, manager, clock)
+            extra = load if attempt == "cold" else 0.0
+            for kind, secs in (("end_to_end", seconds + extra), ("model", in_model + extra)):
+                out[f"{name}_{attempt}_{kind}"] = {"requests": n, "seconds": round(secs, 2),
+                                                   "requests_per_s": round(n / secs, 1)}
     for attempt in ("cold", "warm"):
-        out[f"ratio_{attempt}"] = round(out[f"gattn_{attempt}"]["requests_per_s"] / out[f"hf_{attempt}"]["requests_per_s"], 2)
+        for kind in ("end_to_end", "model"):
+            out[f"ratio_{attempt}_{kind}"] = round(out[f"gattn_{attempt}_{kind}"]["requests_per_s"]
+                                                   / out[f"hf_{attempt}_{kind}"]["requests_per_s"], 2)
     out["target"] = ">= 2x the hf backend (issue 30)"
     print(json.dumps(out, indent=1))
 

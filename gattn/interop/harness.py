@@ -150,22 +150,20 @@ class Packed(NamedTuple):
 
 
 def _bucket(n: int, cap: int) -> int:
-    """How many scored positions a batch computes: a power of two >= n (at least 64, at most cap)."""
-    p = 64
-    while p < n:
-        p *= 2
-    return max(min(p, cap), n)
+    """How many scored positions the batches compute: n rounded up to a multiple of 128 (at most
+    cap, never below n)."""
+    return max(min(-(-n // 128) * 128, cap), n)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _score(graphdef, state, batch: Packed):
     """(log p(target), target is the argmax) at the batch's scored positions ([P] each); the logits
-    only there, TOKEN_CHUNK positions at a time (float32)."""
+    only there, at most TOKEN_CHUNK positions at a time (float32)."""
     model = nnx.merge(graphdef, state)
     x_NxD, _ = model.hidden(batch.tokens, batch.positions, batch.segments, prefix_ids_BxS=batch.prefixes)
     x_PxD = jnp.take(x_NxD, batch.where, axis=0)
     p = x_PxD.shape[0]
-    chunk = min(TOKEN_CHUNK, p)
+    chunk = -(-p // -(-p // TOKEN_CHUNK))  # the fewest chunks of at most TOKEN_CHUNK, evenly
     pad = -p % chunk
     x_CxKxD = jnp.pad(x_PxD, ((0, pad), (0, 0))).reshape(-1, chunk, x_PxD.shape[-1])
     t_CxK = jnp.pad(batch.targets, (0, pad)).reshape(-1, chunk)
@@ -218,16 +216,22 @@ class Scorer:
             return out
         groups = group(items, self.max_length, self.share)
         length, layout = choose_rows([g.length for g in groups], rows, self.max_length)
-        for start in range(0, len(layout), rows):
-            batch, spans = self._lay_out([[groups[g] for g in row] for row in layout[start:start + rows]], rows, length)
+        batches = [[[groups[g] for g in row] for row in layout[start:start + rows]]
+                   for start in range(0, len(layout), rows)]
+        # One number of scored positions for every batch of the call: one compile.
+        scored = _bucket(max(sum(len(cont) for row in batch for g in row for _, cont in g.members)
+                             for batch in batches), rows * length)
+        for batch in batches:
+            batch, spans = self._lay_out(batch, rows, length, scored)
             logp, greedy = score(batch)
             for i, (a, b) in spans.items():
                 out[i] = (float(logp[a:b].astype(np.float64).sum()), bool(greedy[a:b].all()))
         return out
 
     @staticmethod
-    def _lay_out(rows_of_groups: list[list[Group]], rows: int, length: int) -> tuple[Packed, dict]:
-        """The Packed batch of these rows, and each request's span of scored positions in it."""
+    def _lay_out(rows_of_groups: list[list[Group]], rows: int, length: int, scored: int) -> tuple[Packed, dict]:
+        """The Packed batch of these rows (`scored` positions), and each request's span of scored
+        positions in it."""
         tokens, positions, segments, prefixes = np.zeros((4, rows, length), np.int32)
         where, targets, spans = [], [], {}
         for r, groups in enumerate(rows_of_groups):
@@ -247,19 +251,22 @@ class Scorer:
                     where += [last] + list(range(r * length + at, r * length + at + m))
                     targets += cont
                     at += m
-        p = _bucket(len(where), rows * length)
-        pad = p - len(where)
+        pad = scored - len(where)
         return Packed(tokens, positions, segments, prefixes if prefixes.any() else None,
                       np.asarray(where + [0] * pad, np.int32), np.asarray(targets + [0] * pad, np.int32)), spans
 
     def generate(self, prompts: list[list[int]], until: list[str], max_tokens: int, eos: int | None) -> list[str]:
-        """Greedy continuations (text), each stopped at eos or cut before the first `until` string."""
+        """Greedy continuations (text), each stopped at eos or cut before the first `until` string.
+        The padded prompt length is a multiple of a quarter of the power of two below the longest
+        prompt (at least 16): four lengths per octave, so batches of similar lengths reuse one
+        compiled prefill and step, and padding adds at most a quarter."""
         def stop(tokens):
             text = self.tokenizer.decode(tokens)
             return any(s in text for s in until)
 
+        longest = max(len(p) for p in prompts)
         tokens = decode.generate(self.model, prompts, max_new_tokens=max_tokens, eos_id=eos,
-                                 stop=stop if until else None)
+                                 stop=stop if until else None, pad_multiple=max(16, 2 ** (longest.bit_length() - 3)))
         return [postprocess_generated_text(self.tokenizer.decode(t), until, None) for t in tokens]
 
 
@@ -348,7 +355,7 @@ class GattnLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         eos_text = self.tok_decode(self.eos) if self.eos is not None else None
         groups: dict[tuple, list[int]] = {}  # rows of one batch share their stop strings and length
-        settings = []
+        prompts = []
         for i, (context, gen_kwargs) in enumerate(req.args for req in requests):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             if kwargs.get("do_sample") or kwargs.get("temperature", 0.0) > 0:
@@ -359,15 +366,16 @@ class GattnLM(TemplateLM):
             max_tokens = int(kwargs.pop("max_gen_toks"))
             if max_tokens >= self.max_length:
                 raise ConfigError("max_gen_toks", max_tokens, f"below max_length ({self.max_length})")
-            settings.append((context, until, max_tokens))
+            prompts.append(self.tok_encode(context)[-(self.max_length - max_tokens):])
             groups.setdefault((tuple(until), max_tokens), []).append(i)
         out = [""] * len(requests)
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until")
         for (until, max_tokens), members in groups.items():
+            members.sort(key=lambda i: -len(prompts[i]))  # a batch's prompts of similar lengths: little padding
             for start in range(0, len(members), self.rows):
                 rows = members[start:start + self.rows]
-                prompts = [self.tok_encode(settings[i][0])[-(self.max_length - max_tokens):] for i in rows]
-                texts = self._run("generate", {"prompts": prompts, "until": list(until), "max_tokens": max_tokens})
+                texts = self._run("generate", {"prompts": [prompts[i] for i in rows], "until": list(until),
+                                               "max_tokens": max_tokens})
                 for i, text in zip(rows, texts):
                     out[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
