@@ -145,3 +145,30 @@ def test_prompts_open_with_bos_where_the_runs_documents_do():
         generate.encode(chars, ["e", ""], None)
     with_eos = type("WithEos", (backcopy.Tokenizer,), {"eos_id": lambda self: 1})(" ea")
     assert generate.encode(with_eos, ["e", ""], None) == [[2], [1]]
+
+
+def test_a_hugging_face_folder_loads_in_memory_as_its_converted_run(qwen3, tmp_path):
+    """runs.load converts a Hugging Face folder in memory, writing no checkpoint, into the model
+    that `convert from-hf` and loading that run give: the same config, step 0, every parameter
+    identical, the same tokens; execution overrides apply (scanned layers: the same logits)."""
+    import jax
+    import numpy as np
+
+    from gattn.interop import convert
+
+    folder, (cfg, model, tok, step) = qwen3
+    cfg2, model2, tok2, step2 = runs.load(convert.from_hf(folder, tmp_path / "run"))
+    assert step == step2 == 0 and cfg == cfg2
+    for a, b in zip(jax.tree.leaves(nnx_state(model)), jax.tree.leaves(nnx_state(model2)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert tok.encode(PROMPTS[1]) == tok2.encode(PROMPTS[1])
+    scanned = runs.load(folder, overrides=["exec.scan_layers=true"])
+    assert scanned[0].exec.scan_layers and not cfg.exec.scan_layers
+    ids = np.asarray([tok.encode(PROMPTS[0])])
+    np.testing.assert_allclose(np.asarray(scanned[1](ids)), np.asarray(model(ids)), rtol=1e-5, atol=1e-5)
+
+
+def nnx_state(model):
+    from flax import nnx
+
+    return nnx.state(model, nnx.Param)

@@ -52,6 +52,7 @@ import math
 import shutil
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -134,20 +135,26 @@ def load_tokenizer_files(src: Path, hf: dict) -> dict[str, bytes]:
     return files
 
 
-def from_hf(src: str | Path, workdir: str | Path) -> Path:
-    """Converts Hugging Face model folder `src` into gattn run directory `workdir` (which must
-    not hold a run). Returns the workdir."""
+class HFRun(NamedTuple):
+    """What a Hugging Face model folder converts into, in memory: the run's config, its parameters
+    (an nnx.State laid out as Transformer(cfg.model) builds it), the tokenizer files to copy and
+    the weight layout read."""
+
+    cfg: Config
+    params: object
+    tokenizer_files: dict[str, bytes]
+    layout: str
+
+
+def read_run(src: str | Path) -> HFRun:
+    """Hugging Face model folder `src` as a gattn run in memory, every tensor read and checked."""
     import jax  # noqa: PLC0415
     from flax import nnx  # noqa: PLC0415
 
-    from gattn.data.tokenizer import HF_TOKENIZER_DIR  # noqa: PLC0415
-    from gattn.train import checkpoint, rundir  # noqa: PLC0415
     from gattn.model.transformer import Transformer  # noqa: PLC0415
 
-    src, workdir = Path(src), Path(workdir)
-    _check_new_folder(workdir, "--workdir")
     hf, layout, model_cfg, tensors = read_hf(src)
-    tokenizer_files = load_tokenizer_files(src, hf)
+    tokenizer_files = load_tokenizer_files(Path(src), hf)
     variant = "baseline" if model_cfg.gate is None else f"sdpa_{model_cfg.gate.granularity}"
     max_len = int(hf.get("max_position_embeddings") or 4096)
     cfg = Config(model=model_cfg, train=dataclasses.replace(TrainConfig(), seq_len=min(max_len, 4096)),
@@ -164,26 +171,46 @@ def from_hf(src: str | Path, workdir: str | Path) -> Path:
         flat.append((path, var.replace(jax.numpy.asarray(value, var.dtype))))
     if params:
         raise ConversionError(f"tensors without a gattn parameter: {sorted(params)[:5]}")
-    state = nnx.from_flat_state(flat)
+    return HFRun(cfg, nnx.from_flat_state(flat), tokenizer_files, layout)
 
-    # Everything is read and checked: now write, into a sibling folder renamed at the end.
-    with _written(workdir) as tmp:
-        tok_dir = tmp / "tokenizer" / HF_TOKENIZER_DIR
-        tok_dir.mkdir(parents=True)
-        for name, data in tokenizer_files.items():
-            (tok_dir / name).write_bytes(data)
-        meta = rundir.meta(cfg, converted_from=str(src.absolute()), layout=layout)
-        mngr = checkpoint.manager(tmp, 1, 1)
+
+def write_run(run: HFRun, src: str | Path, workdir: Path, *, checkpoint_too: bool = True) -> None:
+    """Writes `run` (converted from `src`) into the new folder `workdir`: config.json, the
+    tokenizer files and, with `checkpoint_too`, its parameters as checkpoint 0."""
+    import jax  # noqa: PLC0415
+
+    from gattn.data.tokenizer import HF_TOKENIZER_DIR  # noqa: PLC0415
+    from gattn.train import checkpoint, rundir  # noqa: PLC0415
+
+    src = Path(src)
+    tok_dir = workdir / "tokenizer" / HF_TOKENIZER_DIR
+    tok_dir.mkdir(parents=True)
+    for name, data in run.tokenizer_files.items():
+        (tok_dir / name).write_bytes(data)
+    if checkpoint_too:
+        meta = rundir.meta(run.cfg, converted_from=str(src.absolute()), layout=run.layout)
+        mngr = checkpoint.manager(workdir, 1, 1)
         try:
-            checkpoint.save(mngr, 0, {"params": state}, {}, meta, force=True)
+            checkpoint.save(mngr, 0, {"params": run.params}, {}, meta, force=True)
             mngr.wait_until_finished()
             checkpoint.seal(mngr.directory / "0")
         finally:
             mngr.close()
-        rundir.write_config(tmp, cfg)
-        n = int(sum(math.prod(v.shape) for _, v in flat))
-        (tmp / "converted.json").write_text(json.dumps({"from": str(src.absolute()), "layout": layout,
+    rundir.write_config(workdir, run.cfg)
+    n = int(sum(math.prod(x.shape) for x in jax.tree.leaves(run.params)))
+    (workdir / "converted.json").write_text(json.dumps({"from": str(src.absolute()), "layout": run.layout,
                                                         "params": n}, indent=2))
+
+
+def from_hf(src: str | Path, workdir: str | Path) -> Path:
+    """Converts Hugging Face model folder `src` into gattn run directory `workdir` (which must
+    not hold a run). Returns the workdir."""
+    src, workdir = Path(src), Path(workdir)
+    _check_new_folder(workdir, "--workdir")
+    run = read_run(src)
+    # Everything is read and checked: now write, into a sibling folder renamed at the end.
+    with _written(workdir) as tmp:
+        write_run(run, src, tmp)
     return workdir
 
 

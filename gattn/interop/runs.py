@@ -1,6 +1,7 @@
-"""Any run as a model to use: a gattn run directory or a Hugging Face model folder (converted into
-a temporary run first), with its tokenizer. Used by lm-eval's model class (gattn.interop.harness)
-and `python -m gattn.generate`; it imports neither lm-eval nor torch."""
+"""Any run as a model to use: a gattn run directory or a Hugging Face model folder (converted in
+memory; its config and tokenizer written to a temporary run folder), with its tokenizer. Used by
+lm-eval's model class (gattn.interop.harness) and `python -m gattn.generate`; it imports neither
+lm-eval nor torch."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from gattn.config import ConfigError
 
 def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()):
     """(cfg, model, tokenizer, step) of a gattn run directory, or of a Hugging Face model folder
-    (converted into a temporary run first)."""
+    (converted in memory, step 0)."""
     from gattn.data.tokenizer import load_tokenizer  # noqa: PLC0415
     from gattn.train import rundir  # noqa: PLC0415
 
@@ -29,8 +30,10 @@ def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()
         if jax.process_count() > 1:
             raise ConfigError("workdir", str(workdir), "a gattn run directory when several processes run: "
                               f"convert it once first (python -m gattn.convert from-hf {workdir} --workdir RUN)")
+        hf_run = convert.read_run(workdir)  # in memory: only config.json and the tokenizer are written
         run = Path(tempfile.mkdtemp(prefix="gattn-run-")) / "run"
-        convert.from_hf(workdir, run)
-        workdir = run
+        convert.write_run(hf_run, workdir, run, checkpoint_too=False)
+        cfg, model, step = rundir.load(run, None, list(overrides), params=hf_run.params)
+        return cfg, model, load_tokenizer(cfg, run), step
     cfg, model, step = rundir.load(workdir, step, list(overrides))
     return cfg, model, load_tokenizer(cfg, workdir), step

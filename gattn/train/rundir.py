@@ -188,14 +188,17 @@ def portable(cfg: Config) -> Config:
 
 
 def load(workdir: str | Path, step: int | None = None, overrides: list[str] = (), *,
-         cfg: Config | None = None) -> Loaded:
+         cfg: Config | None = None, params=None) -> Loaded:
     """(cfg, model, step): the parameters of `workdir`'s checkpoint `step` (default: the latest),
     built with the run's config plus `overrides` (or `cfg`, from `load_config`), sharded over the
     devices present now (see `portable`; an explicit `exec.attention_impl` override is kept).
     Only parameters are read, so any optimizer and any execution settings will do: a checkpoint
     saved with scanned layers loads unscanned, and the reverse. An unreadable latest checkpoint
     gives way to the previous one with a one-line warning; if none can be read (or the chosen
-    `step` cannot), checkpoint.CheckpointFailure."""
+    `step` cannot), checkpoint.CheckpointFailure.
+
+    `params`: the parameters in memory instead (laid out as Transformer(cfg.model) builds them;
+    step 0), for a folder converted on load (gattn.interop.runs)."""
     from flax import nnx  # noqa: PLC0415
 
     from gattn.model import sharding  # noqa: PLC0415
@@ -206,8 +209,7 @@ def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()
     cfg = cfg if cfg is not None else load_config(workdir, overrides)
     if not any("attention_impl" in o for o in overrides):
         cfg = portable(cfg)
-    steps = checkpoint.saved_steps(workdir)
-    if not steps:
+    if params is None and not checkpoint.saved_steps(workdir):
         raise ConfigError("--workdir", str(workdir), "a run with a checkpoint; this one has none yet "
                           f"({workdir / 'checkpoints'} is empty: train it, or wait for its first save)")
     mesh = sharding.make_mesh(cfg.mesh)
@@ -223,11 +225,14 @@ def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()
         stored = target if saved.exec.scan_layers == cfg.exec.scan_layers else abstract(saved.exec)[1]
         return stored, checkpoint.restore_params(mngr, stored, s)
 
-    mngr = checkpoint.manager(workdir, 1, 1)
-    try:  # an unreadable latest checkpoint: the previous one, with a warning (nothing is moved)
-        step, (stored, params) = checkpoint.first_readable(mngr, read, step)
-    finally:
-        mngr.close()
+    if params is not None:
+        step, stored = 0, None
+    else:
+        mngr = checkpoint.manager(workdir, 1, 1)
+        try:  # an unreadable latest checkpoint: the previous one, with a warning (nothing is moved)
+            step, (stored, params) = checkpoint.first_readable(mngr, read, step)
+        finally:
+            mngr.close()
     if stored is not target:
         params = checkpoint.place(relayout(params, target), target)
     return Loaded(cfg, nnx.merge(graphdef, params), step)
