@@ -176,7 +176,7 @@ def read_run(src: str | Path) -> HFRun:
 
 def write_run(run: HFRun, src: str | Path, workdir: Path, *, checkpoint_too: bool = True) -> None:
     """Writes `run` (converted from `src`) into the new folder `workdir`: config.json, the
-    tokenizer files and, with `checkpoint_too`, its parameters as checkpoint 0."""
+    tokenizer files, converted.json and, with `checkpoint_too`, its parameters as checkpoint 0."""
     import jax  # noqa: PLC0415
 
     from gattn.data.tokenizer import HF_TOKENIZER_DIR  # noqa: PLC0415
@@ -198,8 +198,8 @@ def write_run(run: HFRun, src: str | Path, workdir: Path, *, checkpoint_too: boo
             mngr.close()
     rundir.write_config(workdir, run.cfg)
     n = int(sum(math.prod(x.shape) for x in jax.tree.leaves(run.params)))
-    (workdir / "converted.json").write_text(json.dumps({"from": str(src.absolute()), "layout": run.layout,
-                                                        "params": n}, indent=2))
+    converted = {"from": str(src.absolute()), "layout": run.layout, "params": n}
+    (workdir / "converted.json").write_text(json.dumps(converted, indent=2))
 
 
 def from_hf(src: str | Path, workdir: str | Path) -> Path:

@@ -11,16 +11,19 @@ folder, converted in memory by gattn.interop.convert. Model arguments: workdir, 
 `;`-separated, as eval.py's --config.FIELD=VALUE).
 
 How each request type runs:
-  loglikelihood          the requests are packed, several per row with segment ids and positions
-                         that restart per request, into rows of a few fixed lengths (64, 128, ...,
-                         max_length) and batches of `batch_size` rows: a task compiles once per row
-                         length, not once per request. The logits are formed a token chunk at a time,
-                         never [rows, length, vocabulary] at once. A request longer than max_length
-                         loses tokens from the left of its context, as lm-eval's hf backend does.
+  loglikelihood          requests that share a context (a question's choices) are laid out as the
+                         context once and each choice after it, a segment that also sees the
+                         context (prefix ids); these groups are packed several per row (segment
+                         ids, positions restarting per group) into rows of one of a few fixed
+                         lengths (64, 128, ..., max_length) and batches of `batch_size` rows: a
+                         task compiles a handful of times, not once per request. The logits are
+                         formed only at the scored positions, a chunk at a time, never [rows,
+                         length, vocabulary]. A request longer than max_length loses tokens from
+                         the left of its context, as lm-eval's hf backend does.
   loglikelihood_rolling  lm-eval's own disjoint windows (the ones its hf backend scores), through
                          the same packed scorer.
   generate_until         greedy decoding with the kv cache (gattn.eval.decode), stopped at eos or
-                         any `until` string; sampling is refused.
+                         any `until` string, prompts batched longest first; sampling is refused.
 
 Tokens: a run trained with data.bos opens every context with BOS (the hf backend's add_bos_token);
 an empty context is BOS, or EOS for a run without BOS (gattn's documents follow an EOS).
@@ -239,14 +242,15 @@ class Scorer:
             for g in groups:
                 c, seg = len(g.context), seg + 1
                 shared = len(g.members) > 1
-                tokens[r, at:at + c], positions[r, at:at + c], segments[r, at:at + c] = g.context, np.arange(c), seg
+                tokens[r, at:at + c], positions[r, at:at + c], segments[r, at:at + c] = g.context, range(c), seg
                 last, at, context_seg = r * length + at + c - 1, at + c, seg
                 for i, cont in g.members:
                     m = len(cont) - 1  # the continuation's inputs: all but its last token
                     if shared:
                         seg += 1
-                    tokens[r, at:at + m], positions[r, at:at + m], segments[r, at:at + m] = cont[:-1], np.arange(c, c + m), seg
-                    prefixes[r, at:at + m] = context_seg if shared else 0
+                        prefixes[r, at:at + m] = context_seg
+                    tokens[r, at:at + m], positions[r, at:at + m] = cont[:-1], range(c, c + m)
+                    segments[r, at:at + m] = seg
                     spans[i] = (len(where), len(where) + m + 1)
                     where += [last] + list(range(r * length + at, r * length + at + m))
                     targets += cont
@@ -398,7 +402,8 @@ class GattnLM(TemplateLM):
 
     def _execute(self, m: dict):
         if m["kind"] == "score":
-            return self.scorer.score(Packed(*(None if a is None else np.asarray(a, np.int32) for a in m["batch"])))
+            batch = Packed(*(None if a is None else np.asarray(a, np.int32) for a in m["batch"]))
+            return self.scorer.score(batch)
         if m["kind"] == "generate":
             return self.scorer.generate(m["prompts"], m["until"], m["max_tokens"], self.eos)
         raise ValueError(f"unknown harness message {m['kind']!r}")

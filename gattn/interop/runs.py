@@ -30,7 +30,7 @@ def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()
         if jax.process_count() > 1:
             raise ConfigError("workdir", str(workdir), "a gattn run directory when several processes run: "
                               f"convert it once first (python -m gattn.convert from-hf {workdir} --workdir RUN)")
-        hf_run = convert.read_run(workdir)  # in memory: only config.json and the tokenizer are written
+        hf_run = convert.read_run(workdir)  # in memory: the run folder gets no checkpoint
         run = Path(tempfile.mkdtemp(prefix="gattn-run-")) / "run"
         convert.write_run(hf_run, workdir, run, checkpoint_too=False)
         cfg, model, step = rundir.load(run, None, list(overrides), params=hf_run.params)
