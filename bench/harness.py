@@ -4,10 +4,13 @@ and the same generated tasks.
 
     python bench/harness.py [--docs 100] [--layers 8] [--width 512] [--vocab 32768] [--batch 16]
     python bench/harness.py --docs 200 --layers 4 --width 256 --vocab 1024    (the toy: ~1 minute)
+    python bench/harness.py --tasks mmlu --shots 5                           (MMLU, 5-shot)
 
-Tasks: an ARC-style multiple-choice task (`--docs` questions x 4 choices, 1-shot: loglikelihood),
-a rolling-perplexity task over the same texts (loglikelihood_rolling) and a GSM8K-style generation
-task (`--docs // 10` questions, 16 greedy tokens: generate_until). Each backend runs the suite
+Tasks (`--tasks`, default arc,rolling,gsm8k; `--shots`, default 1): an ARC-style multiple-choice
+task (`--docs` questions x 4 choices: loglikelihood), a rolling-perplexity task over the same texts
+(loglikelihood_rolling), a GSM8K-style generation task (`--docs // 10` questions, 16 greedy
+tokens: generate_until), and `mmlu`: an MMLU subject (`--docs` questions x 4 one-token choices,
+the same first few-shot examples before every question, as lm-eval's MMLU samples them). Each backend runs the suite
 twice: `cold` includes what the first run pays (model load, conversion, compiles; torch has none),
 `warm` is the second.
 
@@ -61,6 +64,10 @@ def tasks(root: Path, docs: int) -> Path:
             "answerKey": "ABCD"[i % 4]} for i in range(docs)]
     for split in ("train", "validation", "test"):
         write_jsonl(root / "data" / "arc_easy" / f"{split}.jsonl", arc)
+    mmlu = [{"question": sentence(int(rng.integers(8, 40))) + "?", "subject": "abstract_algebra",
+             "choices": [sentence(int(rng.integers(1, 6))) for _ in range(4)], "answer": i % 4} for i in range(docs)]
+    write_jsonl(root / "data" / "mmlu" / "abstract_algebra" / "test.jsonl", mmlu)
+    write_jsonl(root / "data" / "mmlu" / "abstract_algebra" / "dev.jsonl", mmlu[:5])
     gsm = [{"question": sentence(int(rng.integers(8, 30))) + "?", "answer": "x\n#### 1"} for _ in range(max(docs // 10, 1))]
     for split in ("train", "test"):
         write_jsonl(root / "data" / "gsm8k" / f"{split}.jsonl", gsm)
@@ -93,13 +100,16 @@ def timed(model) -> dict:
     return clock
 
 
-def run(model, manager, clock: dict) -> tuple[int, float, float]:
+TASKS = {"arc": "local_arc_easy", "rolling": "rolling", "gsm8k": "local_gsm8k", "mmlu": "local_mmlu_abstract_algebra"}
+
+
+def run(model, manager, clock: dict, tasks=("arc", "rolling", "gsm8k"), shots: int = 1) -> tuple[int, float, float]:
     """(requests, end-to-end seconds, seconds in the model's request methods) of one suite run."""
     import lm_eval
 
     clock["model"] = 0.0
     start = time.perf_counter()
-    res = lm_eval.simple_evaluate(model=model, tasks=["local_arc_easy", "rolling", "local_gsm8k"], num_fewshot=1,
+    res = lm_eval.simple_evaluate(model=model, tasks=[TASKS[t] for t in tasks], num_fewshot=shots,
                                   task_manager=manager, gen_kwargs="max_gen_toks=16",
                                   log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
                                   fewshot_random_seed=0, verbosity="ERROR")
@@ -114,7 +124,12 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=32768, help="the model's vocabulary rows (>= 1024)")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--tasks", default="arc,rolling,gsm8k", help=f"comma-separated, of {sorted(TASKS)}")
+    ap.add_argument("--shots", type=int, default=1, help="few-shot examples per task (num_fewshot)")
     args = ap.parse_args()
+    tasks_run = args.tasks.split(",")
+    if not set(tasks_run) <= set(TASKS):
+        ap.error(f"--tasks {args.tasks!r}: each one of {sorted(TASKS)}")
     from gattn.cli import ensure_malloc_tunables
 
     ensure_malloc_tunables()  # glibc's settings of every gattn command (both backends run in this process)
@@ -128,7 +143,7 @@ def main() -> None:
     hf, folder = build(root, args.layers, args.width, args.vocab), tasks(root, args.docs)
     manager = TaskManager(include_path=str(folder), include_defaults=False)
     out = {"docs": args.docs, "layers": args.layers, "width": args.width, "vocab": args.vocab, "batch": args.batch,
-           "torch_threads": torch.get_num_threads()}
+           "tasks": tasks_run, "shots": args.shots, "torch_threads": torch.get_num_threads()}
     for name, make in (("gattn", lambda: harness.GattnLM(workdir=str(hf), batch_size=args.batch, max_length=1024)),
                        ("hf", lambda: HFLM(pretrained=str(hf), dtype="float32", batch_size=args.batch, max_length=1024,
                                            device="cpu"))):
@@ -137,7 +152,7 @@ def main() -> None:
         load = time.perf_counter() - start
         clock = timed(model)
         for attempt in ("cold", "warm"):
-            n, seconds, in_model = run(model, manager, clock)
+            n, seconds, in_model = run(model, manager, clock, tasks_run, args.shots)
             extra = load if attempt == "cold" else 0.0
             for kind, secs in (("end_to_end", seconds + extra), ("model", in_model + extra)):
                 out[f"{name}_{attempt}_{kind}"] = {"requests": n, "seconds": round(secs, 2),

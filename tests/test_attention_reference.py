@@ -582,6 +582,22 @@ def test_prefix_ids_let_choices_share_a_context(options):
     np.testing.assert_allclose(without[0, :5], got[0, :5], rtol=1e-6, atol=1e-6)
 
 
+def test_two_levels_of_prefix_ids_share_few_shot_examples_and_questions():
+    """Few-shot examples (segment 1) shared by two questions (segments 2 and 5, prefix ids [1]),
+    each shared by its choices (prefix ids [question, 1]): every choice's output is that of its
+    examples, question and choice laid out alone."""
+    seg = np.array([[1, 1, 1, 1, 2, 2, 3, 3, 4, 5, 5, 5, 6, 7, 7, 0]], np.int32)
+    pre = np.array([[[0, 0]] * 4 + [[1, 0]] * 2 + [[2, 1]] * 3 + [[1, 0]] * 3 + [[5, 1]] * 3 + [[0, 0]]], np.int32)
+    q, k, v = (jnp.asarray(a[:1]) for a in kernel_inputs(b=1, s=16, seed=8))
+    got = np.asarray(attention_xla(q, k, v, segment_ids=jnp.asarray(seg), prefix_ids=jnp.asarray(pre), block_q=4))
+    for alone_idx, mine in [([0, 1, 2, 3, 4, 5, 6, 7], [6, 7]), ([0, 1, 2, 3, 4, 5, 8], [8]),
+                            ([0, 1, 2, 3, 9, 10, 11, 12], [12]), ([0, 1, 2, 3, 9, 10, 11, 13, 14], [13, 14]),
+                            ([0, 1, 2, 3, 9, 10, 11], [9, 10, 11])]:
+        alone = np.asarray(attention_xla(q[:, alone_idx], k[:, alone_idx], v[:, alone_idx]))
+        np.testing.assert_allclose(got[0, mine], alone[0, -len(mine):], rtol=1e-6, atol=1e-6)
+    assert np.all(got[0, 15] == 0)
+
+
 def test_prefix_ids_need_segment_ids_and_a_hybrid_refuses_them():
     q, k, v = (jnp.asarray(a[:1]) for a in kernel_inputs(b=1, s=16))
     with pytest.raises(ValueError, match="prefix_ids.*segment_ids"):
@@ -593,7 +609,7 @@ def test_prefix_ids_need_segment_ids_and_a_hybrid_refuses_them():
     model = Transformer(tiny_hybrid(), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="prefix_ids.*Gated DeltaNet"):
         model.hidden(jnp.ones((1, 16), jnp.int32), jnp.asarray(np.arange(16)[None]), jnp.asarray(SHARED_SEG),
-                     prefix_ids_BxS=jnp.asarray(SHARED_PRE))
+                     prefix_ids_BxSxK=jnp.asarray(SHARED_PRE))
 
 
 # --------------------------------------------------------------------------- the kernel

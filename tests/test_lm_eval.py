@@ -328,6 +328,33 @@ def test_eval_py_lm_eval_refuses_bad_flags_before_loading_a_model(tmp_path, caps
     assert code == 2 and "hellaswag" not in err and "local_mmlu_anatomy" in err  # (no model was needed)
 
 
+def test_questions_that_share_few_shot_examples_compute_them_once(qwen3):
+    """MMLU's questions repeat the same few-shot examples (its first_n sampler): contexts that
+    begin with the same tokens form a family, laid out as those tokens once, then each question
+    and its choices (two levels of prefix ids). Each log-likelihood equals the request run alone;
+    a family too long for a row is cut, each piece with its own copy of the examples."""
+    hf_dir, _, _ = qwen3
+    lm = harness.GattnLM(workdir=str(hf_dir), batch_size=2)
+    rng = np.random.default_rng(2)
+    shots = list(map(int, rng.integers(1, 300, 40)))
+    questions = [list(map(int, rng.integers(1, 300, n))) for n in (6, 9, 4)]
+    reqs = [(shots + q, c) for q in questions for c in ([5], [7], [8, 9])] + [(shots[:10] + [1, 2], [3])]
+    batches = []
+    got = lm.scorer.loglikelihood(reqs, 2, score=lambda b: batches.append(b) or lm.scorer.score(b))
+    alone = [lm.scorer.loglikelihood([r], 1)[0] for r in reqs]
+    np.testing.assert_allclose([g[0] for g in got], [a[0] for a in alone], atol=2e-5)
+    assert [g[1] for g in got] == [a[1] for a in alone]
+    assert all(b.prefixes is not None and b.prefixes.shape[-1] == 2 for b in batches)
+    computed = sum(int((b.segments != 0).sum()) for b in batches)
+    assert computed == 40 + sum(len(q) + 1 for q in questions) + 12  # the examples once; [8, 9] adds one input
+    items = [(i, c, x) for i, (c, x) in enumerate(reqs)]
+    fams = harness.families(harness.group(items, 256, share=True), share=True)
+    assert sorted(len(f.groups) for f in fams) == [1, 3] and max(len(f.prefix) for f in fams) == 40
+    pieces = harness.chunk(max(fams, key=lambda f: len(f.groups)), 60)
+    assert [len(f.groups) for f in pieces] == [2, 1] and pieces[0].prefix == shots and pieces[1].prefix == []
+    assert all(f.length <= 60 for f in pieces)
+
+
 def test_a_hybrid_scores_choices_without_sharing_their_context():
     """A Gated DeltaNet layer's recurrence cannot see a context laid out once: a hybrid's choices
     are laid out whole (no prefix ids), and score as alone."""

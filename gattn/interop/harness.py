@@ -13,7 +13,8 @@ folder, converted in memory by gattn.interop.convert. Model arguments: workdir, 
 How each request type runs:
   loglikelihood          requests that share a context (a question's choices) are laid out as the
                          context once and each choice after it, a segment that also sees the
-                         context (prefix ids); these groups are packed several per row (segment
+                         context (prefix ids); contexts that begin alike (few-shot examples) share
+                         those tokens too (Family); these are packed several per row (segment
                          ids, positions restarting per group) into rows of one of a few fixed
                          lengths (64, 128, ..., max_length) and batches of `batch_size` rows: a
                          task compiles a handful of times, not once per request. The logits are
@@ -63,6 +64,7 @@ from gattn.model.transformer import head_logits, off_mesh, with_exec
 
 SHORTEST_ROW = 64  # row lengths: SHORTEST_ROW * 2^k, capped at max_length
 TOKEN_CHUNK = 1024  # tokens whose logits are formed at once
+SHARED_PREFIX = 16  # contexts that begin with this many tokens in common share them (Family)
 _LIVE: list["GattnLM"] = []  # process 0's model, told to release the followers when the harness ends
 
 
@@ -123,26 +125,76 @@ def group(items: list[tuple[int, list[int], list[int]]], max_length: int, share:
     return groups
 
 
-def choose_rows(lengths: list[int], rows: int, max_length: int) -> tuple[int, list[list[int]]]:
-    """(row length, layout): of the row lengths SHORTEST_ROW * 2^k from the longest item's up to
-    max_length, the one that packs `lengths` into the fewest token slots, counted in whole batches
-    of `rows` rows (the shorter on a tie)."""
+class Family(NamedTuple):
+    """Groups whose contexts begin with the same `prefix` tokens (the few-shot examples that every
+    question of an MMLU subject repeats), laid out as the prefix once, then each group's rest of
+    context and its choices, which also see the prefix (prefix ids). A family of one group has
+    no prefix: the group alone."""
+
+    prefix: list[int]
+    groups: list[Group]
+
+    @property
+    def length(self) -> int:
+        return len(self.prefix) + sum(g.length - len(self.prefix) for g in self.groups)
+
+
+def families(groups: list[Group], share: bool) -> list[Family]:
+    """The groups in families (`share`; else each alone): in the order of their contexts, a group
+    joins the family before it while the contexts' common prefix stays at least SHARED_PREFIX
+    tokens (it always leaves each group one token of its own: the one that predicts the choices'
+    first tokens)."""
+    if not share:
+        return [Family([], [g]) for g in groups]
+    out: list[tuple[list[int], list[Group]]] = []  # (the prefix common so far, groups)
+    for g in sorted(groups, key=lambda g: g.context):
+        if out:
+            common, members = out[-1]
+            n = 0
+            limit = min(len(common), len(g.context) - 1)
+            while n < limit and common[n] == g.context[n]:
+                n += 1
+            if n >= SHARED_PREFIX:
+                out[-1] = (common[:n], members + [g])
+                continue
+        out.append((g.context[:-1], [g]))
+    return [Family(common if len(members) > 1 else [], members) for common, members in out]
+
+
+def chunk(family: Family, length: int) -> list[Family]:
+    """`family` cut into families of at most `length` tokens, each with its own copy of the prefix."""
+    out, current = [], Family(family.prefix, [])
+    for g in family.groups:
+        if current.groups and current.length + g.length - len(family.prefix) > length:
+            out.append(current)
+            current = Family(family.prefix, [])
+        current.groups.append(g)
+    out.append(current)
+    return [f if len(f.groups) > 1 else Family([], f.groups) for f in out]
+
+
+def choose_rows(fams: list[Family], rows: int, max_length: int) -> tuple[int, list[Family], list[list[int]]]:
+    """(row length, families cut to it, layout: indices into them per row): of the row lengths
+    SHORTEST_ROW * 2^k from the longest group's up to max_length, the one that packs the families
+    into the fewest token slots, counted in whole batches of `rows` rows (the shorter on a tie)."""
     best = None
-    length = row_length(max(lengths), max_length)
+    length = row_length(max(g.length for f in fams for g in f.groups), max_length)
     while True:
-        layout = pack(lengths, length)
+        pieces = [piece for f in fams for piece in chunk(f, length)]
+        layout = pack([f.length for f in pieces], length)
         cells = -(-len(layout) // rows) * rows * length
         if best is None or cells < best[0]:
-            best = (cells, length, layout)
+            best = (cells, length, pieces, layout)
         if length >= max_length:
-            return best[1], best[2]
+            return best[1:]
         length = min(2 * length, max_length)
 
 
 class Packed(NamedTuple):
-    """One batch of packed requests: token ids, positions, segment ids and prefix ids ([rows,
-    length] int32; prefixes None when no context is shared), and the scored positions (flat
-    indices into the rows, padded with 0) with their target tokens ([P] int32)."""
+    """One batch of packed requests: token ids, positions and segment ids ([rows, length] int32),
+    prefix ids ([rows, length, K]: the segments a token also sees; None when nothing is shared),
+    and the scored positions (flat indices into the rows, padded with 0) with their target tokens
+    ([P] int32)."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -163,7 +215,7 @@ def _score(graphdef, state, batch: Packed):
     """(log p(target), target is the argmax) at the batch's scored positions ([P] each); the logits
     only there, at most TOKEN_CHUNK positions at a time (float32)."""
     model = nnx.merge(graphdef, state)
-    x_NxD, _ = model.hidden(batch.tokens, batch.positions, batch.segments, prefix_ids_BxS=batch.prefixes)
+    x_NxD, _ = model.hidden(batch.tokens, batch.positions, batch.segments, prefix_ids_BxSxK=batch.prefixes)
     x_PxD = jnp.take(x_NxD, batch.where, axis=0)
     p = x_PxD.shape[0]
     chunk = -(-p // -(-p // TOKEN_CHUNK))  # the fewest chunks of at most TOKEN_CHUNK, evenly
@@ -217,46 +269,63 @@ class Scorer:
                 items.append((i, seq[:-n], seq[-n:]))
         if not items:
             return out
-        groups = group(items, self.max_length, self.share)
-        length, layout = choose_rows([g.length for g in groups], rows, self.max_length)
-        batches = [[[groups[g] for g in row] for row in layout[start:start + rows]]
+        fams = families(group(items, self.max_length, self.share), self.share)
+        length, fams, layout = choose_rows(fams, rows, self.max_length)
+        batches = [[[fams[f] for f in row] for row in layout[start:start + rows]]
                    for start in range(0, len(layout), rows)]
-        # One number of scored positions for every batch of the call: one compile.
-        scored = _bucket(max(sum(len(cont) for row in batch for g in row for _, cont in g.members)
+        # One number of scored positions and of prefix ids for every batch of the call: one compile.
+        scored = _bucket(max(sum(len(cont) for row in batch for f in row for g in f.groups for _, cont in g.members)
                              for batch in batches), rows * length)
+        depth = 2 if any(f.prefix for f in fams) else int(any(len(g.members) > 1 for f in fams for g in f.groups))
         for batch in batches:
-            batch, spans = self._lay_out(batch, rows, length, scored)
+            batch, spans = self._lay_out(batch, rows, length, scored, depth)
             logp, greedy = score(batch)
             for i, (a, b) in spans.items():
                 out[i] = (float(logp[a:b].astype(np.float64).sum()), bool(greedy[a:b].all()))
         return out
 
     @staticmethod
-    def _lay_out(rows_of_groups: list[list[Group]], rows: int, length: int, scored: int) -> tuple[Packed, dict]:
-        """The Packed batch of these rows (`scored` positions), and each request's span of scored
-        positions in it."""
-        tokens, positions, segments, prefixes = np.zeros((4, rows, length), np.int32)
+    def _lay_out(rows_of_families: list[list[Family]], rows: int, length: int, scored: int,
+                 depth: int) -> tuple[Packed, dict]:
+        """The Packed batch of these rows (`scored` positions, `depth` prefix ids per token: 0 for
+        none), and each request's span of scored positions in it."""
+        tokens, positions, segments = np.zeros((3, rows, length), np.int32)
+        prefixes = np.zeros((rows, length, 2), np.int32)
         where, targets, spans = [], [], {}
-        for r, groups in enumerate(rows_of_groups):
+
+        def put(r, at, ids, start, seg, seen):
+            """Lays `ids` out at row r from `at`, positions from `start`, in segment `seg`, also
+            seeing segments `seen`; returns where the next token goes."""
+            end = at + len(ids)
+            tokens[r, at:end], positions[r, at:end], segments[r, at:end] = ids, range(start, start + len(ids)), seg
+            prefixes[r, at:end, :len(seen)] = seen
+            return end
+
+        for r, fams in enumerate(rows_of_families):
             at, seg = 0, 0
-            for g in groups:
-                c, seg = len(g.context), seg + 1
-                shared = len(g.members) > 1
-                tokens[r, at:at + c], positions[r, at:at + c], segments[r, at:at + c] = g.context, range(c), seg
-                last, at, context_seg = r * length + at + c - 1, at + c, seg
-                for i, cont in g.members:
-                    m = len(cont) - 1  # the continuation's inputs: all but its last token
-                    if shared:
-                        seg += 1
-                        prefixes[r, at:at + m] = context_seg
-                    tokens[r, at:at + m], positions[r, at:at + m] = cont[:-1], range(c, c + m)
-                    segments[r, at:at + m] = seg
-                    spans[i] = (len(where), len(where) + m + 1)
-                    where += [last] + list(range(r * length + at, r * length + at + m))
-                    targets += cont
-                    at += m
+            for f in fams:
+                p, family_seg = len(f.prefix), 0
+                if f.prefix:
+                    seg = family_seg = seg + 1
+                    at = put(r, at, f.prefix, 0, seg, [])
+                above = [family_seg] if family_seg else []
+                for g in f.groups:
+                    c, seg = len(g.context), seg + 1
+                    at = put(r, at, g.context[p:], p, seg, above)
+                    last, context_seg = r * length + at - 1, seg
+                    for i, cont in g.members:
+                        m = len(cont) - 1  # the continuation's inputs: all but its last token
+                        if len(g.members) > 1:  # a choice: a segment that sees its context (and the family's prefix)
+                            seg += 1
+                            put(r, at, cont[:-1], c, seg, [context_seg] + above)
+                        else:
+                            put(r, at, cont[:-1], c, context_seg, above)
+                        spans[i] = (len(where), len(where) + m + 1)
+                        where += [last] + list(range(r * length + at, r * length + at + m))
+                        targets += cont
+                        at += m
         pad = scored - len(where)
-        return Packed(tokens, positions, segments, prefixes if prefixes.any() else None,
+        return Packed(tokens, positions, segments, prefixes[..., :depth] if depth else None,
                       np.asarray(where + [0] * pad, np.int32), np.asarray(targets + [0] * pad, np.int32)), spans
 
     def generate(self, prompts: list[list[int]], until: list[str], max_tokens: int, eos: int | None) -> list[str]:

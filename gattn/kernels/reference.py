@@ -8,10 +8,11 @@ attention core near the matmul floor; see docs/performance.md).
 
 Segment ids [B, S] (int): a query attends only to keys with the same id. Id 0 marks padding:
 the output (and attention row) of a padding query is set to exactly zero, and no real token
-attends to padding. Prefix ids [B, S] (int, with segment ids; xla only) also let a query see the
-earlier keys of one other segment, a prefix that several segments share: a multiple-choice
-question's context, laid out once before its choices, each choice a segment whose prefix id is
-the context's segment id (0: no shared prefix). See gattn/interop/harness.py.
+attends to padding. Prefix ids [B, S, K] (or [B, S]: K = 1; int, with segment ids; xla only)
+also let a query see the earlier keys of up to K other segments, prefixes that several segments
+share: a multiple-choice question's context laid out once before its choices, each choice a
+segment whose prefix ids name the context's segment (and the few-shot examples' before it, when
+several questions share those). 0: no shared prefix. See gattn/interop/harness.py.
 
 `attention_masked` takes an explicit [B, S, T] visibility mask instead (cached decoding: S new
 queries over T cache slots), with k/v in the kv cache's [B, Hk, T, K] layout, so a decode step
@@ -90,9 +91,11 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
     last chunk padded): memory O(query_chunk * T) per layer at any length, for long contexts on
     CPU, at the price of the masked upper triangle's FLOPs."""
     check_inputs(q, k, v, segment_ids, gate)
-    if prefix_ids is not None and (segment_ids is None or prefix_ids.shape != segment_ids.shape):
-        raise ValueError(f"prefix_ids {prefix_ids.shape} need segment_ids of the same [B, S] shape "
-                         f"(got {None if segment_ids is None else segment_ids.shape})")
+    if prefix_ids is not None:
+        if segment_ids is None or prefix_ids.shape[:2] != segment_ids.shape or prefix_ids.ndim not in (2, 3):
+            raise ValueError(f"prefix_ids {prefix_ids.shape} must be [B, S] or [B, S, K] with segment_ids "
+                             f"[B, S] (got {None if segment_ids is None else segment_ids.shape})")
+        prefix_ids = prefix_ids.reshape(*segment_ids.shape, -1)
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
     g = hq // hk
@@ -100,7 +103,7 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
     q5 = q.reshape(b, s, hk, g, d).transpose(0, 2, 3, 1, 4)  # [B, Hk, G, S, K]
     k4, v4 = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hk, T, K]
 
-    def bias_for(q0, bq, kv_end, q_ids_BxS=segment_ids, q_prefix_BxS=prefix_ids):
+    def bias_for(q0, bq, kv_end, q_ids_BxS=segment_ids, q_prefix_BxSxK=prefix_ids):
         bias = jnp.zeros((bq, kv_end), jnp.float32)
         if causal:  # query at absolute position q0 + r sees keys at <= q0 + r (+ t - s offset)
             rows = jnp.arange(bq)[:, None] + q0 + (t - s)
@@ -110,9 +113,10 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
             q_ids = jax.lax.dynamic_slice_in_dim(q_ids_BxS, q0, bq, axis=1)
             k_ids = segment_ids[:, None, :kv_end]
             same = q_ids[:, :, None] == k_ids
-            if q_prefix_BxS is not None:  # and the keys of the segment the query's prefix id names
-                prefix = jax.lax.dynamic_slice_in_dim(q_prefix_BxS, q0, bq, axis=1)
-                same |= (prefix[:, :, None] == k_ids) & (k_ids != 0)
+            if q_prefix_BxSxK is not None:  # and the keys of the segments the query's prefix ids name
+                prefix = jax.lax.dynamic_slice_in_dim(q_prefix_BxSxK, q0, bq, axis=1)
+                shared = jnp.any(prefix[:, :, None, :] == k_ids[..., None], axis=-1)
+                same |= shared & (k_ids != 0)
             bias = jnp.where(same[:, None, None], bias, _NEG)
         return bias
 
@@ -120,7 +124,8 @@ def attention_xla(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
         n = -(-s // query_chunk)  # the last chunk is padded with queries that are sliced off
         pad = n * query_chunk - s
         q5p = jnp.pad(q5, ((0, 0),) * 3 + ((0, pad), (0, 0)))
-        q_ids, q_prefix = (None if a is None else jnp.pad(a, ((0, 0), (0, pad))) for a in (segment_ids, prefix_ids))
+        q_ids = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (0, pad)))
+        q_prefix = None if prefix_ids is None else jnp.pad(prefix_ids, ((0, 0), (0, pad), (0, 0)))
 
         def chunk(i):
             q0 = i * query_chunk

@@ -125,13 +125,13 @@ class Attention(nnx.Module):
         return self._gate_at("dense", o_NxD[:, None, :], x_NxD, capture)[:, 0, :]
 
     def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch: tuple[int, int],
-                 capture: Capture = NOTHING, prefix_ids_BxS=None):
+                 capture: Capture = NOTHING, prefix_ids_BxSxK=None):
         cfg, ex, n = self.cfg, self.ex, x_NxD.shape[0]
         b, s = batch
         hq, hk, hd = cfg.q_heads, cfg.kv_heads, cfg.head_dim
         q, k, v = self._qkv(x_NxD, positions_N, capture)
         # `auto`: this platform's choice; a shared prefix (prefix ids) only the xla attention knows
-        impl = "xla" if prefix_ids_BxS is not None else kernels.resolve(ex.attention_impl)
+        impl = "xla" if prefix_ids_BxSxK is not None else kernels.resolve(ex.attention_impl)
         if capture.attn_probs and impl != "xla":
             raise ValueError(f"capturing the attention matrix needs exec.attention_impl='xla' (this model "
                              f"runs {ex.attention_impl!r}, which never forms it); build the model with "
@@ -145,7 +145,7 @@ class Attention(nnx.Module):
         gate_logits = self.gate.logits(x_NxD).reshape(b, s, hq, -1) if fused else None
         # The flash blocks are the TPU kernel's; the GPU kernel and cuDNN keep their own defaults.
         options = {"xla": dict(block_q=ex.attention_block_q, query_chunk=ex.attention_query_chunk,
-                               prefix_ids=prefix_ids_BxS),
+                               prefix_ids=prefix_ids_BxSxK),
                    "pallas": dict(block_q=ex.flash_block_q, block_k=ex.flash_block_k)}.get(impl, {})
         out = kernels.attention(
             q.reshape(b, s, hq, hd), k.reshape(b, s, hk, hd), v.reshape(b, s, hk, hd), gate_logits,

@@ -68,16 +68,16 @@ class Block(nnx.Module):
         return x_NxD + h, aux
 
     def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch, capture: Capture = NOTHING,
-                 prefix_ids_BxS=None):
-        """(x, aux): aux holds the MoE's auxiliary values ({} for a dense FFN). `prefix_ids_BxS`:
+                 prefix_ids_BxSxK=None):
+        """(x, aux): aux holds the MoE's auxiliary values ({} for a dense FFN). `prefix_ids_BxSxK`:
         a shared prefix each token also sees (Transformer.hidden)."""
         if self.layer_type == "linear_attention":
-            if prefix_ids_BxS is not None:
+            if prefix_ids_BxSxK is not None:
                 raise ValueError("prefix_ids: a Gated DeltaNet layer's recurrence cannot share a prefix "
                                  "between segments; lay each segment out whole")
             h = self.linear_attn(self.attn_norm(x_NxD).reshape(*batch, -1), segment_ids_BxS).reshape(x_NxD.shape)
         else:
-            h = self.attn(self.attn_norm(x_NxD), positions_N, segment_ids_BxS, batch, capture, prefix_ids_BxS)
+            h = self.attn(self.attn_norm(x_NxD), positions_N, segment_ids_BxS, batch, capture, prefix_ids_BxSxK)
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
         x_NxD, aux = self._ffn_residual(x_NxD, batch[0], capture)
         if capture.block_out:
@@ -151,15 +151,15 @@ class Transformer(nnx.Module):
 
     def hidden(self, tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None,
                segment_ids_BxS: jax.Array | None = None, capture: Capture = NOTHING,
-               prefix_ids_BxS: jax.Array | None = None) -> tuple[jax.Array, dict]:
+               prefix_ids_BxSxK: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """(x_NxD, aux): the final hidden state (after the final norm, in the compute dtype) that
         `head_logits(x_NxD, self.head_weight(), self.dtype)` turns into logits; a loss can do that
         a chunk at a time (gattn/train/loss.py, exec.loss_chunk).
 
-        `prefix_ids_BxS` (with segment ids): each token also sees the earlier tokens of the
-        segment its prefix id names (0: none), so several segments can share one copy of a prefix
-        (the contexts of multiple-choice scoring, gattn/interop/harness.py). The attention runs
-        in XLA then; a hybrid's Gated DeltaNet layers refuse it."""
+        `prefix_ids_BxSxK` (with segment ids; [B, S] for K = 1): each token also sees the earlier
+        tokens of the K segments its prefix ids name (0: none), so several segments can share one
+        copy of a prefix (the contexts of multiple-choice scoring, gattn/interop/harness.py). The
+        attention runs in XLA then; a hybrid's Gated DeltaNet layers refuse it."""
         ex = self.ex
         b, s = tokens_BxS.shape
         if positions_BxS is None:
@@ -168,7 +168,7 @@ class Transformer(nnx.Module):
         x_NxD = self._embed(tokens_BxS)
 
         def run(block, x):
-            return block(x, positions_N, segment_ids_BxS, (b, s), capture, prefix_ids_BxS)
+            return block(x, positions_N, segment_ids_BxS, (b, s), capture, prefix_ids_BxSxK)
 
         if ex.remat != "none":
             run = nnx.remat(run, policy=REMAT_POLICIES[ex.remat])
