@@ -155,7 +155,8 @@ def families(groups: list[Group], share: bool) -> list[Family]:
             while n < limit and common[n] == g.context[n]:
                 n += 1
             if n >= SHARED_PREFIX:
-                out[-1] = (common[:n], members + [g])
+                members.append(g)
+                out[-1] = (common[:n], members)
                 continue
         out.append((g.context[:-1], [g]))
     return [Family(common if len(members) > 1 else [], members) for common, members in out]
