@@ -598,18 +598,10 @@ def test_two_levels_of_prefix_ids_share_few_shot_examples_and_questions():
     assert np.all(got[0, 15] == 0)
 
 
-def test_prefix_ids_need_segment_ids_and_a_hybrid_refuses_them():
+def test_prefix_ids_need_segment_ids():
     q, k, v = (jnp.asarray(a[:1]) for a in kernel_inputs(b=1, s=16))
     with pytest.raises(ValueError, match="prefix_ids.*segment_ids"):
         attention_xla(q, k, v, prefix_ids=jnp.asarray(SHARED_PRE))
-    from test_hybrid import tiny_hybrid
-
-    from gattn.model.transformer import Transformer
-
-    model = Transformer(tiny_hybrid(), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="prefix_ids.*Gated DeltaNet"):
-        model.hidden(jnp.ones((1, 16), jnp.int32), jnp.asarray(np.arange(16)[None]), jnp.asarray(SHARED_SEG),
-                     prefix_ids_BxSxK=jnp.asarray(SHARED_PRE))
 
 
 # --------------------------------------------------------------------------- the kernel

@@ -356,8 +356,8 @@ def test_questions_that_share_few_shot_examples_compute_them_once(qwen3):
 
 
 def test_a_hybrid_scores_choices_without_sharing_their_context():
-    """A Gated DeltaNet layer's recurrence cannot see a context laid out once: a hybrid's choices
-    are laid out whole (no prefix ids), and score as alone."""
+    """A Gated DeltaNet layer's recurrence cannot see a context laid out once: a hybrid refuses
+    prefix ids, its choices are laid out whole, and score as alone."""
     from flax import nnx
     from test_hybrid import tiny_hybrid
 
@@ -365,9 +365,12 @@ def test_a_hybrid_scores_choices_without_sharing_their_context():
 
     scorer = harness.Scorer(Transformer(tiny_hybrid(), rngs=nnx.Rngs(0)), None, 64)
     assert not scorer.share
+    seg, pre = np.asarray([[1] * 8 + [2] * 8]), np.asarray([[0] * 8 + [1] * 8])
+    with pytest.raises(ValueError, match="prefix_ids.*Gated DeltaNet"):
+        scorer.model.hidden(np.ones((1, 16), np.int32), np.arange(16)[None], seg, prefix_ids_BxSxK=pre)
     ctx = list(range(3, 23))
     reqs = [(ctx, [5]), (ctx, [7, 8, 9]), (ctx, [11, 12])]
     batches = []
-    got = scorer.loglikelihood(reqs, 2, score=lambda b: batches.append(b) or scorer.score(b))
-    assert all(b.prefixes is None for b in batches)
+    got = scorer.loglikelihood(reqs, 1, score=lambda b: batches.append(b) or scorer.score(b))  # (one shape)
+    assert all(b.prefixes is None for b in batches) and len(batches) == 1
     np.testing.assert_allclose([g[0] for g in got], [scorer.loglikelihood([r], 1)[0][0] for r in reqs], atol=2e-5)
