@@ -10,9 +10,9 @@ Tasks (`--tasks`, default arc,rolling,gsm8k; `--shots`, default 1): an ARC-style
 task (`--docs` questions x 4 choices: loglikelihood), a rolling-perplexity task over the same texts
 (loglikelihood_rolling), a GSM8K-style generation task (`--docs // 10` questions, 16 greedy
 tokens: generate_until), and `mmlu`: an MMLU subject (`--docs` questions x 4 one-token choices,
-the same first few-shot examples before every question, as lm-eval's MMLU samples them). Each backend runs the suite
-twice: `cold` includes what the first run pays (model load, conversion, compiles; torch has none),
-`warm` is the second.
+the same first few-shot examples before every question, as lm-eval's MMLU samples them). Each
+backend runs the suite twice: `cold` includes what the first run pays (model load, conversion,
+compiles; torch has none), `warm` is the second.
 
 Two clocks per run: `end_to_end` is lm-eval's `simple_evaluate` (building the prompts from their
 templates, the metrics, ...: work that is the same whichever model answers), `model` is the time

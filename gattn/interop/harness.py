@@ -219,10 +219,10 @@ def _score(graphdef, state, batch: Packed):
     x_NxD, _ = model.hidden(batch.tokens, batch.positions, batch.segments, prefix_ids_BxSxK=batch.prefixes)
     x_PxD = jnp.take(x_NxD, batch.where, axis=0)
     p = x_PxD.shape[0]
-    chunk = -(-p // -(-p // TOKEN_CHUNK))  # the fewest chunks of at most TOKEN_CHUNK, evenly
-    pad = -p % chunk
-    x_CxKxD = jnp.pad(x_PxD, ((0, pad), (0, 0))).reshape(-1, chunk, x_PxD.shape[-1])
-    t_CxK = jnp.pad(batch.targets, (0, pad)).reshape(-1, chunk)
+    size = -(-p // -(-p // TOKEN_CHUNK))  # the fewest chunks of at most TOKEN_CHUNK, evenly
+    pad = -p % size
+    x_CxKxD = jnp.pad(x_PxD, ((0, pad), (0, 0))).reshape(-1, size, x_PxD.shape[-1])
+    t_CxK = jnp.pad(batch.targets, (0, pad)).reshape(-1, size)
     head = model.head_weight()
 
     def one(args):

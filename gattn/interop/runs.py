@@ -33,7 +33,8 @@ def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()
         hf_run = convert.read_run(workdir)  # in memory: the run folder gets no checkpoint
         run = Path(tempfile.mkdtemp(prefix="gattn-run-")) / "run"
         convert.write_run(hf_run, workdir, run, checkpoint_too=False)
-        cfg, model, step = rundir.load(run, None, list(overrides), params=hf_run.params)
-        return cfg, model, load_tokenizer(cfg, run), step
-    cfg, model, step = rundir.load(workdir, step, list(overrides))
+        workdir, params = run, hf_run.params
+    else:
+        params = None
+    cfg, model, step = rundir.load(workdir, step, list(overrides), params=params)
     return cfg, model, load_tokenizer(cfg, workdir), step
