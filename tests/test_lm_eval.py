@@ -374,3 +374,132 @@ def test_a_hybrid_scores_choices_without_sharing_their_context():
     got = scorer.loglikelihood(reqs, 1, score=lambda b: batches.append(b) or scorer.score(b))  # (one shape)
     assert all(b.prefixes is None for b in batches) and len(batches) == 1
     np.testing.assert_allclose([g[0] for g in got], [scorer.loglikelihood([r], 1)[0][0] for r in reqs], atol=2e-5)
+
+
+# A run as gattn trains its own: a SentencePiece tokenizer (gattn.data.tokenizer's settings), whose
+# EOS decodes to '', and a tiny model trained a few seconds on these documents (each after an EOS).
+SPM_DOCS = ["Question: What is the gate?\nAnswer: a sigmoid of the input.\n\nQuestion: What scales attention?\n"
+            "Answer: the gate.", "The attention gate is a sigmoid of the input, and the sum of its heads is the "
+            "output of the layer."]
+
+
+def random_model(cfg, seed: int = 0):
+    """A Transformer of `cfg`, weights ~ N(0, cfg.init_std) and norm scales 1 drawn in numpy: its
+    own initializers compile a program per parameter shape (seconds on a slow CPU)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from gattn.model.transformer import Transformer
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, shape):
+        return np.ones(shape) if path[-1] == "scale" else rng.normal(0, cfg.init_std, shape)
+
+    return nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(jnp.asarray(draw(p, v.shape), v.dtype)))
+                                                    for p, v in nnx.to_flat_state(abstract)]))
+
+
+def train_briefly(model, rows: np.ndarray, steps: int):
+    """`model` after `steps` Adam steps of the next-token loss on `rows` (enough to memorize them)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from gattn.train.loss import lm_loss
+
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(lambda p: lm_loss(nnx.merge(graphdef, p, rest), rows))(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = opt.init(params)
+    for _ in range(steps):
+        params, state = step(params, state)
+    return nnx.merge(graphdef, params, rest)
+
+
+@pytest.fixture(scope="module")
+def spm_run():
+    """The harness model of a gattn-trained run with its own SentencePiece tokenizer (SPM_DOCS)."""
+    import io
+
+    import sentencepiece as spm
+    from conftest import tiny_model
+
+    from gattn.config import Config, TrainConfig
+    from gattn.data import tokenizer
+
+    proto = io.BytesIO()
+    tokenizer._train_spm(iter([line for d in SPM_DOCS for line in d.splitlines() if line] * 20), proto, 300)
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    stream = np.asarray(sum(([sp.eos_id()] + sp.encode(d) for d in SPM_DOCS), []) * 8, np.int32)
+    rows = np.stack([stream[i:i + 48] for i in range(0, 16 * 7, 7)])
+    cfg = Config(model=tiny_model(vocab_size=300), train=TrainConfig(seq_len=64))
+    model = train_briefly(random_model(cfg.model), rows, 100)
+    return harness.GattnLM(workdir="spm-run", batch_size=4, loaded=(cfg, model, sp, 0))
+
+
+def test_a_sentencepiece_runs_generation_stops_at_its_eos_id_and_real_stop_strings(spm_run):
+    """lm-eval adds the decoded EOS to every request's `until` (handle_stop_sequences), and a
+    SentencePiece EOS decodes to '', which is in every text: an empty stop string stops nothing
+    (it once stopped every row after one token); the EOS stops by its id. Each generation is
+    greedy decoding (gattn.eval.decode) cut at the first real stop: a stop string, the EOS, or
+    max_gen_toks."""
+    from lm_eval.api.instance import Instance
+
+    from gattn.eval import decode
+
+    lm, until, n = spm_run, ["\n\n", "Question:"], 24
+    assert lm.tok_decode(lm.eot_token_id) == ""
+    contexts = ["Question: What is the gate?\nAnswer:", "The attention gate is",
+                "Question: What scales attention?\nAnswer:"]
+    got = lm.generate_until([Instance("generate_until", {}, (ctx, {"until": list(until), "do_sample": False,
+                                                                    "max_gen_toks": n}), i)
+                             for i, ctx in enumerate(contexts)])
+    greedy = decode.generate(lm.scorer.model, [lm.tok_encode(ctx) for ctx in contexts], max_new_tokens=n,
+                             eos_id=lm.eot_token_id)  # (stopped at the EOS only; the harness's compiled shapes)
+    ends = []
+    for tokens, text in zip(greedy, got):
+        full = lm.tok_decode(tokens)
+        cut = min([full.index(s) for s in until if s in full], default=len(full))
+        assert text == full[:cut]
+        ends.append("until" if cut < len(full) else "max_gen_toks" if len(tokens) == n else "eos")
+    assert ends == ["until", "max_gen_toks", "eos"], (ends, got)
+    assert got[0] == "a sigmoid of the input." and got[2] == "the gate.", got
+
+
+def test_a_capacity_moe_scores_a_request_packed_as_alone_dropless():
+    """With a capacity factor each expert keeps the first C tokens of a forward pass, so the
+    requests (and padding) packed together would compete for expert slots; the harness scores
+    dropless (harness.dropless, as decoding runs it): a request scores the same packed with
+    others as alone, and as the dropless model's plain forward pass."""
+    import dataclasses
+
+    import jax
+    from conftest import tiny_model
+    from flax import nnx
+
+    from gattn.config import MoESpec
+
+    spec = MoESpec(num_experts=4, top_k=2, expert_width=16, capacity_factor=1.0)
+    model = random_model(tiny_model(vocab_size=96, init_std=0.2, moe=spec))
+    scorer = harness.Scorer(model, None, 64)
+    rng = np.random.default_rng(3)
+    reqs = [(list(map(int, rng.integers(1, 96, n))), list(map(int, rng.integers(1, 96, m))))
+            for n, m in [(20, 4), (30, 2), (9, 3), (14, 5)]]
+    packed = scorer.loglikelihood(reqs, 1)
+    alone = [scorer.loglikelihood([r], 1)[0] for r in reqs]
+    np.testing.assert_allclose([p[0] for p in packed], [a[0] for a in alone], rtol=0, atol=1e-5)
+    ctx, cont = reqs[0]
+    seq = np.asarray([ctx + cont])
+    graphdef, state = nnx.split(harness.dropless(model))
+    reference = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x))(state, seq[:, :-1])[0, len(ctx) - 1:]
+    logp = jax.nn.log_softmax(reference, axis=-1)[np.arange(len(cont)), cont].sum()
+    np.testing.assert_allclose(packed[0][0], float(logp), rtol=0, atol=1e-5)
+    assert dataclasses.replace(spec, capacity_factor=None) == harness.dropless(model).cfg.moe

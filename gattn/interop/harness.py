@@ -20,11 +20,15 @@ How each request type runs:
                          task compiles a handful of times, not once per request. The logits are
                          formed only at the scored positions, a chunk at a time, never [rows,
                          length, vocabulary]. A request longer than max_length loses tokens from
-                         the left of its context, as lm-eval's hf backend does.
+                         the left of its context, as lm-eval's hf backend does. A MoE scores
+                         dropless whatever its capacity factor (`dropless`), as decoding runs it:
+                         with a capacity, the tokens packed together would compete for expert
+                         slots, and a request's score would depend on its neighbours.
   loglikelihood_rolling  lm-eval's own disjoint windows (the ones its hf backend scores), through
                          the same packed scorer.
-  generate_until         greedy decoding with the kv cache (gattn.eval.decode), stopped at eos or
-                         any `until` string, prompts batched longest first; sampling is refused.
+  generate_until         greedy decoding with the kv cache (gattn.eval.decode), stopped at the EOS
+                         id or any non-empty `until` string (`stop_strings`), prompts batched
+                         longest first; sampling is refused.
 
 Tokens: a run trained with data.bos opens every context with BOS (the hf backend's add_bos_token);
 an empty context is BOS, or EOS for a run without BOS (gattn's documents follow an EOS).
@@ -60,7 +64,7 @@ from tqdm import tqdm
 from gattn.config import ConfigError
 from gattn.eval import decode
 from gattn.interop.runs import load  # noqa: F401 (harness.load: what the model class reads)
-from gattn.model.transformer import head_logits, off_mesh, with_exec
+from gattn.model.transformer import Transformer, head_logits, off_mesh, with_exec
 
 SHORTEST_ROW = 64  # row lengths: SHORTEST_ROW * 2^k, capped at max_length
 TOKEN_CHUNK = 1024  # tokens whose logits are formed at once
@@ -236,12 +240,33 @@ def _score(graphdef, state, batch: Packed):
     return logp.reshape(-1)[:p], greedy.reshape(-1)[:p]
 
 
+def dropless(model: Transformer) -> Transformer:
+    """The same parameters with a dropless MoE (model.moe.capacity_factor None; a dense or
+    dropless model as it is): what cached decoding runs (gattn/model/moe.py). With a capacity,
+    each expert keeps the first C of a forward pass's tokens, so a request's log-likelihood would
+    depend on the requests and padding packed with it."""
+    moe = model.cfg.moe
+    if moe is None or moe.capacity_factor is None:
+        return model
+    cfg = dataclasses.replace(model.cfg, moe=dataclasses.replace(moe, capacity_factor=None))
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, model.ex, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(model))
+
+
+def stop_strings(until, eos_text: str | None) -> list[str]:
+    """A request's stop strings as lm-eval's backends form them (`handle_stop_sequences`: `until`
+    and the decoded EOS), less empty ones: '' is in every text, so it would stop every row after
+    one token, and a SentencePiece EOS (gattn's own runs) decodes to ''. Generation stops at the
+    EOS by its id whatever it decodes to (`Scorer.generate`), as the hf backend's does."""
+    return [s for s in handle_stop_sequences(until, eos=eos_text) if s]
+
+
 class Scorer:
     """The model's side of the harness: packed log-likelihoods and greedy generation on token ids,
     the same on every process (their inputs are global arrays: `decode.to_device`)."""
 
     def __init__(self, model, tokenizer, max_length: int):
-        self.model = with_exec(model, off_mesh(model.ex))  # (no mesh is set here)
+        self.model = dropless(with_exec(model, off_mesh(model.ex)))  # (no mesh is set here)
         self.graphdef, self.state = nnx.split(self.model)
         self.tokenizer, self.max_length = tokenizer, max_length
         self.share = not model.cfg.hybrid  # a Gated DeltaNet layer cannot share a context (Transformer.hidden)
@@ -330,10 +355,13 @@ class Scorer:
                       np.asarray(where + [0] * pad, np.int32), np.asarray(targets + [0] * pad, np.int32)), spans
 
     def generate(self, prompts: list[list[int]], until: list[str], max_tokens: int, eos: int | None) -> list[str]:
-        """Greedy continuations (text), each stopped at eos or cut before the first `until` string.
-        The padded prompt length is a multiple of a quarter of the power of two below the longest
-        prompt (at least 16): four lengths per octave, so batches of similar lengths reuse one
-        compiled prefill and step, and padding adds at most a quarter."""
+        """Greedy continuations (text), each stopped at the `eos` id or cut before the first
+        `until` string (empty ones are ignored: `stop_strings`). The padded prompt length is a
+        multiple of a quarter of the power of two below the longest prompt (at least 16): four
+        lengths per octave, so batches of similar lengths reuse one compiled prefill and step,
+        and padding adds at most a quarter."""
+        until = [s for s in until if s]
+
         def stop(tokens):
             text = self.tokenizer.decode(tokens)
             return any(s in text for s in until)
@@ -436,7 +464,7 @@ class GattnLM(TemplateLM):
                 raise ConfigError("generation_kwargs", {k: gen_kwargs.get(k) for k in ("do_sample", "temperature")},
                                   "greedy decoding (do_sample false, temperature 0): gattn's harness model "
                                   "does not sample")
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+            until = stop_strings(kwargs.pop("until", None), eos_text)
             max_tokens = int(kwargs.pop("max_gen_toks"))
             if max_tokens >= self.max_length:
                 raise ConfigError("max_gen_toks", max_tokens, f"below max_length ({self.max_length})")
