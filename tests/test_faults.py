@@ -140,8 +140,9 @@ CORRUPTIONS = {  # what the issues tried on a latest checkpoint
 
 @pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "unsealed (an older gattn's)"])
 def test_an_unreadable_checkpoint_gives_way_to_the_previous_one(tmp_path, capfd, sealed):
-    """Sealed: the checksums name the file. Unsealed: the read fails, and any error of the read
-    counts (TensorStore raises a bare Exception for a truncated array file)."""
+    """Sealed: the checksums name the file. Unsealed (a run none of whose checkpoints has a seal):
+    the read fails, and any error of the read counts (TensorStore raises a bare Exception for a
+    truncated array file); one note says the checkpoint used could not be verified."""
     saved_run(tmp_path / "clean", sealed=sealed).close()
     for name, corrupt in CORRUPTIONS.items():
         work = tmp_path / name.replace(" ", "_")
@@ -153,7 +154,9 @@ def test_an_unreadable_checkpoint_gives_way_to_the_previous_one(tmp_path, capfd,
         assert (step, data, meta) == (2, {"k": 2}, {"m": 2}), name
         np.testing.assert_array_equal(state["params"]["w"], STATE["params"]["w"])
         err = capfd.readouterr().err
-        lines = [line for line in err.splitlines() if line.strip()]
+        lines = [line for line in err.splitlines() if line.strip() and not line.startswith("note:")]
+        notes = [line for line in err.splitlines() if line.startswith("note: checkpoint step 2") and "no seal" in line]
+        assert len(notes) == (0 if sealed else 1), err
         assert len(lines) == 1 and "checkpoint step 3" in lines[0] and "using step 2" in lines[0], (name, err)
         assert ("its file state/" in lines[0]) == sealed, lines[0]  # the seal names the file
         assert "TensorStore details" not in lines[0], lines[0]

@@ -6,22 +6,29 @@ when the save has finished). Restoring takes an abstract target whose leaves may
 for the devices present now, so a run saved on one mesh resumes on another.
 
 Faults (docs/training.md#faults): each process seals what it wrote once a save has finished
-(`seal`: the size and sha256 of every file, in N/checksums/process_K.json). A checkpoint whose
-files do not match their checksums, that cannot be read back, or whose arrays are not finite is
-passed over for the previous one with a one-line warning (`first_readable`) and is never deleted
-(a resumed run moves it to WORKDIR/checkpoints_set_aside/); a failed asynchronous save stops the
-run at once, naming the last good checkpoint (`Saves`); steps in a manager's `keep_also` set
+(`seal`, on a thread beside training: the size and sha256 of every file, in
+N/checksums/process_K.json). Only a checkpoint sealed by every process is trusted; the newest one
+is kept through the rotation until a newer one is sealed. A checkpoint that is not completely
+sealed, whose files do not match their checksums, that cannot be read back, or whose arrays are
+not finite is passed over for the previous one with a one-line warning on every process
+(`first_readable`: the processes take each decision together) and is never deleted (a resumed
+run moves it to WORKDIR/checkpoints_set_aside/). A read error that a storage service's transient
+failure causes is retried, never taken for a bad checkpoint. A failed asynchronous save stops
+the run at once, naming the last good checkpoint (`Saves`); steps in a manager's `keep_also` set
 outlive the keep-K rotation (the checkpoint kept before trouble).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
 import logging
+import os
 import re
 import sys
+import time
 import warnings
 from typing import Callable
 
@@ -38,6 +45,13 @@ from gattn.train import hosts
 
 SET_ASIDE = "checkpoints_set_aside"
 CHECKSUMS = "checksums"  # N/checksums/process_K.json: what process K wrote, sealed when the save finished
+READ_TRIES = 4  # a read that a transient storage error fails is tried this often, waiting 1, 2, 4 s between
+RETRY_SECONDS = 1.0
+BARRIER_PREFIX = "gattn"  # Orbax's barriers are named f"{BARRIER_PREFIX}_{name}" (`_restore` joins one)
+HASH_THREADS = min(8, os.cpu_count() or 1)  # files hashed at once (hashlib releases the GIL)
+TRANSIENT = re.compile(r"\b(50[0234]|429|UNAVAILABLE|DEADLINE_EXCEEDED|ServiceUnavailable|TooManyRequests|"
+                       r"InternalServerError|BadGateway|GatewayTimeout|temporarily|timed out|Connection (?:reset|"
+                       r"aborted|refused)|RemoteDisconnected)\b", re.IGNORECASE)
 
 
 class CheckpointFailure(cli.Failure):
@@ -52,6 +66,23 @@ class _KeepAlso:
 
     def should_preserve(self, checkpoints, *, context):
         return [c.step in self.steps for c in checkpoints]
+
+
+@dataclasses.dataclass
+class _NewestSealed:
+    """An Orbax preservation policy: the newest checkpoint that every process has sealed is kept
+    until a newer one is, so a rotation never leaves only checkpoints whose seal is unfinished."""
+
+    directory: Path
+
+    def should_preserve(self, checkpoints, *, context):
+        def complete(step):
+            try:
+                return unsealed(self.directory / str(step)) is None
+            except (OSError, ValueError):  # an unreadable seal: not sealed
+                return False
+        newest = next((c.step for c in sorted(checkpoints, key=lambda c: -c.step) if complete(c.step)), None)
+        return [c.step == newest for c in checkpoints]
 
 
 class _QuietOrbax(logging.Filter):
@@ -96,12 +127,13 @@ def manager(workdir: Path, keep: int, every: int, keep_also: set | None = None) 
     """The manager of WORKDIR/checkpoints: the last `keep` checkpoints are kept, and the steps in
     `keep_also` (a set the caller may update while the run goes on)."""
     _quiet_orbax()
-    policy = policies.AnyPreservationPolicy([policies.LatestN(keep), _KeepAlso(keep_also if keep_also is not None
-                                                                                else set())])
-    options = ocp.CheckpointManagerOptions(preservation_policy=policy, save_interval_steps=every,
-                                           enable_async_checkpointing=True, create=True)
-    return ocp.CheckpointManager(Path(workdir).absolute() / "checkpoints", options=options,
-                                 item_names=("state", "data", "meta"))
+    directory = Path(workdir).absolute() / "checkpoints"
+    policy = policies.AnyPreservationPolicy([policies.LatestN(keep), _NewestSealed(directory),
+                                             _KeepAlso(keep_also if keep_also is not None else set())])
+    options = ocp.CheckpointManagerOptions(
+        preservation_policy=policy, save_interval_steps=every, enable_async_checkpointing=True, create=True,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=BARRIER_PREFIX))
+    return ocp.CheckpointManager(directory, options=options, item_names=("state", "data", "meta"))
 
 
 def reason(e: BaseException) -> str:
@@ -116,45 +148,86 @@ def reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:240]}" if text else type(e).__name__
 
 
-def first_readable(mngr: ocp.CheckpointManager, read: Callable[[int], object], step: int | None = None,
-                   flag: str = "--step", then: str = ""):
-    """(step, read(step)) for the newest checkpoint that verifies and reads back (or exactly
-    `step`), with a one-line warning for each newer one it passes over (ending with `then`, what
-    the caller does with it); None if there is no checkpoint. A checkpoint is passed over when
-    its files do not match the checksums sealed when it was saved (`verify`), when `read` raises
-    (TensorStore's bare Exception included), or when an array it read is not finite (NaN or
-    inf). Every process takes the same decision. A ConfigError from `read` (a checkpoint of
-    another model) is raised as it is, and so is running out of memory while restoring, so a
-    good checkpoint is never taken for a bad one. If no checkpoint can be used,
-    CheckpointFailure, listing each step and its reason. Nothing is moved or deleted here."""
-    steps = sorted(mngr.all_steps(), reverse=True)
-    if step is not None and step not in steps:
-        raise ConfigError(flag, step, f"one of the saved steps {sorted(steps)}")
-    if step is not None:
-        steps = [step]
-    failed = []
-    for s in steps:
-        why, out = None, None
+def transient(e: BaseException) -> bool:
+    """Whether an error of a read is a storage service's transient failure (an HTTP 503 or 429, a
+    gRPC UNAVAILABLE, a timeout, a reset connection), not a fault of the checkpoint."""
+    chain = [e]
+    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+        if len(chain) > 8:
+            break
+    return any(isinstance(x, (TimeoutError, ConnectionError)) or TRANSIENT.search(f"{type(x).__name__} {x}")
+               for x in chain)
+
+
+def _agreed(what: str, fn: Callable[[], tuple[str | None, object]]):
+    """(why, out) of `fn` (which returns them) on every process at once: `why` is the first
+    process's reason against the checkpoint (an error of `fn` but a transient one counts as one),
+    None if every process succeeded. While any process's error is transient, every process tries
+    again (READ_TRIES in all); then CheckpointFailure. A ConfigError (a checkpoint of another
+    model, the same on every process) and running out of memory are raised as they are."""
+    for attempt in range(READ_TRIES):
+        kind, why, out = None, None, None
         try:
-            why = verify(Path(mngr.directory) / str(s))
-            if why is None:
-                out = read(s)
-                why = not_finite(out)
+            why, out = fn()
+            kind = "data" if why else None
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 (any read error, except a lack of memory, marks a bad checkpoint)
             if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
                 raise
             if cli.debugging():
-                logging.getLogger("gattn").exception("reading checkpoint %s", s)
-            why = reason(e)
-        why = next((w for w in hosts.gather_json(why) if w), None)  # one process's bad share is everyone's
+                logging.getLogger("gattn").exception("reading %s", what)
+            kind, why = ("transient" if transient(e) else "data"), reason(e)
+        verdicts = hosts.gather_json([kind, why])  # one process's bad share is everyone's
+        bad = next((w for k, w in verdicts if k == "data"), None)
+        if bad is not None:
+            return bad, None
+        busy = next((w for k, w in verdicts if k == "transient"), None)
+        if busy is None:
+            return None, out
+        if attempt + 1 < READ_TRIES:
+            time.sleep(RETRY_SECONDS * 2 ** attempt)
+    raise CheckpointFailure(f"reading {what} failed {READ_TRIES} times ({busy}): the storage did not answer, "
+                            "which says nothing about the checkpoint, so nothing was set aside; rerun when it answers")
+
+
+def first_readable(mngr: ocp.CheckpointManager, read: Callable[[int], object], step: int | None = None,
+                   flag: str = "--step", then: str = ""):
+    """(step, read(step)) for the newest checkpoint that is sealed, verifies and reads back (or
+    exactly `step`), with a one-line warning for each newer one it passes over (ending with `then`,
+    what the caller does with it); None if there is no checkpoint. A checkpoint is passed over when
+    a process's seal of it is missing (its save did not finish), when its files do not match their
+    checksums (`verify`), when `read` raises (TensorStore's bare Exception included), or when an
+    array it read is not finite (NaN or inf). The processes take each of these decisions together
+    (`_agreed`), so none reads a checkpoint that another passes over. A run none of whose
+    checkpoints has a seal (saved by an older gattn) is read unchecked, with one note. A
+    ConfigError from `read` (a checkpoint of another model) is raised as it is, and so is running
+    out of memory while restoring, so a good checkpoint is never taken for a bad one; a storage
+    error that persists is CheckpointFailure. If no checkpoint can be used, CheckpointFailure,
+    listing each step and its reason. Nothing is moved or deleted here."""
+    steps = sorted(mngr.all_steps(), reverse=True)
+    if step is not None and step not in steps:
+        raise ConfigError(flag, step, f"one of the saved steps {sorted(steps)}")
+    folder = Path(mngr.directory)
+    legacy = not any((folder / str(s) / CHECKSUMS).exists() for s in steps)
+    failed = []
+    for s in ([step] if step is not None else steps):
+        what = f"checkpoint step {s} in {mngr.directory}"
+        why, out = _agreed(what, lambda: (None if legacy else unsealed(folder / str(s)) or verify(folder / str(s)), None))
+        if why is None:
+            why, out = _agreed(what, lambda: (None, read(s)))
+        if why is None:  # (a jit over every process's arrays: only once every read succeeded)
+            why, _ = _agreed(what, lambda: (not_finite(out), None))
         if why:
             failed.append((s, why))
             continue
         for bad, bad_why in failed:
             print(f"warning: checkpoint step {bad} in {mngr.directory} cannot be used ({bad_why}); "
                   f"using step {s} instead{then}", file=sys.stderr, flush=True)
+        if legacy:
+            print(f"note: checkpoint step {s} in {mngr.directory} has no seal (saved by an older gattn, or before "
+                  "its first seal finished): only its arrays were checked (finite)", file=sys.stderr, flush=True)
         return s, out
     if not failed:
         return None
@@ -193,13 +266,19 @@ def _digest(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
+def _digests(folder: Path, names: list[str]) -> dict[str, tuple[int, str]]:
+    """{name: (bytes, sha256)} of the files `names` of `folder`, HASH_THREADS at a time."""
+    with concurrent.futures.ThreadPoolExecutor(HASH_THREADS) as pool:
+        return dict(zip(names, pool.map(lambda name: _digest(folder / name), names)))
+
+
 def seal(folder: Path, process: int | None = None, processes: int | None = None) -> Path:
     """Writes FOLDER/checksums/process_K.json: the size and sha256 of every file of the finished
     checkpoint `folder` that process K wrote (its own shards; process 0 also the metadata). Each
     process reads back only what it wrote."""
     process = jax.process_index() if process is None else process
     processes = jax.process_count() if processes is None else processes
-    files = {f: _digest(folder / f) for f in _files(folder) if processes == 1 or _owner(f) == process}
+    files = _digests(folder, [f for f in _files(folder) if processes == 1 or _owner(f) == process])
     out = folder / CHECKSUMS / f"process_{process}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -209,31 +288,51 @@ def seal(folder: Path, process: int | None = None, processes: int | None = None)
     return out
 
 
-def sealed(folder: Path) -> dict:
-    """{file: {bytes, sha256}} over every process's seal of `folder` ({} if it has none)."""
-    files = {}
+def _seals(folder: Path) -> dict[int, dict]:
+    """{process: its seal} of `folder` ({} if it has none); a seal that does not parse is a ValueError."""
+    found = {}
     for seal_file in sorted((folder / CHECKSUMS).glob("process_*.json")) if (folder / CHECKSUMS).is_dir() else []:
         try:
-            files.update(json.loads(seal_file.read_text())["files"])
+            content = json.loads(seal_file.read_text())
+            found[int(content["process"])] = {"processes": int(content["processes"]), "files": dict(content["files"])}
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{seal_file.name} is not a readable seal ({e})") from None
-    return files
+    return found
+
+
+def unsealed(folder: Path) -> str | None:
+    """Why the checkpoint `folder` is not sealed by every process that saved it (a seal missing:
+    that process stopped, or was stopped, before its save finished), or None."""
+    found = _seals(folder)
+    if not found:
+        return "it has no seal: its save did not finish"
+    processes = {seal["processes"] for seal in found.values()}
+    want = max(processes)
+    missing = sorted(set(range(want)) - set(found))
+    if len(processes) > 1 or missing:
+        who = ", ".join(map(str, missing)) or "?"
+        return f"the seal of process {who} of {want} is missing: its save did not finish"
+    return None
+
+
+def sealed(folder: Path) -> dict:
+    """{file: {bytes, sha256}} over every process's seal of `folder` ({} if it has none)."""
+    return {name: want for seal in _seals(folder).values() for name, want in seal["files"].items()}
 
 
 def verify(folder: Path, process: int | None = None, processes: int | None = None) -> str | None:
     """Why the checkpoint `folder` does not match its seal (a missing, resized or changed file),
     or None. This process checks its share of the files (every Kth); `first_readable` gathers
-    every process's answer. A checkpoint without a seal (saved by an older gattn, or its
-    process stopped between the save and the seal) is not checked here: its arrays are still
-    checked to be finite."""
+    every process's answer (and checks first that every process sealed it: `unsealed`)."""
     process = jax.process_index() if process is None else process
     processes = jax.process_count() if processes is None else processes
     files = sealed(folder)
-    for name in sorted(files)[process::processes]:
-        path, want = folder / name, files[name]
-        if not path.is_file():
+    share = sorted(files)[process::processes]
+    for name in share:
+        if not (folder / name).is_file():
             return f"its file {name} is missing"
-        size, digest = _digest(path)
+    for name, (size, digest) in _digests(folder, share).items():
+        want = files[name]
         if size != want["bytes"]:
             return f"its file {name} has {size} bytes, {want['bytes']} when saved"
         if digest != want["sha256"]:
@@ -319,11 +418,16 @@ class BeforeTrouble:
 
 
 class Saves:
-    """The run's asynchronous saves, checked: a save that failed (a full disk, a lost mount) stops
-    the run as soon as it is known, with CheckpointFailure naming the last good checkpoint."""
+    """The run's asynchronous saves, checked and sealed: a save that failed (a full disk, a lost
+    mount) stops the run as soon as it is known, with CheckpointFailure naming the last good
+    checkpoint. Once Orbax has written a save, this process seals its files on a thread of its own
+    (`seal` reads them all back), so the training steps go on meanwhile; the next save, or the end
+    of the run, waits for it."""
 
     def __init__(self, mngr: ocp.CheckpointManager, last_good: int | None):
         self.mngr, self.good, self.pending, self.failed = mngr, last_good, None, False
+        self.sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gattn-seal")
+        self.sealing: concurrent.futures.Future | None = None
 
     def save(self, step: int, state, data_state: dict, meta: dict) -> None:
         self.check(wait=True)  # Orbax waits for the previous save here anyway
@@ -334,15 +438,23 @@ class Saves:
         self.pending = step
 
     def check(self, wait: bool = False) -> None:
-        """Raises CheckpointFailure if the pending save failed; with `wait`, waits for it first."""
-        if self.pending is None or (not wait and self.mngr.is_saving_in_progress()):
+        """Raises CheckpointFailure if the pending save (or its seal) failed; starts its seal once
+        it is written; with `wait`, waits for both."""
+        if self.pending is None:
             return
         try:
-            self.mngr.wait_until_finished()
-            seal(Path(self.mngr.directory) / str(self.pending))  # this process's files, as written
+            if self.sealing is None:
+                if not wait and self.mngr.is_saving_in_progress():
+                    return
+                self.mngr.wait_until_finished()  # (raises what the background write raised)
+                self.sealing = self.sealer.submit(seal, Path(self.mngr.directory) / str(self.pending),
+                                                  jax.process_index(), jax.process_count())
+            if not wait and not self.sealing.done():
+                return
+            self.sealing.result()
         except Exception as e:  # noqa: BLE001
             raise self._failure(self.pending, e) from None
-        self.good, self.pending = self.pending, None
+        self.good, self.pending, self.sealing = self.pending, None, None
 
     def _failure(self, step: int, e: BaseException) -> CheckpointFailure:
         self.failed = True
@@ -351,11 +463,12 @@ class Saves:
         return CheckpointFailure(f"saving checkpoint step {step} failed ({reason(e)}); stopping: {good}")
 
     def close(self) -> None:
-        """Waits for the last save (a failure raises, unless one was reported already)."""
+        """Waits for the last save and its seal (a failure raises, unless one was reported already)."""
         try:
             if not self.failed:
                 self.check(wait=True)
         finally:
+            self.sealer.shutdown(wait=True)
             try:
                 self.mngr.close()
             except Exception:  # noqa: BLE001 (a failure already reported stops the run anyway)
@@ -384,6 +497,19 @@ def save(mngr: ocp.CheckpointManager, step: int, state, data_state: dict, meta: 
     return mngr.save(step, args=args, force=force)
 
 
+def _restore(mngr: ocp.CheckpointManager, step: int, args):
+    """mngr.restore, which ends at a barrier of every process ("Checkpointer:restore"): a process
+    whose read failed before it goes to that barrier too, so that the processes stay in step
+    (each reads its own shards, so one may fail alone) and can agree on what to do next."""
+    try:
+        return mngr.restore(step, args=args)
+    except Exception:
+        if hosts.count() > 1:
+            ocp.multihost.sync_global_processes(ocp.multihost.unique_barrier_key("Checkpointer:restore",
+                                                                                 prefix=BARRIER_PREFIX))
+        raise
+
+
 def restore(mngr: ocp.CheckpointManager, abstract_state, step: int | None = None):
     """(state, data_state, meta) of `step` (default: the latest complete one), or None if the
     directory holds no checkpoint. `abstract_state`: jax.ShapeDtypeStruct leaves (with
@@ -391,9 +517,8 @@ def restore(mngr: ocp.CheckpointManager, abstract_state, step: int | None = None
     step = mngr.latest_step() if step is None else step
     if step is None:
         return None
-    out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                                     data=ocp.args.JsonRestore(),
-                                                     meta=ocp.args.JsonRestore()))
+    out = _restore(mngr, step, ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                  data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
     return out.state, out.data, out.meta
 
 
@@ -402,7 +527,7 @@ def restore_meta(mngr: ocp.CheckpointManager, step: int | None = None) -> dict |
     step = mngr.latest_step() if step is None else step
     if step is None:
         return None
-    return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    return _restore(mngr, step, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
 
 def place(tree, abstract_tree):
@@ -418,7 +543,7 @@ def restore_params(mngr: ocp.CheckpointManager, abstract_params, step: int | Non
         return None
     item = {"params": abstract_params}
     restore_args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding), item)
-    out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+    out = _restore(mngr, step, ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item=item, restore_args=restore_args, partial_restore=True)))
     return out.state["params"]
 
