@@ -29,6 +29,7 @@ class TrainConfig:
     seed: int = 0
     batch_size: int = 8             # global batch (sequences)
     microbatches: int = 1           # gradient accumulation: the batch runs in this many sequential parts
+    #                                 (exact for the cross-entropy; a MoE's LBL loads and capacity are per part)
     seq_len: int = 128
     steps: int = 200                # total training steps
     learning_rate: float = 3e-3     # max LR, after linear warmup
