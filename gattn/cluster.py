@@ -18,8 +18,16 @@ and any failure stops every process with one line that names the process at faul
   After a collective fails on this process (gloo's "connection closed by peer"), the watch
   names the silent peer within a few beats instead of the full timeout.
 - **Stopping** (`stop`). A process's own error is published before it exits, so the others
-  quote it. The process exits at once (`os._exit`), skipping JAX's shutdown barrier, which
-  would otherwise wait for the dead and end in a C++ abort.
+  quote it. An error whose words are those a peer's failure causes here (PEER_ERROR: gloo's
+  "connection closed", "unavailable", "barrier", ...) may still be this process's own (a GCS
+  "503 Service Unavailable", a ValueError about a barrier), so the words only make it look for
+  evidence, a few beats at most. Its line goes first under gattn/suspect/N, which the others
+  quote only if this process then vanishes. A peer's error or a process named lost is quoted;
+  a peer silent for 3 beats is named; once every other process has beaten since the error (all
+  alive), the line is this process's own: it goes under gattn/error/N and the process stops
+  with it, as with any other error.
+  The process exits at once (`os._exit`), skipping JAX's shutdown barrier, which would
+  otherwise wait for the dead and end in a C++ abort.
 - **Logs.** Native (C++) messages of each process go to a log file, not to the terminal:
   gloo's connection lines, the coordination service's errors, an abort's stack trace. The file
   is WORKDIR/logs/process_N.log, or GATTN_LOG_DIR/process_N.log, or under the temp directory
@@ -261,6 +269,16 @@ class Watch(threading.Thread):
         """The values other processes wrote under gattn/KIND/, by process index."""
         return {int(key.rsplit("/", 1)[-1]): value for key, value in self.client.key_value_dir_get(f"gattn/{kind}/")}
 
+    def heed(self, errors: dict[int, str], lost: dict[int, str], *, pause: float = 0.5) -> None:
+        """Ends this process if another published its error (quoted) or a process was named lost."""
+        for peer, message in sorted(errors.items()):
+            if peer != self.process:
+                time.sleep(pause)  # if this process fails at the same time (the same bad input), its own line wins
+                leave(f"process {peer} failed: {message}", 1, lost=set(lost), log=False)
+        for peer, message in sorted(lost.items()):  # another process named it first
+            leave(message if peer != self.process else f"the others lost contact with this process: {message}",
+                  1, lost=set(lost))
+
     def run(self) -> None:
         beat, start = 0, time.monotonic()
         last = {p: (None, start) for p in range(self.processes) if p != self.process}
@@ -278,13 +296,7 @@ class Watch(threading.Thread):
                 continue
             if self.stopped.is_set():
                 return
-            for peer, message in sorted(errors.items()):
-                if peer != self.process:
-                    time.sleep(0.5)  # if this process fails at the same time (the same bad input), its own line wins
-                    leave(f"process {peer} failed: {message}", 1, lost=set(lost), log=False)
-            for peer, message in sorted(lost.items()):  # another process named it first
-                leave(message if peer != self.process else f"the others lost contact with this process: {message}",
-                      1, lost=set(lost))
+            self.heed(errors, lost)
             limit = 3 * BEAT + 1 if self.suspicious else self.limit
             for peer, (value, since) in sorted(last.items()):
                 if peer in done:
@@ -294,6 +306,8 @@ class Watch(threading.Thread):
                 elif now - since > limit:
                     message = f"process {peer} stopped responding (no sign of life for {now - since:.0f} s)"
                     try:
+                        if suspect := self.peers("suspect").get(peer):  # its line while it looked for a cause
+                            message += f"; its last error: {suspect}"
                         self.client.key_value_set(f"gattn/lost/{peer}", message, allow_overwrite=True)
                     except Exception:  # noqa: BLE001
                         pass
@@ -330,18 +344,46 @@ def finished() -> None:
 def stop(error: BaseException, message: str, code: int) -> None:
     """Ends this process after `error` (one line `message`, exit `code`); never returns.
 
-    An error that a peer's failure causes here (a collective that lost its peer) waits for the
-    watch to name that peer. This process's own error is published for the others, who quote it."""
+    The line is published first, so the others can quote it. An error in the words of a peer's
+    failure (PEER_ERROR) is published as a suspect, not an error: if a peer's death caused it,
+    the others should name that peer, not quote this line. Evidence decides (`_look_for_cause`,
+    a few beats at most): a peer's error or a lost process is quoted, a silent peer is named by
+    the watch; if every other process is alive, the line is this process's own after all and is
+    published as its error, which the others quote."""
     if any(word in str(error).lower() for word in PEER_ERROR):
-        _watch.suspicious = True
-        _watch.join(timeout=5 * BEAT + 3)  # it ends the process when it names the peer
-        _exit(message + " (a peer process probably stopped)", 1)
+        _publish("suspect", message)  # quoted by the others only if this process vanishes now
+        _watch.suspicious = True  # the watch names a peer silent for 3 beats, and ends this process
+        _look_for_cause(_watch, 5 * BEAT + 3)
     _watch.stopped.set()
+    _publish("error", message)
+    leave(message, code, log=False)
+
+
+def _look_for_cause(watch: Watch, timeout: float) -> None:
+    """Returns once every other process still running has beaten since this call began (they are
+    alive: the error is this process's own), or after `timeout` seconds without evidence either
+    way (the store unreachable). Ends this process quoting a peer's error or a lost process."""
+    deadline, before = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            beats, errors, lost, done = (watch.peers(kind) for kind in ("beat", "error", "lost", "done"))
+        except Exception:  # noqa: BLE001 (gone with process 0: the watch or JAX ends this process)
+            time.sleep(BEAT / 8)
+            continue
+        watch.heed(errors, lost, pause=0)
+        if before is None:
+            before = beats  # read after the error: a beat that differs was written after it
+        elif all(beats.get(p) != before.get(p) for p in range(watch.processes) if p != watch.process and p not in done):
+            return
+        time.sleep(BEAT / 8)
+
+
+def _publish(kind: str, message: str) -> None:
+    """Writes this process's line under gattn/KIND/N for the others."""
     try:
-        _watch.client.key_value_set(f"gattn/error/{_process}", message, allow_overwrite=True)
+        _watch.client.key_value_set(f"gattn/{kind}/{_process}", message, allow_overwrite=True)
     except Exception:  # noqa: BLE001 (the store may be gone with process 0)
         pass
-    leave(message, code, log=False)
 
 
 def leave(message: str, code: int, *, lost=frozenset(), log: bool = True) -> None:

@@ -89,6 +89,25 @@ def test_an_error_on_another_process_stops_process_0_too(tmp_path):
     assert_one_line(outs[0][1], "error (process 0): process 1 failed: config field 'data.source'")
 
 
+@pytest.mark.parametrize("failing, text", [
+    (1, "503 Service Unavailable: GET https://storage.googleapis.com/corpus/shard-00003"),
+    (0, "the checkpoint names barrier 'save-7', which this run never made")])
+def test_an_own_error_in_the_words_of_a_peers_failure_is_quoted_by_the_others(tmp_path, failing, text):
+    """An error of one process of two whose text has words that a peer's failure causes
+    ("unavailable", "barrier"), while the other process is alive: the failing process gives its
+    own line, the other quotes it (not "stopped responding" 40 s later), within seconds."""
+    procs = start(2, tmp_path, "--fail-on", failing, "--fail-with", text)
+    wait_ready(procs)
+    ready = time.time()
+    outs = {i: p.communicate(timeout=120) for i, p in procs.items()}
+    took = time.time() - ready
+    other = 1 - failing
+    assert procs[failing].returncode == 1 and procs[other].returncode == 1, outs
+    assert_one_line(outs[failing][1], f"error (process {failing}): OSError: {text}")
+    assert_one_line(outs[other][1], f"error (process {other}): process {failing} failed: OSError: {text}")
+    assert took < 12, (took, outs)
+
+
 @pytest.mark.slow  # ~18 s
 def test_a_killed_launcher_takes_its_workers_with_it(tmp_path):
     """SIGKILL to the launcher: each worker's supervisor gets SIGTERM (Linux's parent-death
