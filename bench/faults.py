@@ -8,10 +8,10 @@ each run through the real train.py / eval.py on a tiny model, and judged on thre
   leave by the keep-K rotation, as they should);
 - one line per failure: a failing command prints exactly one `error:` line and no traceback.
 
-    python bench/faults.py [--only NAME,...] [--keep DIR]
+    python bench/faults.py [--only round1,trust] [--keep DIR]
 
 Prints one JSON object per case, then a JSON summary (the counts above). Takes ~15 minutes on 2
-CPU cores (about 40 short runs of train.py / eval.py).
+CPU cores (about 40 short runs of train.py / eval.py); `--only trust` runs issue 43's cases alone.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import run_config_file  # noqa: E402 (the tests' tiny model on the embedded corpus)
+from gattn import launch  # noqa: E402
 
 CONFIG = run_config_file(steps=6, warmup_steps=1, eval_every=100, checkpoint_every=2, keep_checkpoints=3)
 FULL_DISK = """
@@ -42,6 +43,23 @@ async def full(self, x, directory):
 handler.JsonCheckpointHandler._save_fn = full
 sys.argv = ["train.py"] + sys.argv[1:]
 runpy.run_path("%s/train.py", run_name="__main__")
+"""
+
+
+FLAKY_STORE = """
+import runpy, sys
+from orbax.checkpoint._src.checkpointers import checkpointer
+real, tries = checkpointer.Checkpointer._restore, []
+def flaky(self, directory, *a, **kw):  # the store answers 503 to the first %s reads of step 6
+    if str(directory).rstrip("/").endswith("/6") and len(tries) < %s:
+        tries.append(1)
+        raise OSError("503 Service Unavailable: GET https://storage.googleapis.com/bucket/run/checkpoints/6")
+    return real(self, directory, *a, **kw)
+checkpointer.Checkpointer._restore = flaky
+from gattn.train import checkpoint
+checkpoint.RETRY_SECONDS = 0.2
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
@@ -85,7 +103,7 @@ CORRUPT = {
     "delete": lambda c: largest(c).unlink(),
     "no_manifest": lambda c: (c / "state" / "manifest.ocdbt").unlink(),
     "empty_metadata": lambda c: (c / "state" / "_METADATA").write_text(""),
-    "seal_deleted": lambda c: shutil.rmtree(c / "checksums"),  # intact, unverified: read as it is
+    "seal_deleted": lambda c: shutil.rmtree(c / "checksums"),  # intact but unsealed: not trusted (issue 43)
     "bad_seal": lambda c: (c / "checksums" / "process_0.json").write_text("{"),
 }
 
@@ -130,17 +148,17 @@ def cases(b: Bench):
         corrupt(work / "checkpoints" / "6")
         out = run("eval.py", "--workdir", work, "--no-figures", "--max-batches", "1")
         res = json.loads((work / "eval" / "results.json").read_text()) if out.returncode == 0 else {}
-        wrong = out.returncode == 0 and res.get("step") != (6 if kind == "seal_deleted" else 4) and kind != "bad_seal"
+        wrong = out.returncode == 0 and res.get("step") != 4
         yield verdict(f"eval: newest checkpoint {kind}", out, expect_fail=False, wrong=wrong,
                       good_before={4}, work=work, evaluated_step=res.get("step"))
         work = b.copy(f"train_{kind}")
         corrupt(work / "checkpoints" / "6")
         out = b.train(work, "--steps", "8")
         summary = json.loads((work / "summary.json").read_text())
-        resumed_corrupt = kind not in ("bad_seal", "seal_deleted") and not (work / "checkpoints_set_aside" / "6").is_dir()
+        resumed_corrupt = not (work / "checkpoints_set_aside" / "6").is_dir()
         wrong = out.returncode == 0 and (resumed_corrupt or summary.get("final_loss") is None)
         yield verdict(f"train: resume past newest checkpoint {kind}", out, expect_fail=False, wrong=wrong,
-                      good_before={6} if kind == "seal_deleted" else {4}, work=work)
+                      good_before={4}, work=work)
 
     # 15-16: every checkpoint corrupt.
     for script in ("eval.py", "train.py"):
@@ -248,8 +266,78 @@ def cases(b: Bench):
                       exit_2=out.returncode == 2, wrote_nothing=not changed)
 
 
+def trust_cases(b: Bench):
+    """Issue 43's faults: unsealed checkpoints, transient storage errors, several processes
+    deciding together, one writer, generation on gattn's own tokenizer."""
+    # An unsealed newest checkpoint (its process stopped before the seal) whose arrays then changed.
+    for script in ("eval.py", "train.py"):
+        work = b.copy(f"unsealed_changed_{script}")
+        six = work / "checkpoints" / "6"
+        shutil.rmtree(six / "checksums")
+        shutil.rmtree(six / "state")
+        shutil.copytree(work / "checkpoints" / "2" / "state", six / "state")  # valid arrays, the wrong ones
+        out = (run("eval.py", "--workdir", work, "--no-figures", "--max-batches", "1") if script == "eval.py"
+               else b.train(work, "--steps", "8"))
+        used = (json.loads((work / "eval" / "results.json").read_text()).get("step") if script == "eval.py"
+                else None)
+        wrong = out.returncode == 0 and (used != 4 if script == "eval.py"
+                                         else not (work / "checkpoints_set_aside" / "6").is_dir())
+        yield verdict(f"{script}: newest checkpoint unsealed, its arrays changed", out, expect_fail=False,
+                      wrong=wrong, good_before={4}, work=work, evaluated_step=used)
+
+    # A storage service's 503 while reading the newest checkpoint: once (retried), and for good.
+    for fails, name in ((1, "once"), (99, "on every try")):
+        work = b.copy(f"store_503_{fails}")
+        script = b.root / "flaky_store.py"
+        script.write_text(FLAKY_STORE % (fails, fails))
+        out = subprocess.run([sys.executable, str(script), str(ROOT / "train.py"), "--config", str(b.config),
+                              "--workdir", str(work), "--quiet", "--steps", "8"], capture_output=True, text=True,
+                             timeout=600)
+        set_aside = (work / "checkpoints_set_aside").is_dir()
+        resumed = json.loads((work / "summary.json").read_text())["step"] if out.returncode == 0 else None
+        yield verdict(f"train: the store answers 503 {name} while the newest checkpoint is read", out,
+                      expect_fail=fails > 1, wrong=set_aside or (out.returncode == 0 and fails > 1),
+                      good_before=good_of(work), work=work, set_aside=set_aside, resumed_to=resumed)
+
+    # Two processes on gloo: one process's bad share, missing seal, read error, or 503.
+    port = launch.free_port()
+    hosts_dir = b.root / "two_hosts"
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "programs" / "checkpoint_hosts.py"),
+                               "--workdir", str(hosts_dir)], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**launch.worker_env(i, 2, 2, port),
+                                                           "GATTN_HEARTBEAT_SECONDS": "10"}) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    expected = {"flip": "1", "unseal": "1", "read_error": "1", "transient": "2", "unavailable": "failed"}
+    for scenario, want in expected.items():
+        got = [next((line.split(" ", 2)[2] for line in out.splitlines() if line.startswith(f"result {scenario} ")),
+                    None) for out, _ in outs]
+        warned = [warnings_before(err, scenario) for _, err in outs]
+        yield {"case": f"2 processes: step 2 {scenario} on process 1", "exit": max(p.returncode for p in procs),
+               "expected_failure": False, "silent_wrong": any(g is None or not g.startswith(want) for g in got),
+               "good_checkpoints_lost": [], "one_line": warned == [int(want == "1")] * 2, "error": None,
+               "restored": got, "warnings_per_host": warned}
+
+
+def warnings_before(err: str, scenario: str) -> int:
+    """The warning lines a host printed for `scenario` (after the previous scenario's end line)."""
+    count = 0
+    for line in err.splitlines():
+        if line == f"end {scenario}":
+            return count
+        count = 0 if line.startswith("end ") else count + line.startswith("warning:")
+    return -1
+
+
+def good_of(work: Path) -> set[int]:
+    return {6} if (work / "checkpoints" / "6").is_dir() else set()
+
+
+GROUPS = {"round1": cases, "trust": trust_cases}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--only", default=",".join(GROUPS), help=f"groups of cases, of {', '.join(GROUPS)}")
     ap.add_argument("--keep", help="keep the runs in this folder (default: a temporary one, removed)")
     args = ap.parse_args(argv)
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gattn-faults-"))
@@ -257,9 +345,13 @@ def main(argv=None):
     t0 = time.time()
     results = []
     try:
-        for result in cases(Bench(root)):
-            results.append(result)
-            print(json.dumps(result), flush=True)
+        bench = Bench(root)
+        for group in args.only.split(","):
+            if group not in GROUPS:
+                raise SystemExit(f"--only: {group!r} is not one of {', '.join(GROUPS)}")
+            for result in GROUPS[group](bench):
+                results.append(result)
+                print(json.dumps(result), flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
