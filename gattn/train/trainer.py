@@ -151,9 +151,11 @@ def split_microbatches(batch: dict, m: int, mesh=None) -> dict:
 def loss_and_grads(cfg: Config, graphdef, params, batch: dict, mesh=None):
     """((loss, aux), grads) of one global batch. With train.microbatches = m > 1 the batch runs as
     m sequential microbatches in one scan (gradient accumulation, float32 sums): each microbatch's
-    summed token losses over the whole batch's target count, so the loss and gradient are the
-    big step's. MoE auxiliary losses are the mean of the microbatches' (a global-batch LBL counts
-    expert loads per microbatch); loads and drops are summed."""
+    summed token losses over the whole batch's target count, so the cross-entropy and its gradient
+    are the big step's (to float rounding). A MoE is not: its router sees one microbatch at a
+    time, so the global-batch LBL counts expert loads per microbatch (the mean of the microbatches'
+    LBLs) and an expert capacity is per microbatch (other tokens are dropped than in the big
+    step); loads and drop counts are summed."""
     m = cfg.train.microbatches
 
     def objective(params, b, scale):
@@ -494,6 +496,7 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
     startup.write(workdir)
     try:
         for step in range(start + 1, t.steps + 1):
+            lease.check()  # a lost lease (another run took it, or no renewal): stop before writing again
             with jax.set_mesh(mesh):
                 state, m = train_step(state, next(batches))
             # The step runs while the previous step's scalars are read (one step late, so reading
@@ -508,6 +511,7 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
             stopping = stop(step)
             if step == t.steps or stopping or mngr.should_save(step):
                 reports.read_previous()  # the checkpoint's bookkeeping needs this step's scalars
+                lease.check()
                 data_state = {k: v for part in hosts.gather_json(batches.get_state()) for k, v in part.items()}
                 saves.save(step, state, data_state, reports.meta())
             if stopping:
