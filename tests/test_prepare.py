@@ -1,7 +1,9 @@
 """Pretokenized shards (`python -m gattn.prepare`, gattn/data/prepare.py, gattn/data/shards.py):
-a Hugging Face tokenizer.json checked against the model, long documents cut before encoding,
-the same bytes from one and from two Beam workers, training that reads the shards without a
-tokenizer call and gives the same batches for any process layout, and a run bound to its shards."""
+a Hugging Face tokenizer.json checked against the model, long documents stored as the text path
+encodes them (gattn's SentencePiece model and tokenizer.json kinds that add a "▁" at each text
+they are given), the same bytes from one and from two Beam workers, training that reads the
+shards without a tokenizer call and gives the same batches for any process layout, and a run
+bound to its shards."""
 
 import json
 import random
@@ -11,7 +13,7 @@ import pytest
 
 from gattn.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
 from gattn.data import corpus, pipeline, prepare, record, shards
-from gattn.data.tokenizer import HFTokenizer, load_tokenizer, tokenizer_path
+from gattn.data.tokenizer import HFTokenizer, load_tokenizer, read_tokenizer, tokenizer_path, train_tokenizer
 
 WORDS = "the gate attention sink sparse head value query key model layer token über 漢字".split()
 
@@ -87,14 +89,94 @@ def test_a_tokenizer_json_larger_than_the_model_vocabulary_is_refused_in_one_lin
     assert load_tokenizer(Config(model=ModelConfig(vocab_size=300), data=cfg.data), tmp_path / "run").eos_id() == 0
 
 
-def test_long_documents_are_cut_at_whitespace_and_encode_as_the_whole(tmp_path):
-    tok = HFTokenizer(hf_tokenizer(tmp_path))
-    doc = text(random.Random(1), 3000)
-    pieces = corpus.pieces(doc, 1000)
-    assert "".join(pieces) == doc and len(pieces) > 10 and all(len(p) <= 1000 for p in pieces)
-    assert all(p[0].isspace() and not q[-1].isspace() for q, p in zip(pieces, pieces[1:]))  # a run starts each
-    assert sum((tok.encode(p) for p in pieces), []) == tok.encode(doc)  # the same ids as the whole text
-    assert corpus.pieces("x" * 25, 10) == ["x" * 10, "x" * 10, "x" * 5]  # no whitespace: cut at the limit
+LONG = "the gate attention sink sparse head value query key 12 345 über café 漢字 мир 🙂 x".split()
+SPACES = [" ", " ", " ", "  ", "\n", "\n\n", "\t", " \n  ", ", ", ".\n\t", "   "]
+
+
+def long_text(rng, chars: int) -> str:
+    """About `chars` characters of words and varied whitespace (runs of spaces, newlines, tabs),
+    starting with a word (a Metaspace tokenizer does not give back a leading space)."""
+    out, n = [], 0
+    while n < chars:
+        out.append(rng.choice(LONG) + rng.choice(SPACES))
+        n += len(out[-1])
+    return "".join(out)
+
+
+def metaspace_tokenizer(folder, texts, prepend: bool = False):
+    """A BPE tokenizer.json that adds a "▁" at the start of each text it is given: a Metaspace
+    pre-tokenizer with prepend_scheme="always" (T5's, Mistral's kind), or with `prepend` Llama 2's
+    normalizers (Prepend("▁"), spaces as "▁"); its tokenizer_config.json names EOS."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    if prepend:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+        tok.decoder = decoders.Metaspace(prepend_scheme="always")
+    lines = [line for t in texts for line in t.splitlines()]  # (no pre-tokenizer: each line is one word)
+    tok.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=400, special_tokens=["</s>"], show_progress=False,
+                                                       initial_alphabet=sorted(set("".join(texts)) | {"▁"})))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return folder / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def long_made(tmp_path_factory):
+    """Long documents (11k-24k characters), gattn's default tokenizer (a SentencePiece model
+    trained as a run trains it) and their shards; (shards folder, corpus folder, tokenizer)."""
+    root = tmp_path_factory.mktemp("long")
+    rng, folder = random.Random(5), root / "corpus" / "long"
+    folder.mkdir(parents=True)
+    i = 0
+    while i < 8 or not any(corpus.Document(f"long/{j}.txt", "long", "").split == "validation" for j in range(i)):
+        (folder / f"{i}.txt").write_text(long_text(rng, rng.randint(11_000, 24_000)))
+        i += 1
+    model = train_tokenizer(str(root / "corpus"), 0, 400, root / "spm.model")
+    prepare.prepare(str(root / "corpus"), str(model), str(root / "shards"), num_shards=2, quiet=True)
+    return root / "shards", root / "corpus", model
+
+
+def test_long_documents_are_stored_as_the_text_path_encodes_them(long_made):
+    """The shards' tokens, as training reads them, equal the text path's (the same tokenizer
+    encoding each document) token for token, and each record decodes to its document's text."""
+    out, source, model = long_made
+    sp = read_tokenizer(model)
+    docs = list(corpus.documents(str(source), 0))
+    assert len(docs) >= 8 and all(len(d.text) > 10_000 for d in docs)
+    text_path = pipeline._tokenize(sp)
+    expected = sorted((d.split, text_path({"text": d.text})["tokens"].tolist()) for d in docs)
+    folder, from_record = shards.open_shards(f"shards:{out}"), pipeline._from_record(sp)
+    records = [("train", r) for r in folder.source("train")] + [
+        ("validation", r) for d in folder.held_out_domains() for r in folder.source("validation", d)]
+    stored = sorted((split, from_record(r)["tokens"].tolist()) for split, r in records)
+    differ = sum(a != b for a, b in zip(stored, expected))
+    assert len(stored) == len(expected) and differ == 0, f"{differ} of {len(docs)} documents differ"
+    assert sorted(sp.decode(shards.decode_record(r)[1].tolist()) for _, r in records) == sorted(d.text for d in docs)
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "metaspace_always", "prepend_normalizer"])
+def test_a_long_document_encodes_as_the_text_path_encodes_it(long_made, tmp_path, kind):
+    """prepare's encoding (the DoFn body) of long documents is the text path's, for gattn's
+    SentencePiece model (also in pieces of 40 characters: cut only where no id changes) and for
+    tokenizer.json files that add a "▁" at each text they are given; each decodes to the text."""
+    _, source, model = long_made
+    docs = [d.text for d in corpus.documents(str(source), 0)][:4]
+    if kind != "sentencepiece":
+        model = metaspace_tokenizer(tmp_path, docs, prepend=kind == "prepend_normalizer")
+    tok = read_tokenizer(model)
+    text_path = pipeline._tokenize(tok)
+    for max_chars in (corpus.MAX_CHARS, 40) if kind == "sentencepiece" else (corpus.MAX_CHARS,):
+        encode = prepare.Encode(str(model), 2, max_chars)
+        got = [np.frombuffer(next(encode(("d", "long", t, 0)))[1][2], np.int32).tolist() for t in docs]
+        differ = sum(g != text_path({"text": t})["tokens"][:-1].tolist() or g != tok.encode(t)  # (encoded whole)
+                     for g, t in zip(got, docs))
+        assert differ == 0, f"{differ} of {len(docs)} documents differ (max_chars={max_chars})"
+        assert [tok.decode(g) for g in got] == docs
 
 
 def test_one_and_two_beam_workers_write_the_same_bytes(made, capsys):

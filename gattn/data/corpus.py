@@ -165,24 +165,7 @@ def file_documents(path, rel, decode_errors: str = "strict") -> Iterator[Documen
         yield from _jsonl_documents(path, rel, decode_errors)
 
 
-MAX_CHARS = 10_000  # a tokenizer is slow on (or refuses) a string of megabytes; Levanter splits at 10k
-
-
-def pieces(text: str, max_chars: int = MAX_CHARS) -> list[str]:
-    """`text` cut into pieces of at most `max_chars` characters, each cut where a run of
-    whitespace starts (the run goes with the next piece, where a regex pre-tokenizer would put
-    it), or at `max_chars` in text without whitespace. Their concatenation is `text`."""
-    out, start = [], 0
-    while len(text) - start > max_chars:
-        end = start + max_chars
-        cut = end
-        while cut > start and not (text[cut].isspace() and not text[cut - 1].isspace()):
-            cut -= 1
-        cut = cut if cut > start else end
-        out.append(text[start:cut])
-        start = cut
-    out.append(text[start:])
-    return out
+MAX_CHARS = 10_000  # pieces of a long document encoded at once where exact (tokenizer.document_encoder)
 
 
 def documents(source: str, code_max_bytes: int, decode_errors: str = "strict") -> Iterator[Document]:

@@ -22,7 +22,7 @@ from grain._src.python.dataset.transformations import shuffle as grain_shuffle  
 
 from gattn.config import BACKCOPY, SHARDS, TFDS, ConfigError
 from gattn.data import backcopy, corpus, shards, tfds_text
-from gattn.data.tokenizer import load_tokenizer, tokenizer_path
+from gattn.data.tokenizer import document_encoder, load_tokenizer, tokenizer_path
 
 
 class WindowShuffle(grain.experimental.WindowShuffleIterDataset):
@@ -65,11 +65,13 @@ def _specials(tokenizer, bos: bool) -> tuple[list[int], int]:
 
 
 def _tokenize(tokenizer, bos: bool = False, feature: str = "text"):
-    """Text (the example's `feature`) -> ids + [eos], after [bos] with `bos` (`_specials`)."""
+    """Text (the example's `feature`) -> ids + [eos], after [bos] with `bos` (`_specials`). A
+    document's ids are `document_encoder`'s, the ones `python -m gattn.prepare` stores."""
     start, eos = _specials(tokenizer, bos)
+    encode = document_encoder(tokenizer)
     def fn(example) -> dict:
         text = example[feature]
-        ids = tokenizer.encode(text.decode("utf-8") if isinstance(text, bytes) else text)
+        ids = encode(text.decode("utf-8") if isinstance(text, bytes) else text)
         return {"tokens": np.asarray(start + ids + [eos], np.int32)}
     return fn
 

@@ -5,12 +5,13 @@
 
 The corpus is read as training reads it (gattn/data/corpus.py: a folder of .txt / .jsonl files,
 one such file, or "embedded"; gs:// through etils.epath), with the same held-out rule
-(`corpus.Document.split`). Each document is cut into pieces of at most --max-chars characters at
-whitespace before encoding (`corpus.pieces`), and its ids are stored as one record. The runner is
-Beam's: the DirectRunner with --workers local processes by default; any other Beam option (e.g.
---runner=DataflowRunner ...) goes to Beam as it is (docs/training.md#real-corpora). A document's
-file and its place in it depend only on its id, so any number of workers writes the same bytes.
-The manifest is written last, by this process, once the corpus has passed the corpus checks.
+(`corpus.Document.split`). Each document's ids, exactly those the text path encodes from it
+(`tokenizer.document_encoder`: `tokenizer.encode` of the whole text), are stored as one record.
+The runner is Beam's: the DirectRunner with --workers local processes by default; any other Beam
+option (e.g. --runner=DataflowRunner ...) goes to Beam as it is (docs/training.md#real-corpora).
+A document's file and its place in it depend only on its id, so any number of workers writes the
+same bytes. The manifest is written last, by this process, once the corpus has passed the corpus
+checks.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from etils import epath
 
 from gattn.config import ConfigError
 from gattn.data import corpus, shards
-from gattn.data.tokenizer import read_tokenizer
+from gattn.data.tokenizer import document_encoder, read_tokenizer
 
 STATS = ".stats.json"  # the workers' per-file numbers, read back to write the manifest
 _ERROR = "gattn data error: "  # marks a corpus error raised inside a Beam worker
@@ -73,23 +74,22 @@ def shard_of(doc_id: str, num_shards: int) -> int:
 
 class Encode:
     """A Beam DoFn body: a document -> ((split, domain or "", shard), (id, domain, ids, bytes,
-    replaced, digest)); the tokenizer is read once per worker."""
+    replaced, digest)); the tokenizer is read once per worker. The ids are the whole document's,
+    as the text path encodes it (`document_encoder`; `max_chars`: the pieces of gattn's own
+    SentencePiece models, cut only where that changes no id)."""
 
     def __init__(self, tokenizer_file: str, num_shards: int, max_chars: int):
         self.tokenizer_file, self.num_shards, self.max_chars = tokenizer_file, num_shards, max_chars
-        self.tokenizer = None
+        self.encode = None
 
     def __call__(self, doc):
         import numpy as np  # noqa: PLC0415
 
-        if self.tokenizer is None:
-            self.tokenizer = read_tokenizer(epath.Path(self.tokenizer_file), "--tokenizer")
+        if self.encode is None:
+            self.encode = document_encoder(read_tokenizer(epath.Path(self.tokenizer_file), "--tokenizer"),
+                                           self.max_chars)
         doc_id, domain, text, replaced = doc
-        texts = corpus.pieces(text, self.max_chars)
-        hf = getattr(self.tokenizer, "tok", None)  # HFTokenizer: its pieces in one Rust call
-        parts = ([e.ids for e in hf.encode_batch(texts, add_special_tokens=False)] if hf is not None
-                 else [self.tokenizer.encode(t) for t in texts])
-        ids = np.fromiter((i for p in parts for i in p), np.int32)
+        ids = np.asarray(self.encode(text), np.int32)
         split = corpus.Document(doc_id, domain, "").split
         digest = hashlib.sha256(hashlib.sha256(json.dumps([doc_id, domain]).encode()).digest()
                                 + hashlib.sha256(text.encode()).digest()).digest()
@@ -301,7 +301,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="a new folder for the shards and manifest.json (gs:// allowed)")
     parser.add_argument("--workers", type=int, default=1, help="local Beam worker processes (DirectRunner)")
     parser.add_argument("--num-shards", type=int, default=16, help="training files (and per held-out domain at most as many)")
-    parser.add_argument("--max-chars", type=int, default=corpus.MAX_CHARS, help="longest piece of text encoded at once")
+    parser.add_argument("--max-chars", type=int, default=corpus.MAX_CHARS, help="longest piece of text encoded at once, where that changes no id (gattn's "
+                        "SentencePiece models); other tokenizers encode each document whole")
     parser.add_argument("--decode-errors", choices=("strict", "replace"), default="strict", help="as data.decode_errors")
     parser.add_argument("--code-max-bytes", type=int, default=1_500_000, help="as data.code_max_bytes (--source embedded)")
     parser.add_argument("--json", action="store_true", help="print the counts and the time as JSON on stdout")

@@ -141,6 +141,86 @@ def read_tokenizer(path: Path, field: str = "data.tokenizer") -> Tokenizer:
                           f"({why}). A .json is read as tokenizer.json, any other name as a SentencePiece model") from None
 
 
+def document_encoder(tokenizer: Tokenizer, max_chars: int = corpus.MAX_CHARS):
+    """A function: a whole document's text -> its ids, exactly `tokenizer.encode(text)` (what the
+    text path calls on each document, gattn/data/pipeline.py), token for token.
+
+    A document of more than `max_chars` characters is encoded in pieces only by a SentencePiece
+    BPE model that normalizes character by character (gattn's own: `_train_spm`), and only where
+    that is provably the same (`_sentencepiece_cuts`); any other tokenizer (a tokenizer.json, a
+    model with a normalization rule) encodes it whole. A cut anywhere else is not: SentencePiece's
+    dummy prefix (a tokenizer.json's Prepend normalizer, Metaspace prepend_scheme="always") puts
+    a "▁" at each cut, and a pre-tokenizer regex may split differently there. Encoding whole
+    takes ~170 bytes of memory per character, with SentencePiece and tokenizers alike (measured:
+    1.7 GB for a 10M-character document), and is 1.5-3x slower on documents of megabytes."""
+    cuts = _sentencepiece_cuts(tokenizer)
+    if cuts is None:
+        return tokenizer.encode
+    rest, safe = cuts
+
+    def encode(text: str) -> list[int]:
+        if len(text) <= max_chars:
+            return tokenizer.encode(text)
+        at_cut = safe(text)
+        ids, start = [], 0
+        while start < len(text):
+            end = (len(text) if len(text) - start <= max_chars
+                   else _cut(at_cut, start, start + max_chars, len(text)))
+            ids += (tokenizer if start == 0 else rest).encode(text[start:end])
+            start = end
+        return ids
+
+    return encode
+
+
+def _cut(at_cut, start: int, end: int, size: int) -> int:
+    """The last place in (start, end] where `at_cut` allows a cut, else the first after end, else
+    `size` (the rest of the text in one piece)."""
+    for c in range(end, start, -1):
+        if at_cut(c):
+            return c
+    return next((c for c in range(end + 1, size) if at_cut(c)), size)
+
+
+def _sentencepiece_cuts(tokenizer):
+    """(the same model without the dummy prefix, for the pieces after the first; text -> a test of
+    "a cut before character c is exact") for a SentencePiece BPE model whose normalizer works
+    character by character: no normalization rule (gattn trains with "identity"), extra
+    whitespace kept, the dummy prefix (if any) at the start. Else None.
+
+    Why a cut there is exact: the normalized text is then the dummy "▁" + each character as it is
+    (" " as "▁"), so the whole text's is the first piece's followed by the other pieces' without
+    their dummy prefix. BPE (sentencepiece's bpe_model.cc) starts from single characters
+    (user-defined symbols matched whole) and only merges two adjacent symbols into a piece of the
+    vocabulary; at a cut between two characters that are pieces of their own (no unknown or byte
+    fallback there) and that are adjacent in no piece of the vocabulary, no merge ever spans the
+    cut, so each side's merges, and their order (score, then position), are the ones that side
+    makes alone."""
+    if not isinstance(tokenizer, spm.SentencePieceProcessor):
+        return None
+    from sentencepiece import sentencepiece_model_pb2  # noqa: PLC0415 (protobuf)
+
+    proto = sentencepiece_model_pb2.ModelProto
+    model = proto.FromString(tokenizer.serialized_model_proto())
+    norm, trainer = model.normalizer_spec, model.trainer_spec
+    if (trainer.model_type != sentencepiece_model_pb2.TrainerSpec.BPE or norm.precompiled_charsmap
+            or norm.remove_extra_whitespaces or trainer.treat_whitespace_as_suffix):
+        return None
+    kinds = (proto.SentencePiece.NORMAL, proto.SentencePiece.USER_DEFINED)
+    chars = {p.piece for p in model.pieces if len(p.piece) == 1 and p.type in kinds}
+    pairs = {s[i:i + 2] for p in model.pieces for s in {p.piece, p.piece.replace("▁", " ")}
+             for i in range(len(s) - 1)}
+    model.normalizer_spec.add_dummy_prefix = False
+    rest = spm.SentencePieceProcessor(model_proto=model.SerializeToString())
+    escape = norm.escape_whitespaces
+
+    def safe(text: str):
+        seen = text.replace(" ", "▁") if escape else text  # the characters as the model sees them
+        return lambda c: seen[c - 1] in chars and seen[c] in chars and seen[c - 1:c + 1] not in pairs
+
+    return rest, safe
+
+
 def tokenizer_path(cfg, workdir: Path, *, fresh: bool = False) -> Path:
     """The tokenizer file a run uses: the user's (data.tokenizer: a SentencePiece .model or a
     Hugging Face tokenizer.json); a converted model's (WORKDIR/tokenizer/hf/tokenizer.json, also
