@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import run_config_file  # noqa: E402 (the tests' tiny model on the embedded corpus)
 from gattn import launch  # noqa: E402
+from gattn.train import lease  # noqa: E402
 
 CONFIG = run_config_file(steps=6, warmup_steps=1, eval_every=100, checkpoint_every=2, keep_checkpoints=3)
 FULL_DISK = """
@@ -316,6 +319,40 @@ def trust_cases(b: Bench):
                "expected_failure": False, "silent_wrong": any(g is None or not g.startswith(want) for g in got),
                "good_checkpoints_lost": [], "one_line": warned == [int(want == "1")] * 2, "error": None,
                "restored": got, "warnings_per_host": warned}
+
+
+    # One writer: simultaneous starts and takeovers; a run whose lease is taken; a restarted container.
+    for name, kw in (("1000 simultaneous starts", {"n": 1000}),
+                     ("300 simultaneous takeovers of a stale lease", {"n": 300, "stale_holder": True})):
+        got = lease.trials(b.root / f"lease_{kw['n']}", **kw)
+        yield {"case": f"lease: {name}, 4 racers each", "exit": 0, "expected_failure": False,
+               "silent_wrong": got["double_holders"] > 0 or got["no_holder"] > 0, "good_checkpoints_lost": [],
+               "one_line": True, "error": None, **got}
+    work = b.copy("lease_taken")
+    env = {**os.environ, "GATTN_LOCK_STALE_SECONDS": "8"}  # a renewal every 2 s
+    a = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", str(b.config), "--workdir", str(work),
+                          "--quiet", "--steps", "4000"], env=env, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    while a.poll() is None and not (work / "metrics.jsonl").read_text().count("\n") > 8:
+        time.sleep(0.5)
+    (work / "lock.json").write_text(json.dumps({"host": "another-host", "pid": 4242, "token": "theirs",
+                                                "since": "now", "renewed": time.time() + 3600}))
+    taken = time.time()
+    try:
+        stdout, stderr = a.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        a.kill()
+        stdout, stderr = a.communicate()
+    out = subprocess.CompletedProcess(a.args, a.returncode, stdout, stderr)
+    yield verdict("train: another run takes the lease of a running train.py", out, expect_fail=True,
+                  wrong=out.returncode == 0 or "another-host pid 4242" not in stderr, good_before={6}, work=work,
+                  stopped_after_s=round(time.time() - taken, 1))
+    work = b.copy("lease_restart")
+    (work / "lock.json").write_text(json.dumps({"host": socket.gethostname(), "pid": 1, "token": "before",
+                                                "since": "yesterday", "renewed": time.time() - 86400}))
+    out = b.train(work, "--steps", "8")
+    yield verdict("train: relaunch on the same host after a container restart (pid 1 alive, lease a day old)",
+                  out, expect_fail=False, wrong=False, good_before={6}, work=work)
 
 
 def warnings_before(err: str, scenario: str) -> int:
