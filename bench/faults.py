@@ -355,6 +355,49 @@ def trust_cases(b: Bench):
                   out, expect_fail=False, wrong=False, good_before={6}, work=work)
 
 
+    # lm-eval's generate_until on gattn's own run (its SentencePiece EOS decodes to '').
+    from lm_eval.api.instance import Instance  # noqa: PLC0415 (gattn[lm-eval])
+
+    from gattn.eval import decode  # noqa: PLC0415
+    from gattn.interop.harness import GattnLM  # noqa: PLC0415
+
+    lm = GattnLM(str(b.base))
+    prompts = ["The gate is", "Attention", "In the beginning"]
+    got = lm.generate_until([Instance("generate_until", {}, (p, {"until": ["\n\n"], "do_sample": False,
+                                                                  "max_gen_toks": 16}), i) for i, p in enumerate(prompts)])
+    greedy = [lm.tok_decode(t) for t in decode.generate(lm.scorer.model, [lm.tok_encode(p) for p in prompts],
+                                                         max_new_tokens=16, eos_id=lm.eot_token_id)]
+    cut = [g[:min([g.index(s) for s in ["\n\n"] if s in g], default=len(g))] for g in greedy]
+    yield {"case": "lm-eval: generate_until on a run with gattn's SentencePiece tokenizer", "exit": 0,
+           "expected_failure": False, "silent_wrong": got != cut, "good_checkpoints_lost": [], "one_line": True,
+           "error": None, "eos_decodes_to": lm.tok_decode(lm.eot_token_id),
+           "generated_tokens": [len(lm.tok_encode(g)) if g else 0 for g in got]}
+
+    # Shards of long documents vs the text path, with gattn's default tokenizer.
+    from gattn.data import corpus, pipeline, prepare, shards, tokenizer  # noqa: PLC0415
+
+    source = b.root / "long_corpus" / "long"
+    source.mkdir(parents=True)
+    text = "\n\n".join(d.text for d in corpus.documents(corpus.EMBEDDED, 0))
+    for i in range(6):  # the embedded corpus's prose, cut into documents of 10k-22k characters
+        (source / f"{i}.txt").write_text(text[i * 30_000:i * 30_000 + 10_000 + 2_400 * i])
+    spm = tokenizer.train_tokenizer(str(source.parent), 0, 512, b.root / "long_spm.model")
+    prepare.prepare(str(source.parent), str(spm), str(b.root / "long_shards"), num_shards=2, quiet=True)
+    sp = tokenizer.read_tokenizer(spm)
+    folder = shards.open_shards(f"shards:{b.root / 'long_shards'}")
+    stored = sorted(shards.decode_record(r)[1].tolist() for split in ("train",) for r in folder.source(split))
+    stored += sorted(shards.decode_record(r)[1].tolist() for d in folder.held_out_domains()
+                     for r in folder.source("validation", d))
+    whole = [sp.encode(d.text) for d in corpus.documents(str(source.parent), 0)]
+    text_path = [pipeline._tokenize(sp)({"text": d.text})["tokens"][:-1].tolist()  # noqa: SLF001
+                 for d in corpus.documents(str(source.parent), 0)]
+    differ = sum(ids not in stored for ids in whole) + sum(a != w for a, w in zip(text_path, whole))
+    yield {"case": "prepare: 6 documents of 10k-22k characters, gattn's SentencePiece tokenizer", "exit": 0,
+           "expected_failure": False, "silent_wrong": differ > 0 or len(stored) != len(whole),
+           "good_checkpoints_lost": [], "one_line": True, "error": None, "documents_differing": differ,
+           "characters": [len(d.text) for d in corpus.documents(str(source.parent), 0)]}
+
+
 def warnings_before(err: str, scenario: str) -> int:
     """The warning lines a host printed for `scenario` (after the previous scenario's end line)."""
     count = 0
