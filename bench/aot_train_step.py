@@ -12,7 +12,7 @@ use (`memory_analysis`: parameters + optimizer state + batch, outputs, temporari
     python bench/aot_train_step.py --preset dense_1p7b --topology v5e:4x4 --mesh 4,1,4 [--variant sdpa_elementwise]
     python bench/aot_train_step.py --preset moe_15a2b --topology v5p:4x4x4 --mesh 2,8,4   # 16 hosts x 4 chips
 
---mesh is (data, expert, model) and must multiply to the topology's chip count; it replaces the
+--mesh is (data, expert, model[, fsdp]) and must multiply to the topology's chip count; it replaces the
 preset's mesh (so exec.moe_impl=all_to_all or ragged is checked against it); "ragged_all_to_all"
 counts that collective in the executable. The global batch is
 batch-per-device x data x expert sequences of the preset's seq_len. On a multi-host topology the
@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import topologies
-from jax.sharding import AxisType, Mesh
 
 from gattn import cli
 from gattn.config import MeshConfig
@@ -45,20 +44,20 @@ from gattn.train import trainer
 HBM_GIB = {"TPU v5 lite": 16, "TPU v5": 95, "TPU v5p": 95, "TPU v6 lite": 32, "TPU v4": 32}
 
 
-def compile_step(cfg, topology: str, mesh_shape: tuple[int, int, int], batch_per_device: int):
+def compile_step(cfg, topology: str, mesh_shape: tuple[int, ...], batch_per_device: int):
     """(compiled step, device kind, global batch rows, compile seconds) of `cfg` on `mesh_shape`
-    (data, expert, model) chips of `topology`; the mesh replaces cfg.mesh (and is checked with it).
-    The preset's train.microbatches is kept where batch_per_device splits into it, else 1 (the
-    real global batch and its microbatches: bench/fit_presets.py)."""
-    rows = batch_per_device * mesh_shape[0] * mesh_shape[1]
-    m = cfg.train.microbatches if batch_per_device % cfg.train.microbatches == 0 else 1
-    cfg = dataclasses.replace(cfg, mesh=MeshConfig(*mesh_shape),
-                              train=dataclasses.replace(cfg.train, batch_size=rows, microbatches=m))
+    (data, expert, model[, fsdp]: MeshConfig's fields) chips of `topology`; the mesh replaces
+    cfg.mesh (and is checked with it). The preset's train.microbatches is kept where
+    batch_per_device splits into it, else 1 (the real global batch and its microbatches:
+    bench/fit_presets.py)."""
     devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
     if np.prod(mesh_shape) != len(devices):
         raise SystemExit(f"--mesh {mesh_shape} must multiply to the {len(devices)} chips of {topology}")
-    mesh = Mesh(np.asarray(devices).reshape(mesh_shape), sharding.AXES,
-                axis_types=(AxisType.Auto,) * 3)
+    mesh = sharding.make_mesh(MeshConfig(*mesh_shape), devices)
+    rows = batch_per_device * sharding.batch_shards(mesh)
+    m = cfg.train.microbatches if batch_per_device % cfg.train.microbatches == 0 else 1
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(*mesh_shape),
+                              train=dataclasses.replace(cfg.train, batch_size=rows, microbatches=m))
     graphdef, state = trainer.abstract_train_state(cfg, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, state)
     row = jax.ShapeDtypeStruct((rows, cfg.train.seq_len + 1), jnp.int32,

@@ -128,7 +128,9 @@ def test_divergence_stops_with_a_clear_message_and_finite_checkpoints(config_fil
 
 
 def test_restore_onto_a_different_mesh(tmp_path):
-    """Saved sharded over 8 devices on one mesh, restored onto a (2, 4) mesh with other shardings."""
+    """Saved sharded over 8 devices on one mesh, restored onto a (2, 4) mesh with other shardings;
+    the trainer's state saved under FSDP x model (fsdp 4, model 2) restores replicated over 8 data
+    shards, and the other way round."""
     code = textwrap.dedent(f"""
         import os
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -157,12 +159,33 @@ def test_restore_onto_a_different_mesh(tmp_path):
         moved = all(r.sharding == t.sharding for r, t in zip(jax.tree.leaves(restored), jax.tree.leaves(target)))
         wq = restored["params"]["blocks"][0]["attn"]["wq"][...]
         print(same, moved, wq.sharding.spec, data, meta)
+        # The trainer's own layouts: saved under FSDP x model, restored replicated over data, and back.
+        from gattn.config import MeshConfig
+        from gattn.model import sharding
+        import dataclasses
+        layouts = [MeshConfig(data=1, fsdp=4, model=2), MeshConfig(data=8)]
+        for i, (a, b) in enumerate((layouts, layouts[::-1])):
+            mesh_a, mesh_b = sharding.make_mesh(a), sharding.make_mesh(b)
+            _, saved = trainer.init_state(dataclasses.replace(cfg, mesh=a), mesh_a)
+            mngr = checkpoint.manager({str(tmp_path)!r} + f"/layout{{i}}", keep=1, every=1)
+            checkpoint.save(mngr, 1, saved, {{}}, {{}}, force=True)
+            mngr.wait_until_finished()
+            target = trainer.abstract_state(dataclasses.replace(cfg, mesh=b), mesh_b)
+            back = checkpoint.restore(mngr, target)[0]
+            same = all(np.array_equal(np.asarray(x), np.asarray(y))
+                       for x, y in zip(jax.tree.leaves(saved), jax.tree.leaves(back)))
+            moved = all(r.sharding == t.sharding for r, t in zip(jax.tree.leaves(back), jax.tree.leaves(target)))
+            wq = back["params"]["blocks"][0]["attn"]["wq"][...]
+            print("layout", same, moved, wq.sharding.spec)
         """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[:2] == ["True", "True"], out.stdout
     assert "P(None, 'model')" in out.stdout and "{'k': 1} {'m': 2}" in out.stdout
+    layouts = [line.split() for line in out.stdout.splitlines() if line.startswith("layout")]
+    assert [line[1:3] for line in layouts] == [["True", "True"]] * 2, out.stdout  # FSDP -> data, data -> FSDP
+    assert " ".join(layouts[0][3:]) == "P(None, None)" and " ".join(layouts[1][3:]) == "P('fsdp', 'model')", layouts
 
 
 def test_resume_refuses_another_model_and_continues_under_other_execution_settings(config_file, tmp_path,

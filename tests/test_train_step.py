@@ -11,8 +11,11 @@ from conftest import tiny_model
 
 
 def test_microbatches_equal_the_plain_step_and_any_eval_batch_validates_on_a_mesh():
-    out = multidevice.run("trainer_step", "--mesh", "2,2,2")
+    """On expert x model x FSDP (data, expert, model, fsdp) = (1, 2, 2, 2): 4 microbatches equal the plain
+    step, and each device holds ~1/8 of the parameter and AdamW bytes (the state on (1, 1, 1, 8))."""
+    out = multidevice.run("trainer_step", "--mesh", "1,2,2,2", "--fsdp-mesh", "1,1,1,8")
     assert out.count("ok microbatches") == 1, out
+    assert out.count("ok fsdp state") == 2, out
     assert "ok validation" in out, out
 
 

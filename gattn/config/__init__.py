@@ -29,7 +29,7 @@ from gattn.config.checks import (ATTENTION_IMPLS, DECODE_ERRORS, DTYPES, FFN_ACT
                                  GRANULARITIES, GROUPED_MATMULS, LBL_SCOPES, MOE_IMPLS, POSITIONS, REMAT_POLICIES,
                                  SDPA_NONLINEARITIES, SHARINGS, SWITCH_TARGETS, ConfigError)
 from gattn.config.data import BACKCOPY, BACKGROUNDS, SHARDS, TFDS, BackcopySpec, DataConfig
-from gattn.config.execution import MOVED_TO_EXEC, ExecConfig, MeshConfig
+from gattn.config.execution import BATCH_AXES, MESH_AXES, MOVED_TO_EXEC, ExecConfig, MeshConfig
 from gattn.config.model import (LAYER_TYPES, POSITION_FIELDS, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec,
                                 SwitchHeadsSpec, YarnSpec, hybrid_layer_types)
 from gattn.config.train import EXTEND, LR_PRESETS, TrainConfig
@@ -38,7 +38,7 @@ __all__ = [
     "ATTENTION_IMPLS", "BACKCOPY", "BACKGROUNDS", "DECODE_ERRORS", "DTYPES", "EXTEND", "FFN_ACTIVATIONS", "FORMS", "GATE_ACTIVATIONS",
     "GRANULARITIES", "GROUPED_MATMULS", "LAYER_TYPES", "LBL_SCOPES", "LR_PRESETS", "MOE_IMPLS", "MOVED_TO_EXEC", "POSITIONS", "POSITION_FIELDS",
     "REMAT_POLICIES", "SDPA_NONLINEARITIES", "SHARDS", "SHARINGS", "SWITCH_TARGETS", "TFDS",
-    "BackcopySpec", "Config", "ConfigError", "DataConfig", "ExecConfig", "GateSpec", "LinearAttentionSpec", "MeshConfig", "ModelConfig",
+    "BATCH_AXES", "BackcopySpec", "Config", "ConfigError", "DataConfig", "ExecConfig", "GateSpec", "LinearAttentionSpec", "MESH_AXES", "MeshConfig", "ModelConfig",
     "MoESpec", "SwitchHeadsSpec", "TrainConfig", "YarnSpec",
     "check_layer_scan", "differences", "flat_fields", "from_dict", "hybrid_layer_types", "to_dict",
 ]

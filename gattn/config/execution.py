@@ -100,17 +100,29 @@ class ExecConfig:
 MOVED_TO_EXEC = tuple(f.name for f in dataclasses.fields(ExecConfig))
 
 
+MESH_AXES = ("data", "fsdp", "expert", "model")  # the device mesh's axes, outermost first
+BATCH_AXES = ("data", "fsdp", "expert")  # the axes a batch's rows are split over
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     """Device mesh axes (gattn/model/sharding.py): data parallel, expert parallel, model (tensor)
-    parallel. Their product is the device count; data = -1 takes what the others leave."""
+    parallel, and fsdp: data parallel with the parameters, their gradients and the optimizer
+    state sharded over it too (gathered layer by layer). Their product is the device count; one of
+    data and fsdp may be -1, taking what the others leave."""
 
     data: int = -1
     expert: int = 1
     model: int = 1
+    fsdp: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.data, int) or isinstance(self.data, bool) or (self.data < 1 and self.data != -1):
-            raise ConfigError("data", self.data, "expected a positive integer or -1 (all remaining devices)")
+        for name in ("data", "fsdp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+                raise ConfigError(name, value, "expected a positive integer or -1 (all remaining devices)")
+        if self.data == -1 and self.fsdp == -1:
+            raise ConfigError("fsdp", self.fsdp, "a positive integer when data is -1 (one axis takes the devices "
+                              "the others leave): set data=1 to shard everything over fsdp")
         _integer("expert", self.expert)
         _integer("model", self.model)

@@ -121,12 +121,12 @@ def for_analysis(model: Transformer) -> Transformer:
 
 
 def moe_shards(cfg) -> int:
-    """The data x expert shards of `cfg`'s mesh if its MoE is exec.moe_impl=all_to_all, whose
+    """The data x fsdp x expert shards of `cfg`'s mesh if its MoE is exec.moe_impl=all_to_all, whose
     capacity is counted per shard (so the measurements run one shard's rows at a time); else 1."""
     if cfg.exec.moe_impl != "all_to_all":
         return 1
     mesh = sharding.make_mesh(cfg.mesh)
-    return mesh.shape["data"] * mesh.shape["expert"]
+    return sharding.batch_shards(mesh)
 
 
 def collect(model, tokens_BxS, segment_ids_BxS=None, positions_BxS=None, *,

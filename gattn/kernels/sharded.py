@@ -14,8 +14,10 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
+from gattn.config import BATCH_AXES
 
-def shard_attention(fn, mesh, *, batch_axes=("data",), head_axis: str | None = "model"):
+
+def shard_attention(fn, mesh, *, batch_axes=BATCH_AXES, head_axis: str | None = "model"):
     """Wraps `fn(q, k, v, gate=None, *, segment_ids=None, **options)` for `mesh`: batch split over
     `batch_axes`, heads over `head_axis` when it divides the kv heads (else, and for None,
     heads are not split). Sequence stays whole."""
@@ -43,7 +45,7 @@ def _call(fn, options, q, k, v, gate, segment_ids):
     return fn(q, k, v, gate, segment_ids=segment_ids, **options)
 
 
-def on_context_mesh(fn, batch_axes=("data", "expert"), head_axis: str = "model"):
+def on_context_mesh(fn, batch_axes=BATCH_AXES, head_axis: str = "model"):
     """`fn` wrapped by `shard_attention` for the mesh set with `jax.set_mesh` when it has more than
     one device (the trainer sets it around its step); `fn` itself otherwise."""
     mesh = jax.sharding.get_abstract_mesh()

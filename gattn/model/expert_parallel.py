@@ -26,11 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gattn.config import ConfigError
+from gattn.config import BATCH_AXES, ConfigError
 from gattn.model.moe_ops import (balance, batched_swiglu, capacity, combine, dispatch, load_balancing_loss,
                                  permute, route, router_logits, router_z_loss, unpermute)
 
-BATCH_AXES = ("data", "expert")
 
 
 def context_mesh(spec):

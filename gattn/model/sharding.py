@@ -3,18 +3,24 @@
 Parameters carry logical names only (`gattn.layers.param`); `RULES` says which mesh axis each
 name is split over, as MaxText's logical axis rules do:
 
-    batch     -> (data, expert)   tokens: data parallel; the expert axis carries data too
-    heads     -> model            query heads (attention, the SDPA gate)
-    kv_heads  -> model            key/value heads
-    mlp       -> model            FFN width (dense FFN and each expert's width)
-    expert    -> expert           MoE experts
-    vocab     -> model            embedding rows and LM-head columns
-    embed, head_dim, layers -> replicated
+    batch     -> (data, fsdp, expert)  tokens: data parallel; fsdp and expert carry data too
+    embed     -> fsdp                  FSDP: every weight's model dimension, so parameters, their
+                                       gradients and the AdamW moments are split over fsdp
+    heads     -> model                 query heads (attention, the SDPA gate)
+    kv_heads  -> model                 key/value heads
+    mlp       -> model                 FFN width (dense FFN and each expert's width)
+    expert    -> expert                MoE experts
+    vocab     -> model                 embedding rows and LM-head columns
+    head_dim, layers -> replicated
 
-A dimension that the mesh axis does not divide stays replicated, so any config runs on any mesh.
-Divisibility is checked on the array dimension: a [D, kv_heads * head_dim] projection with 4 kv
-heads of 128 on a model axis of 8 is split inside heads (correct, as XLA partitions the math, but
-the attention then needs a regrouping; keep the model axis a divisor of kv_heads for speed).
+With fsdp > 1 XLA's partitioner gathers each weight where a layer uses it (inside the layer scan:
+one layer's weights at a time) and reduce-scatters its gradient, from these annotations alone, as
+in MaxText; nothing in the model gathers by hand. A dimension that its mesh axes do not divide
+stays replicated, so any config runs on any mesh, and a mesh axis splits at most one dimension of
+an array. Divisibility is checked on the array dimension: a [D, kv_heads * head_dim] projection
+with 4 kv heads of 128 on a model axis of 8 is split inside heads (correct, as XLA partitions the
+math, but the attention then needs a regrouping; keep the model axis a divisor of kv_heads for
+speed).
 """
 
 from __future__ import annotations
@@ -26,30 +32,35 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from gattn.config import ConfigError, MeshConfig
+from gattn.config import BATCH_AXES, MESH_AXES, ConfigError, MeshConfig
 
-AXES = ("data", "expert", "model")
+AXES = MESH_AXES  # ("data", "fsdp", "expert", "model")
 RULES: dict[str, tuple[str, ...] | str | None] = {
-    "batch": ("data", "expert"),
+    "batch": BATCH_AXES,
+    "embed": "fsdp",
     "heads": "model",
     "kv_heads": "model",
     "mlp": "model",
     "expert": "expert",
     "vocab": "model",
-    "embed": None,
     "head_dim": None,
     "layers": None,
 }
 
 
-def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
-    """(data, expert, model) for `n_devices`; data = -1 takes the devices the others leave."""
-    data = cfg.data if cfg.data > 0 else n_devices // (cfg.expert * cfg.model)
-    if data * cfg.expert * cfg.model != n_devices:
-        raise ConfigError("mesh", f"data={cfg.data}, expert={cfg.expert}, model={cfg.model}",
+def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
+    """The axis sizes in AXES order, (data, fsdp, expert, model), for `n_devices`; data or fsdp
+    = -1 takes the devices the others leave."""
+    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "expert": cfg.expert, "model": cfg.model}
+    rest = [a for a, n in sizes.items() if n == -1]
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    if rest:
+        sizes[rest[0]] = n_devices // fixed
+    if math.prod(sizes.values()) != n_devices:
+        raise ConfigError("mesh", f"data={cfg.data}, fsdp={cfg.fsdp}, expert={cfg.expert}, model={cfg.model}",
                           f"the axes must multiply to the {n_devices} devices present "
-                          "(data=-1 takes what expert x model leaves)")
-    return data, cfg.expert, cfg.model
+                          "(data=-1 or fsdp=-1 takes what the others leave)")
+    return tuple(sizes[a] for a in AXES)
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
@@ -58,15 +69,21 @@ def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def batch_shards(mesh) -> int:
+    """How many parts a batch's rows are split into on `mesh` (data x fsdp x expert)."""
+    return math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
+
+
 def spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
     """The PartitionSpec of an array with these logical axes and shape on `mesh`."""
-    out = []
+    out, used = [], set()
     for name, size in zip(logical, shape):
         axes = RULES.get(name) if name else None
         axes = (axes,) if isinstance(axes, str) else (axes or ())
-        axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
+        axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
         if axes and size % math.prod(mesh.shape[a] for a in axes):
             axes = ()  # not divisible: replicate this dimension
+        used.update(axes)
         out.append(axes[0] if len(axes) == 1 else (axes or None))
     return P(*out)
 
@@ -79,8 +96,8 @@ def param_shardings(params: nnx.State, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Tokens [B, S]: rows split over the data and expert axes."""
-    return NamedSharding(mesh, spec(("batch", None), (mesh.shape["data"] * mesh.shape["expert"], 1), mesh))
+    """Tokens [B, S]: rows split over the data, fsdp and expert axes."""
+    return NamedSharding(mesh, spec(("batch", None), (batch_shards(mesh), 1), mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -135,7 +135,7 @@ _SUMMED_AUX = ("load", "dropped")  # counts add up over microbatches; the MoE lo
 
 def split_microbatches(batch: dict, m: int, mesh=None) -> dict:
     """[B, S] -> [m, B/m, S]: microbatch i holds rows i, i + m, i + 2m, ..., so that with rows split
-    over the data x expert shards in contiguous blocks each shard holds B / (m x shards) rows of
+    over the data x fsdp x expert shards in contiguous blocks each shard holds B / (m x shards) rows of
     every microbatch: the microbatches run one after the other on all devices, with no
     communication (the trainer checks that B / shards is a multiple of m)."""
     def split(x):
@@ -260,7 +260,7 @@ def validate(eval_step, params, batches: dict[str, list], mesh=None) -> dict[str
             for b in domain_batches:
                 if mesh is not None:
                     b = {k: global_array(v, sharding.batch_sharding(mesh))
-                         for k, v in pad_rows(b, mesh.shape["data"] * mesh.shape["expert"]).items()}
+                         for k, v in pad_rows(b, sharding.batch_shards(mesh)).items()}
                 s, c = eval_step(params, b)
                 total, count = total + float(s), count + float(c)
         out[f"val_loss/{domain}"] = total / count
@@ -434,10 +434,10 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
     source_step = init_from.check(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
     t = cfg.train
     mesh = sharding.make_mesh(cfg.mesh)
-    shards = mesh.shape["data"] * mesh.shape["expert"]
+    shards = sharding.batch_shards(mesh)
     if t.batch_size % (shards * t.microbatches):
         raise ConfigError("train.batch_size", t.batch_size,
-                          f"a multiple of the {shards} data x expert shards of the mesh {dict(mesh.shape)}"
+                          f"a multiple of the {shards} data x fsdp x expert shards of the mesh {dict(mesh.shape)}"
                           + (f" times train.microbatches ({t.microbatches}): every shard holds rows of each "
                              "microbatch" if t.microbatches > 1 else ""))
     startup = Startup(progress and hosts.primary())

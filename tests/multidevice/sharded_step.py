@@ -1,8 +1,10 @@
 """Sharded training math equals one device's: for each model (dense; MoE with experts split over
-the mesh's expert axis) and each (data, expert, model) mesh, the loss and every gradient of the
-sharded jitted step equal the single-device values (float32, to 1e-5 relative).
+the mesh's expert axis) and each mesh (data, expert, model[, fsdp], MeshConfig's order), the loss
+and every gradient of the sharded jitted step equal the single-device values (float32, to 1e-5
+relative). With fsdp > 1 each device holds about 1/fsdp of the parameters (measured on the
+arrays: the bytes on device 0 over the whole).
 
-    python -m multidevice.sharded_step [--models dense moe] [--meshes 2,2,2 1,4,2 1,8,1]
+    python -m multidevice.sharded_step [--models dense moe] [--meshes 2,2,2 1,4,2 1,8,1 1,1,2,4]
 
 Prints "ok MODEL MESH" per pair (tests/test_sharding.py counts them)."""
 
@@ -35,6 +37,12 @@ def config(name: str):
     return tiny_model(vocab_size=64, moe=moe)
 
 
+def on_device(tree, device) -> int:
+    """The bytes of `tree`'s arrays held on `device`."""
+    return sum(shard.data.nbytes for x in jax.tree.leaves(tree) for shard in x.addressable_shards
+               if shard.device == device)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
@@ -63,10 +71,17 @@ def main(argv=None):
                 assert all("model" in str(gdn[w].sharding.spec) for w in ("wq", "wk", "wv", "wo", "a_log"))
             elif mesh_shape[2] > 1:
                 assert "model" in str(p["blocks"][0]["attn"]["wq"].sharding.spec)
+            fsdp = mesh.shape["fsdp"]
             l, g = step(p, t)
             np.testing.assert_allclose(l, ref_loss, rtol=1e-5)
             for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_grads)):
                 np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))) + 1e-9)
+            if fsdp > 1:  # the parameters and their gradients split over fsdp: ~1/fsdp of them per device
+                share = on_device(p, jax.devices()[0]) / on_device(params, jax.devices()[0])
+                per_model = mesh.shape["model"] * (mesh.shape["expert"] if name != "dense" else 1)
+                assert share <= 1.05 / fsdp, (share, fsdp)  # (a few small arrays stay whole)
+                assert share >= 0.5 / (fsdp * per_model), share
+                print(f"share {name} {mesh_shape} {share:.4f}", flush=True)
             print("ok", name, mesh_shape, flush=True)
 
 

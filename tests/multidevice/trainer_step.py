@@ -87,12 +87,31 @@ def check_validation() -> None:
     print("ok validation 3 rows over 8 data shards", flush=True)
 
 
+def check_fsdp_state(mesh_shape) -> None:
+    """The train state built on an fsdp mesh: each device holds ~1/fsdp of the parameter and
+    AdamW bytes (measured on the arrays), and the moments are laid out as their parameters."""
+    cfg = Config(model=tiny_model(vocab_size=64, num_layers=2), mesh=MeshConfig(*mesh_shape))
+    mesh = sharding.make_mesh(cfg.mesh)
+    _, state = trainer.init_state(cfg, mesh)
+    device = jax.devices()[0]
+    for part in ("params", "opt_state"):
+        leaves = [x for x in jax.tree.leaves(state[part]) if x.ndim]
+        total = sum(x.nbytes for x in leaves)
+        here = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device)
+        share, fsdp = here / total, mesh.shape["fsdp"] * mesh.shape["model"]
+        assert 0.9 / fsdp <= share <= 1.1 / fsdp, (part, share, fsdp)
+        print(f"ok fsdp state {part} {mesh_shape} {share:.4f} of {total} bytes on one device", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mesh", type=shape, default=(2, 2, 2), help="data,expert,model of the microbatch check")
+    ap.add_argument("--mesh", type=shape, default=(2, 2, 2), help="data,expert,model[,fsdp] of the microbatch check")
+    ap.add_argument("--fsdp-mesh", type=shape, default=None, help="also: the state's share per device on this mesh")
     args = ap.parse_args(argv)
     check_devices()
     check_microbatches(args.mesh)
+    if args.fsdp_mesh:
+        check_fsdp_state(args.fsdp_mesh)
     check_validation()
 
 
