@@ -9,17 +9,22 @@ rows of train.seq_len + 1 tokens), with its exec settings, train.microbatches an
 Prints JSON per chip: the train step's and the eval step's bytes (memory_analysis: arguments,
 outputs, aliased, temporaries, their total, in GiB) against the chip's HBM, FLOPs (XLA's
 cost_analysis: a scan's body counts once, so with scanned layers or microbatches it is a lower
-bound; `model_tflops_per_chip` is the 6 N T + attention count), and compile seconds.
+bound; `model_tflops_per_chip` is the 6 N T + attention count), and compile seconds. The train
+step's network (`train.network`, gattn/experiments/traffic.py): the bytes each chip sends per step,
+counted from the compiled HLO with ring costs and loop trip counts, by collective and by the mesh
+axes it runs over, ICI and DCN apart; and `train.roofline`: the step time those bytes and the model
+FLOPs bound at the chip's peaks (FLOPs, ICI, DCN: their max, and the MFU it implies).
 
 The eval step is `trainer.make_eval_step` under the mesh, on data.eval_batch_size rows padded to a
-multiple of the data x expert shards (as `trainer.validate` pads them). During validation the
-optimizer state stays in HBM beside the eval step's own buffers, so the eval step's fit counts
-it too (`eval.resident_gib`: the eval step's total + the AdamW moments per chip).
+multiple of the batch shards, data x fsdp x expert (as `trainer.validate` pads them). During
+validation the optimizer state stays in HBM beside the eval step's own buffers, so the eval
+step's fit counts it too (`eval.resident_gib`: the eval step's total + the AdamW moments per chip).
 
---mesh is (data, expert, model) and must multiply to the topology's chip count; without it the
-preset's own mesh (data = -1 takes what expert x model leave). Note gcloud's accelerator types
-count TensorCores for v5p (2 per chip): v5p-32 is 16 chips (v5p:2x2x4 / 4x4x1), v5p-64 is 32
-chips (v5p:4x4x2), v5p-128 is 64 chips (v5p:4x4x4); v5e / v6e count chips (v5litepod-16 = v5e:4x4).
+--mesh is (data, expert, model), or (data, fsdp, expert, model) in sharding.AXES order, and must
+multiply to the topology's chip count; without it the preset's own mesh (data = -1 takes what the
+others leave). Note gcloud's accelerator types count TensorCores for v5p (2 per chip): v5p-32 is
+16 chips (v5p:2x2x4 / 4x4x1), v5p-64 is 32 chips (v5p:4x4x2), v5p-128 is 64 chips (v5p:4x4x4);
+v5e / v6e count chips (v5litepod-16 = v5e:4x4).
 """
 
 from __future__ import annotations
@@ -41,10 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import topologies
-from jax.sharding import AxisType, Mesh
 
 from gattn import cli
 from gattn.config import ConfigError, MeshConfig
+from gattn.experiments import traffic
 from gattn.model import params as param_counts
 from gattn.model import sharding
 from gattn.train import trainer
@@ -80,9 +85,18 @@ def topology_devices(topology: str):
     return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
 
 
-def resolve_mesh(cfg, n: int, mesh_shape=None) -> tuple[int, int, int]:
-    """(data, expert, model) on `n` chips: `mesh_shape` if given, else the preset's mesh."""
-    shape = tuple(mesh_shape) if mesh_shape else sharding.mesh_shape(cfg.mesh, n)
+def resolve_mesh(cfg, n: int, mesh_shape=None) -> tuple[int, ...]:
+    """The mesh's axis sizes in sharding.AXES order on `n` chips: `mesh_shape` if given, as
+    (data, expert, model) or in AXES order (as many numbers as AXES), else the preset's mesh."""
+    if mesh_shape:
+        shape = tuple(mesh_shape)
+        if len(shape) == 3 and len(sharding.AXES) != 3:  # (data, expert, model): no other axis
+            sizes = dict(zip(("data", "expert", "model"), shape))
+            shape = tuple(sizes.get(a, 1) for a in sharding.AXES)
+        if len(shape) != len(sharding.AXES):
+            raise ConfigError("mesh", mesh_shape, f"data,expert,model or {','.join(sharding.AXES)}")
+    else:
+        shape = tuple(sharding.mesh_shape(cfg.mesh, n))
     if math.prod(shape) != n:
         raise ConfigError("mesh", shape, f"the mesh must multiply to the topology's {n} chips")
     return shape
@@ -125,14 +139,14 @@ def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_st
     returns the JSON-able report. `train_step=False`: the eval step (the forward pass) only."""
     devices = topology_devices(topology)
     shape = resolve_mesh(cfg, len(devices), mesh_shape)
-    cfg = dataclasses.replace(cfg, mesh=MeshConfig(*shape))
+    cfg = dataclasses.replace(cfg, mesh=MeshConfig(**dict(zip(sharding.AXES, shape))))
     t = cfg.train
-    shards = shape[0] * shape[1]
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    shards = sharding.batch_shards(mesh)
     if t.batch_size % (shards * t.microbatches):
         raise ConfigError("train.batch_size", t.batch_size,
-                          f"a multiple of the {shards} data x expert shards times train.microbatches "
-                          f"({t.microbatches})")
-    mesh = Mesh(np.asarray(devices).reshape(shape), sharding.AXES, axis_types=(AxisType.Auto,) * 3)
+                          f"a multiple of the {shards} batch shards (data x fsdp x expert) times "
+                          f"train.microbatches ({t.microbatches})")
     kind = devices[0].device_kind
     graphdef, state = trainer.abstract_train_state(cfg, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -157,9 +171,14 @@ def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_st
         t0 = time.perf_counter()
         with jax.set_mesh(mesh):
             compiled = step.lower(state, batch(t.batch_size)).compile()
-        out["train"] = {**memory(compiled, kind), "compile_s": round(time.perf_counter() - t0, 1),
-                        "ragged_all_to_all": compiled.as_text().count("ragged-all-to-all(")}
-        del compiled
+        compile_s = round(time.perf_counter() - t0, 1)
+        hlo = compiled.as_text()
+        network = traffic.count(hlo, mesh)
+        out["train"] = {**memory(compiled, kind), "compile_s": compile_s,
+                        "ragged_all_to_all": hlo.count("ragged-all-to-all("), "network": network,
+                        "roofline": traffic.roofline(out["model_tflops_per_chip"] * 1e12, network, kind)
+                        if traffic.DEVICE_KINDS.get(kind) else None}
+        del compiled, hlo
     if eval_step:
         rows = cfg.data.eval_batch_size
         rows += -rows % shards  # trainer.validate pads to a multiple of the shards
@@ -190,7 +209,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="dense_1p7b", help=f"a preset ({', '.join(cli.presets())}) or a config file")
     ap.add_argument("--variant", default=None)
     ap.add_argument("--topology", default="v5p:4x4x2")
-    ap.add_argument("--mesh", default=None, help="data,expert,model (default: the preset's mesh)")
+    ap.add_argument("--mesh", default=None,
+                    help=f"data,expert,model or {','.join(sharding.AXES)} (default: the preset's mesh)")
     ap.add_argument("--no-eval", action="store_true", help="compile the train step only")
     ap.add_argument("--eval-only", action="store_true", help="compile the eval step (the forward pass) only")
     ap.add_argument("--all", action="store_true", help="every row of the table (ROWS)")
