@@ -66,10 +66,21 @@ GIB = 2**30
 # with the overrides it needs there.
 ROWS = {
     "configured": [
-        ("dense_1p7b", "v5p:4x4x2", (8, 1, 4), ()),
+        ("dense_1p7b", "v5p:4x4x2", None, ()),
         ("moe_15a2b", "v5p:4x4x2", (1, 8, 4), ()),
-        ("extend_1p7b_32k", "v5p:4x4x2", (8, 1, 4), ()),
-        ("dense_1p7b_48l", "v5p:4x4x2", (8, 1, 4), ()),
+        ("extend_1p7b_32k", "v5p:4x4x2", None, ()),
+        ("dense_1p7b_48l", "v5p:4x4x2", None, ()),
+    ],
+    # The meshes and microbatches tried for dense_1p7b on its slice (4 numbers: data, fsdp, expert,
+    # model); the preset takes the one with the shortest roofline step within HBM, then the fewest
+    # bytes sent (docs/presets.md).
+    "candidates": [
+        ("dense_1p7b", "v5p:4x4x2", (8, 1, 1, 4), ("train.microbatches=4",)),  # before FSDP
+        ("dense_1p7b", "v5p:4x4x2", (32, 1, 1, 1), ("train.microbatches=4",)),
+        ("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=1",)),
+        ("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=2",)),
+        ("dense_1p7b", "v5p:4x4x2", (1, 16, 1, 2), ("train.microbatches=1",)),
+        ("dense_1p7b", "v5p:4x4x2", (1, 8, 1, 4), ("train.microbatches=1",)),
     ],
     "smallest": [
         ("dense_1p7b", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=32",)),
@@ -214,7 +225,8 @@ def main(argv=None):
     ap.add_argument("--no-eval", action="store_true", help="compile the train step only")
     ap.add_argument("--eval-only", action="store_true", help="compile the eval step (the forward pass) only")
     ap.add_argument("--all", action="store_true", help="every row of the table (ROWS)")
-    ap.add_argument("--rows", default="configured,smallest", help="with --all: which parts of ROWS")
+    ap.add_argument("--rows", default="configured,smallest", help="with --all: which parts of ROWS (configured, "
+                    "candidates, smallest)")
     ap.add_argument("--jsonl", default=None, help="with --all: also append each row to this file")
     args, overrides = cli.parse_args(ap, argv)
     if args.all:

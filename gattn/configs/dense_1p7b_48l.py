@@ -5,11 +5,11 @@ depth and "1.7B"; gattn keeps the budget of `dense_1p7b.py` by narrowing the Swi
 (`python -m gattn.params --provenance dense_1p7b_48l`).
 
 Which slice it fits (`python bench/fit_presets.py --preset dense_1p7b_48l --topology v5p:4x4x2`,
-docs/presets.md): as configured (dense_1p7b's train.microbatches=4 and exec.loss_chunk=512), on a
-v5p-64 slice (v5p:4x4x2, 32 chips; mesh data 8 x model 4) at the real batch of 1024 x 4096, the
-train step takes 44.4 GiB per chip of 95 and the eval step 2.3 GiB (5.5 GiB with the AdamW moments
-that stay resident). The smallest slice measured to fit: v5p:2x2x1 (v5p-8, 4 chips; mesh model 4)
-with --config.train.microbatches=32, 44.5 GiB train / 2.8 GiB eval."""
+docs/presets.md): as configured (dense_1p7b's mesh, FSDP over all 32 chips of a v5p-64 slice,
+v5p:4x4x2, the batch of 1024 x 4096 in one pass and exec.loss_chunk=512), the train step takes
+48.8 GiB per chip of 95 and sends 12.1 GiB per chip over ICI (the eval step with the resident AdamW
+moments: 1.5 GiB). The smallest slice measured to fit, before FSDP: v5p:2x2x1 (v5p-8, 4 chips;
+mesh model 4) with --config.train.microbatches=32, 44.5 GiB train / 2.8 GiB eval."""
 
 import importlib.util
 from pathlib import Path

@@ -88,6 +88,19 @@ def spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) ->
     return P(*out)
 
 
+def gathered(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
+    """`x` (a weight with these logical axes) laid out as a layer computes with it on the context
+    mesh (`jax.set_mesh`): split as the rules say but not over fsdp. For a weight used in every
+    step of a loop (the LM head in the chunked loss): gathered once before it, not per step. No
+    mesh, or no fsdp axis: `x` as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.shape.get("fsdp", 1) == 1:
+        return x
+    axes = [tuple(a for a in ((p,) if isinstance(p, str) else (p or ())) if a != "fsdp") or None
+            for p in spec(logical, x.shape, mesh)]
+    return jax.lax.with_sharding_constraint(x, P(*(a[0] if a and len(a) == 1 else a for a in axes)))
+
+
 def param_shardings(params: nnx.State, mesh: Mesh):
     """NamedShardings for a state of parameters (arrays or abstract), from their logical axes."""
     logical = nnx.get_partition_spec(params)

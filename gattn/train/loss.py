@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gattn.model import sharding
 from gattn.model.transformer import head_logits
 
 
@@ -35,6 +36,8 @@ def chunked_token_nll(x_BxSxD: jax.Array, head_DxV: jax.Array, targets_BxS: jax.
     pad = ((0, 0), (0, m * c - s))
     x_MxBxCxD = jnp.pad(x_BxSxD, pad + ((0, 0),)).reshape(b, m, c, d).swapaxes(0, 1)
     targets_MxBxC = jnp.pad(targets_BxS, pad).reshape(b, m, c).swapaxes(0, 1)
+
+    head_DxV = sharding.gathered(head_DxV.astype(dtype), ("embed", "vocab"))  # once, not in each chunk
 
     def one_chunk(head, x_BxCxD, targets_BxC):
         logits_NxV = head_logits(x_BxCxD.reshape(b * c, d), head, dtype)
