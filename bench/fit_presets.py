@@ -92,8 +92,9 @@ ROWS = {
 }
 
 
-def topology_devices(topology: str):
-    return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+def topology_devices(topology: str, slices: int = 1):
+    """The chips of `slices` slices of `topology` (several: joined by DCN, each device's slice_index)."""
+    return topologies.get_topology_desc(topology_name=topology, platform="tpu", num_slices=slices).devices
 
 
 def resolve_mesh(cfg, n: int, mesh_shape=None) -> tuple[int, ...]:
@@ -145,10 +146,12 @@ def model_tflops(cfg, chips: int) -> float:
     return round((6 * n + attn) * tokens / chips / 1e12, 2)
 
 
-def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_step: bool = True) -> dict:
-    """Compiles the train step (and the eval step) of `cfg` at its global batch on `topology`;
-    returns the JSON-able report. `train_step=False`: the eval step (the forward pass) only."""
-    devices = topology_devices(topology)
+def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_step: bool = True,
+        slices: int = 1) -> dict:
+    """Compiles the train step (and the eval step) of `cfg` at its global batch on `topology`
+    (`slices` of it, joined by DCN: the data axis spans them); returns the JSON-able report.
+    `train_step=False`: the eval step (the forward pass) only."""
+    devices = topology_devices(topology, slices)
     shape = resolve_mesh(cfg, len(devices), mesh_shape)
     cfg = dataclasses.replace(cfg, mesh=MeshConfig(**dict(zip(sharding.AXES, shape))))
     t = cfg.train
@@ -166,7 +169,8 @@ def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_st
         row = jax.ShapeDtypeStruct((rows, t.seq_len + 1), jnp.int32, sharding=sharding.batch_sharding(mesh))
         return {"tokens": row, "segment_ids": row, "positions": row}
 
-    out = {"preset": None, "variant": cfg.variant, "topology": topology, "device": kind, "chips": len(devices),
+    out = {"preset": None, "variant": cfg.variant, "topology": topology, "slices": slices, "device": kind,
+           "chips": len(devices),
            "hbm_gib": aot.HBM_GIB.get(kind), "mesh": dict(zip(sharding.AXES, shape)),
            "global_batch": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,
            "rows_per_shard_per_microbatch": t.batch_size // shards // t.microbatches,
@@ -208,9 +212,10 @@ def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_st
     return out
 
 
-def run_row(preset, topology, mesh_shape, overrides=(), variant=None, eval_step=True, train_step=True) -> dict:
+def run_row(preset, topology, mesh_shape, overrides=(), variant=None, eval_step=True, train_step=True,
+            slices: int = 1) -> dict:
     cfg = cli.load(preset, list(overrides), variant=variant)
-    out = fit(cfg, topology, mesh_shape, eval_step=eval_step, train_step=train_step)
+    out = fit(cfg, topology, mesh_shape, eval_step=eval_step, train_step=train_step, slices=slices)
     out["preset"], out["overrides"] = preset, list(overrides)
     return out
 
@@ -220,6 +225,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="dense_1p7b", help=f"a preset ({', '.join(cli.presets())}) or a config file")
     ap.add_argument("--variant", default=None)
     ap.add_argument("--topology", default="v5p:4x4x2")
+    ap.add_argument("--slices", type=int, default=1, help="slices of the topology, joined by DCN (the data axis "
+                    "spans them: --config.mesh.data=SLICES)")
     ap.add_argument("--mesh", default=None,
                     help=f"data,expert,model or {','.join(sharding.AXES)} (default: the preset's mesh)")
     ap.add_argument("--no-eval", action="store_true", help="compile the train step only")
@@ -241,7 +248,7 @@ def main(argv=None):
         return
     mesh_shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else None
     print(json.dumps(run_row(args.preset, args.topology, mesh_shape, overrides, args.variant, not args.no_eval,
-                             not args.eval_only), indent=1))
+                             not args.eval_only, args.slices), indent=1))
 
 
 if __name__ == "__main__":

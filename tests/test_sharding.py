@@ -73,3 +73,16 @@ def test_pallas_attention_runs_sharded_under_the_context_mesh():
     batch and heads and equals the single-device xla model (loss and gradients)
     (tests/multidevice/sharded_pallas_step.py)."""
     assert "ok" in multidevice.run("sharded_pallas_step", "--mesh", "2,2,2")
+
+
+def test_on_several_slices_the_data_axis_spans_them():
+    """2 x v5p-8 (libtpu's topology, no TPU needed): the data axis is the slice axis (DCN), fsdp
+    stays inside each slice; a data axis the slices do not divide is refused by name."""
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu", num_slices=2).devices
+    mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=-1), devices)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "model": 1}
+    assert [{d.slice_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]
+    with pytest.raises(ConfigError, match="'mesh.data' = 1"):
+        sharding.make_mesh(MeshConfig(data=1, fsdp=-1), devices)

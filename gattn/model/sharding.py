@@ -64,9 +64,23 @@ def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
 
 
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+    """The mesh of `cfg` over `devices` (default: every device). On several TPU slices the data
+    axis spans them: its collectives (the gradient reduction once per step) cross the data-center
+    network (DCN), every other axis stays inside a slice, on its ICI (jax's hybrid device mesh)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(cfg, len(devices))
-    return Mesh(np.asarray(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices == 1:
+        grid = np.asarray(devices).reshape(shape)
+    else:
+        if shape[0] % slices:
+            raise ConfigError("mesh.data", shape[0], f"a multiple of the {slices} slices (the data axis spans "
+                              "them): set mesh.data to the slice count and fsdp to -1, say")
+        from jax.experimental import mesh_utils  # noqa: PLC0415
+
+        dcn = (slices,) + (1,) * (len(shape) - 1)
+        grid = mesh_utils.create_hybrid_device_mesh((shape[0] // slices, *shape[1:]), dcn, devices=devices)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def batch_shards(mesh) -> int:
