@@ -21,7 +21,8 @@ def shard_attention(fn, mesh, *, batch_axes=BATCH_AXES, head_axis: str | None = 
     """Wraps `fn(q, k, v, gate=None, *, segment_ids=None, **options)` for `mesh`: batch split over
     `batch_axes`, heads over `head_axis` when it divides the kv heads (else, and for None,
     heads are not split). Sequence stays whole."""
-    batch = tuple(a for a in batch_axes if a in mesh.axis_names) or None
+    manual = set(getattr(mesh, "manual_axes", ()))  # inside a shard_map over some axes (the trainer's data)
+    batch = tuple(a for a in batch_axes if a in mesh.axis_names and a not in manual) or None
     heads = head_axis if head_axis in mesh.axis_names else None
 
     def wrapped(q, k, v, gate=None, *, segment_ids=None, **options):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -138,12 +139,15 @@ def split_microbatches(batch: dict, m: int, mesh=None) -> dict:
     over the data x fsdp x expert shards in contiguous blocks each shard holds B / (m x shards) rows of
     every microbatch: the microbatches run one after the other on all devices, with no
     communication (the trainer checks that B / shards is a multiple of m)."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)  # (inside `_on_each_data_shard`)
+
     def split(x):
         x = jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
         if mesh is not None:
-            batch_axes = sharding.batch_sharding(mesh).spec[0]
-            x = jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-                None, batch_axes)))
+            rows = sharding.batch_sharding(mesh).spec[0]
+            rows = tuple(a for a in ((rows,) if isinstance(rows, str) else rows or ()) if a not in manual) or None
+            spec = jax.sharding.PartitionSpec(None, rows)
+            x = jax.lax.with_sharding_constraint(x, spec if manual else jax.sharding.NamedSharding(mesh, spec))
         return x
     return {k: split(v) for k, v in batch.items()}
 
@@ -169,20 +173,48 @@ def loss_and_grads(cfg: Config, graphdef, params, batch: dict, mesh=None):
     if m == 1:
         (_, (loss, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, batch, None)
         return (loss, aux), grads
-    total = jnp.maximum(jnp.sum(target_weights(batch["segment_ids"])), 1).astype(jnp.float32)
 
-    def one(carry, b):
-        grads_acc, loss_acc = carry
-        (_, (part, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, b, total)
-        grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
-        return (grads_acc, loss_acc + part), aux
+    def accumulate(params, batch, data=None):
+        """The scan over the microbatches; with `data` (a manual mesh axis) each data shard sums its
+        own rows' gradients and they are reduced once, after the scan."""
+        total = jnp.sum(target_weights(batch["segment_ids"])).astype(jnp.float32)
+        total = jnp.maximum(total if data is None else jax.lax.psum(total, data), 1)
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    (grads, loss), aux_M = jax.lax.scan(one, (zeros, jnp.zeros((), jnp.float32)),
-                                        split_microbatches(batch, m, mesh))
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    aux = {k: v.sum(0) if k in _SUMMED_AUX else v.mean(0) for k, v in aux_M.items()}
-    return (loss, aux), grads
+        def one(carry, b):
+            grads_acc, loss_acc = carry
+            (_, (part, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, b, total)
+            grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
+            return (grads_acc, loss_acc + part), aux
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (grads, loss), aux_M = jax.lax.scan(one, (zeros, jnp.zeros((), jnp.float32)),
+                                            split_microbatches(batch, m, mesh))
+        if data is not None:
+            grads, loss = jax.lax.psum((grads, loss), data)
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+        aux = {k: v.sum(0) if k in _SUMMED_AUX else v.mean(0) for k, v in aux_M.items()}
+        return (loss, aux), grads
+
+    others = [a for a in mesh.axis_names if a != "data" and mesh.shape[a] > 1] if mesh is not None else []
+    if mesh is None or mesh.shape.get("data", 1) == 1 or cfg.model.moe is not None or len(others) > 1:
+        return accumulate(params, batch)
+    return _on_each_data_shard(accumulate, params, batch, mesh)
+
+
+def _on_each_data_shard(accumulate, params, batch: dict, mesh):
+    """`accumulate` in a shard_map over the data axis alone (the others stay automatic): every data
+    shard accumulates float32 sums of its own rows' gradients over the microbatches, and one
+    all-reduce over data per step replaces one per microbatch (the bytes do not grow with
+    train.microbatches; tests/test_traffic.py). The parameters are not split over data, so nothing
+    is gathered at its boundary. Taken with at most one other axis > 1 (data alone, data x fsdp
+    across slices, data x model): with two, XLA 0.10's partitioner aborts on the partly manual
+    program (a check failure, on CPU), and the plain scan runs, reducing per microbatch. A MoE
+    keeps the plain scan too: its global-batch LBL counts every data shard's tokens."""
+    rows = jax.sharding.PartitionSpec("data")
+    fn = jax.shard_map(functools.partial(accumulate, data="data"), mesh=mesh, axis_names={"data"},
+                       in_specs=(jax.sharding.PartitionSpec(), jax.tree.map(lambda _: rows, batch)),
+                       out_specs=jax.sharding.PartitionSpec(), check_vma=False)
+    return fn(params, batch)
 
 
 def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
