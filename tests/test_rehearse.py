@@ -38,13 +38,13 @@ def test_a_small_rehearsal_passes_every_stage(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset, processes, devices", [
-    ("dense_1p7b", 8, 8),       # 64 chips: data 16 x model 4
+    ("dense_1p7b", 8, 8),       # 64 chips: fsdp 64
     ("dense_1p7b_48l", 8, 8),
     ("moe_15a2b", 8, 8),        # 64 chips: data 2 x expert 8 x model 4
     ("extend_1p7b_32k", 8, 8),
 ])
 def test_every_paper_preset_rehearses_on_16_batch_shards(preset, processes, devices, tmp_path, capsys):
-    """At 16 data x expert shards the presets' eval batch of 8 is not a multiple of the shards (the
+    """At 16 or more batch shards the presets' eval batch of 8 is not a multiple of the shards (the
     first validation crashed there). Each takes many minutes on 2 cores."""
     results = rehearse.rehearse(preset, processes, devices, variant="sdpa_elementwise", workdir=tmp_path,
                                 timeout=3600)
