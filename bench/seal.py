@@ -36,20 +36,21 @@ from gattn.train import checkpoint
 class OnTrainingThread(checkpoint.Saves):
     """Saves as they sealed before: in check(), on the caller's thread, once the write finished."""
 
+    sealed = True
+
     def check(self, wait: bool = False) -> None:
         if self.pending is None or (not wait and self.mngr.is_saving_in_progress()):
             return
         self.mngr.wait_until_finished()
-        checkpoint.seal(EPath(self.mngr.directory) / str(self.pending))
+        if self.sealed:
+            checkpoint.seal(EPath(self.mngr.directory) / str(self.pending))
         self.good, self.pending = self.pending, None
 
 
-class Unsealed(checkpoint.Saves):
-    def check(self, wait: bool = False) -> None:
-        if self.pending is None or (not wait and self.mngr.is_saving_in_progress()):
-            return
-        self.mngr.wait_until_finished()
-        self.good, self.pending = self.pending, None
+class Unsealed(OnTrainingThread):
+    """The same saves, never sealed: what an unsealed save costs."""
+
+    sealed = False
 
 
 def run(kind, saves_class, state, args, root: Path) -> dict:
