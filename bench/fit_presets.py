@@ -131,6 +131,7 @@ def memory(compiled, kind: str) -> dict:
     return {"arguments_gib": gib(mem.argument_size_in_bytes), "outputs_gib": gib(mem.output_size_in_bytes),
             "aliased_gib": gib(mem.alias_size_in_bytes), "temp_gib": gib(mem.temp_size_in_bytes),
             "total_gib": gib(used), "total_bytes": used,
+            "peak_gib": gib(getattr(mem, "peak_memory_in_bytes", 0)),
             "fits": None if hbm is None else used < hbm * GIB,
             "xla_tflops_per_chip": None if cost.get("flops") is None else round(cost["flops"] / 1e12, 3)}
 

@@ -77,11 +77,25 @@ REPO = Path(__file__).resolve().parents[1]
 MAXTEXT_VERSION = "0.2.5"
 REQUIREMENT = f"maxtext[tpu]=={MAXTEXT_VERSION}"
 DEFAULT_VENV = Path.home() / ".cache" / "gattn" / f"maxtext-{MAXTEXT_VERSION}-py312"
-MODEL, TOPOLOGY, PER_DEVICE_BATCH, SEQ, REMAT = "qwen3-1.7b", "v5p-64", 32, 4096, "full"
-COMMON = [f"model_name={MODEL}", f"compile_topology={TOPOLOGY}", "compile_topology_num_slices=1",
-          f"per_device_batch_size={PER_DEVICE_BATCH}", f"max_target_length={SEQ}",
-          f"remat_policy={REMAT}", "dataset_type=synthetic", "run_name=aot"]
-VARIANTS = {"default": [], "vocab_tiling8": ["num_vocab_tiling=8"]}
+TOPOLOGY, REMAT = "v5p-64", "full"
+COMMON = [f"compile_topology={TOPOLOGY}", "compile_topology_num_slices=1", f"remat_policy={REMAT}",
+          "dataset_type=synthetic", "run_name=aot"]
+# MaxText's closest config to the MoE preset moe_15a2b: its Qwen3-30B-A3B (128 experts top-8,
+# d_model 2048, 32 query / 4 kv heads of 128, QK-norm, renormalised top-k, dropless megablox) set
+# to the preset's 24 layers, expert width 704, vocabulary 303,104 and RoPE base 10k.
+MOE_15A2B = ["override_model_config=True", "base_num_decoder_layers=24", "base_moe_mlp_dim=704", "base_mlp_dim=704", "vocab_size=303104",
+             "rope_max_timescale=10000"]
+# name -> (MaxText model_name, per_device_batch_size, max_target_length, extra overrides): the
+# global batch is 32 chips x per_device_batch_size, as each gattn preset's.
+VARIANTS = {
+    "default": ("qwen3-1.7b", 32, 4096, []),                                   # dense_1p7b
+    "vocab_tiling8": ("qwen3-1.7b", 32, 4096, ["num_vocab_tiling=8"]),
+    "extend_32k": ("qwen3-1.7b", 2, 32768, []),                                 # extend_1p7b_32k: 64 x 32768
+    "extend_32k_vocab_tiling8": ("qwen3-1.7b", 2, 32768, ["num_vocab_tiling=8"]),
+    "moe_15a2b": ("qwen3-30b-a3b", 32, 4096, MOE_15A2B),                         # pure FSDP over 32
+    "moe_15a2b_ep8": ("qwen3-30b-a3b", 32, 4096, MOE_15A2B + ["ici_fsdp_parallelism=4",
+                                                              "ici_expert_parallelism=8"]),
+}
 
 # Runs inside MaxText's venv: MaxText's train_compile.main as `python -m ...train_compile` runs it,
 # with get_topology_mesh and jit_and_compile wrapped to record the mesh and the memory stats.
@@ -125,7 +139,8 @@ RUNNER = textwrap.dedent('''
         mem = compiled.memory_analysis()
         record["memory"] = {k: int(getattr(mem, k)) for k in (
             "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-            "temp_size_in_bytes", "generated_code_size_in_bytes", "host_temp_size_in_bytes")
+            "temp_size_in_bytes", "generated_code_size_in_bytes", "host_temp_size_in_bytes",
+            "peak_memory_in_bytes")
             if hasattr(mem, k)}
         with open(os.environ["GATTN_SIDE_HLO"], "w") as f:
             f.write(compiled.as_text())
@@ -266,7 +281,9 @@ def run_variant(name: str, venv: Path, gattn_python: str, timeout: float, keep: 
            "GATTN_SIDE_HLO": str(work / "train_step.as_text.hlo"),
            "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text", "PYTHONUNBUFFERED": "1"}
     env.pop("PYTHONPATH", None)
-    args = COMMON + [f"base_output_directory={out_dir}"] + VARIANTS[name]
+    model, per_device, seq, extra = VARIANTS[name]
+    args = COMMON + [f"model_name={model}", f"per_device_batch_size={per_device}", f"max_target_length={seq}",
+                     f"base_output_directory={out_dir}"] + extra
     log(f"{name}: train_compile {' '.join(args)}")
     t0 = time.perf_counter()
     try:
@@ -294,8 +311,8 @@ def run_variant(name: str, venv: Path, gattn_python: str, timeout: float, keep: 
             f"({traffic['unknown_trip_counts']} loops unbounded), the dump {check['total_gib']} GiB")
     shape = dict(zip(record["mesh"]["axis_names"], record["mesh"]["shape"]))
     cfg = record["config"]
-    out = {"system": f"maxtext {MAXTEXT_VERSION}", "variant": name, "model": MODEL, "topology": TOPOLOGY,
-           "per_device_batch_size": PER_DEVICE_BATCH, "seq": SEQ,
+    out = {"system": f"maxtext {MAXTEXT_VERSION}", "variant": name, "model": model, "topology": TOPOLOGY,
+           "per_device_batch_size": per_device, "seq": seq, "overrides": extra,
            "remat": f"remat_policy={cfg['remat_policy']} (set; MaxText's base.yml default is 'full')",
            "num_vocab_tiling": cfg["num_vocab_tiling"], "global_batch": cfg["global_batch_size_to_train_on"],
            "gradient_accumulation_steps": cfg["gradient_accumulation_steps"],
@@ -304,6 +321,8 @@ def run_variant(name: str, venv: Path, gattn_python: str, timeout: float, keep: 
            "memory_gib_per_chip": round(used / 2**30, 2),
            "memory_bytes": {"arguments": mem["argument_size_in_bytes"], "outputs": mem["output_size_in_bytes"],
                             "aliased": mem["alias_size_in_bytes"], "temp": mem["temp_size_in_bytes"], "total": used},
+           # XLA's heap peak (CompiledMemoryStats.peak_memory_in_bytes), beside the sum above
+           "peak_gib_per_chip": round(mem.get("peak_memory_in_bytes", 0) / 2**30, 2),
            "traffic": traffic, "dump_traffic_total_gib": check["total_gib"], "hlo_dump": hlo.name,
            "compile_s": round(record["compile_s"], 1), "wall_s": round(wall, 1)}
     if keep is not None:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from etils.epath import Path as EPath
 
 from gattn.train import checkpoint
+from gattn.train import seal as seal_files
 
 
 class OnTrainingThread(checkpoint.Saves):
@@ -82,10 +83,10 @@ def hash_rate(root: Path, mb: int) -> dict:
         f.write_bytes(os.urandom(mb * (1 << 20) // 8))
     names = [f.name for f in files]
     out = {}
-    for threads in sorted({1, checkpoint.HASH_THREADS}):
-        checkpoint.HASH_THREADS = threads
+    for threads in sorted({1, seal_files.HASH_THREADS}):
+        seal_files.HASH_THREADS = threads
         t = time.perf_counter()
-        checkpoint._digests(EPath(files[0].parent), names)  # noqa: SLF001 (what seal and verify call)
+        seal_files._digests(EPath(files[0].parent), names)  # noqa: SLF001 (what seal and verify call)
         out[f"GB_per_s_{threads}_threads"] = round(mb / 1024 / (time.perf_counter() - t), 2)
     return out
 
@@ -101,7 +102,7 @@ def main(argv=None):
     per = args.mb * (1 << 20) // 4 // 8
     keys = jax.random.split(jax.random.key(0), 8)  # random: Orbax's zstd would shrink constant arrays to nothing
     state = {f"w{i}": jax.random.normal(k, (per,), jnp.float32) for i, k in enumerate(keys)}
-    threads = checkpoint.HASH_THREADS
+    threads = seal_files.HASH_THREADS
     root = Path(tempfile.mkdtemp(prefix="gattn-seal-"))
     try:
         out = {"state_mb": args.mb, "steps": args.steps, "save_every": args.every, "hash_threads": threads}
@@ -119,7 +120,7 @@ def main(argv=None):
             row["blocked_per_save_s"] = round(row["blocked_s"] / row["saves"], 3)
         out.update(rows)
         out["hash"] = hash_rate(root, args.mb)
-        checkpoint.HASH_THREADS = threads
+        seal_files.HASH_THREADS = threads
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(out, indent=1))
