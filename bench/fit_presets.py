@@ -67,13 +67,13 @@ GIB = 2**30
 ROWS = {
     "configured": [
         ("dense_1p7b", "v5p:4x4x2", None, ()),
-        ("moe_15a2b", "v5p:4x4x2", (1, 8, 4), ()),
+        ("moe_15a2b", "v5p:4x4x2", None, ()),
         ("extend_1p7b_32k", "v5p:4x4x2", None, ()),
         ("dense_1p7b_48l", "v5p:4x4x2", None, ()),
     ],
-    # The meshes and microbatches tried for dense_1p7b on its slice (4 numbers: data, fsdp, expert,
-    # model); the preset takes the one with the shortest roofline step within HBM, then the fewest
-    # bytes sent (docs/presets.md).
+    # The meshes and microbatches tried for dense_1p7b and moe_15a2b on their slice (4 numbers:
+    # data, fsdp, expert, model); each preset takes the one with the shortest roofline step within
+    # HBM, then the fewest bytes sent (docs/presets.md).
     "candidates": [
         ("dense_1p7b", "v5p:4x4x2", (8, 1, 1, 4), ("train.microbatches=4",)),  # before FSDP
         ("dense_1p7b", "v5p:4x4x2", (32, 1, 1, 1), ("train.microbatches=4",)),
@@ -81,6 +81,13 @@ ROWS = {
         ("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=2",)),
         ("dense_1p7b", "v5p:4x4x2", (1, 16, 1, 2), ("train.microbatches=1",)),
         ("dense_1p7b", "v5p:4x4x2", (1, 8, 1, 4), ("train.microbatches=1",)),
+        # moe_15a2b: expert parallelism with model 4 as before FSDP, then FSDP x expert
+        ("moe_15a2b", "v5p:4x4x2", (1, 1, 8, 4), ("train.microbatches=8",)),
+        ("moe_15a2b", "v5p:4x4x2", (1, 8, 4, 1), ("train.microbatches=8",)),
+        ("moe_15a2b", "v5p:4x4x2", (1, 2, 16, 1), ("train.microbatches=8",)),
+        ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=8",)),
+        ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=4",)),
+        ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=2",)),
     ],
     "smallest": [
         ("dense_1p7b", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=32",)),

@@ -95,6 +95,10 @@ VARIANTS = {
     "moe_15a2b": ("qwen3-30b-a3b", 32, 4096, MOE_15A2B),                         # pure FSDP over 32
     "moe_15a2b_ep8": ("qwen3-30b-a3b", 32, 4096, MOE_15A2B + ["ici_fsdp_parallelism=4",
                                                               "ici_expert_parallelism=8"]),
+    # the batch of 1024 in 8 accumulated microbatches of 4 rows a chip, as moe_15a2b's 8
+    "moe_15a2b_ga8": ("qwen3-30b-a3b", 4, 4096, MOE_15A2B + ["gradient_accumulation_steps=8"]),
+    "moe_15a2b_ep8_ga8": ("qwen3-30b-a3b", 4, 4096, MOE_15A2B + ["gradient_accumulation_steps=8",
+                                                                 "ici_fsdp_parallelism=4", "ici_expert_parallelism=8"]),
 }
 
 # Runs inside MaxText's venv: MaxText's train_compile.main as `python -m ...train_compile` runs it,
@@ -294,6 +298,12 @@ def run_variant(name: str, venv: Path, gattn_python: str, timeout: float, keep: 
         raise SystemExit(f"{name}: train_compile ran past --timeout {timeout:.0f} s; log {work}/train_compile.log")
     wall = time.perf_counter() - t0
     text = (work / "train_compile.log").read_text(errors="replace")
+    oom = re.search(r"RESOURCE_EXHAUSTED: .*?Ran out of memory on HBM[^\n]*", text)
+    if proc.returncode != 0 and oom:  # a measured result: this config does not fit the chip
+        shutil.rmtree(work, ignore_errors=True)
+        return {"system": f"maxtext {MAXTEXT_VERSION}", "variant": name, "model": model, "topology": TOPOLOGY,
+                "per_device_batch_size": per_device, "seq": seq, "overrides": extra, "fits": False,
+                "error": oom.group(0)[:400], "wall_s": round(wall, 1)}
     if proc.returncode != 0 or not record_path.exists():
         raise SystemExit(f"{name}: train_compile failed (rc {proc.returncode}), log {work}/train_compile.log:\n"
                          + text[-4000:])

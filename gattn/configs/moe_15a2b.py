@@ -18,14 +18,13 @@ bf16 compute, scanned and rematerialised layers, the fused Pallas attention: a T
 
 Which slice it fits (`python bench/fit_presets.py --preset moe_15a2b --topology v5p:4x4x2`: the
 trainer's train and eval steps compiled by libtpu at the real batch of 1024 x 4096, docs/presets.md):
-as configured, on a v5p-64 slice (v5p:4x4x2, 32 chips, the fewest its mesh of expert 8 x model 4
-allows; data 1), dropless ragged expert parallelism with megablox and moe_buffer=1.25,
-train.microbatches=8 (16 rows per data x expert shard per microbatch) and exec.loss_chunk=512: the
-train step takes 48.7 GiB per chip of 95 and the eval step 4.7 GiB (11.0 GiB with the AdamW moments
-that stay resident). With microbatches the global-batch load-balancing loss counts expert loads
-over each microbatch (128 rows, 524k tokens), not the whole batch of 1024 rows. The smallest slice
-measured to fit: v5p:2x2x2 (v5p-16, 8 chips) with --config.mesh.expert=2
---config.train.microbatches=32, 89.8 GiB train of 95 (little margin) / 13.5 GiB eval.
+a v5p-64 slice (v5p:4x4x2, 32 chips) with the experts split 8 ways (mesh.expert=8) and every
+weight's model dimension over fsdp=4 (FSDP: parameters, gradients and AdamW moments sharded),
+dropless ragged expert parallelism with megablox and moe_buffer=1.25, train.microbatches=2 and
+exec.loss_chunk=512: the mesh and microbatches with the shortest roofline step within HBM, then
+the fewest bytes sent, of those bench/fit_presets.py tried (docs/presets.md, 'How moe_15a2b's mesh
+was chosen'). With microbatches the global-batch load-balancing loss counts expert loads over each
+microbatch (512 rows, 2.1M tokens), not the whole batch of 1024 rows.
 """
 
 from gattn.config import Config, ExecConfig, MeshConfig, ModelConfig, MoESpec, TrainConfig
@@ -44,11 +43,11 @@ def get_config() -> Config:
     tpu = ExecConfig(dtype="bfloat16", scan_layers=True, remat="full", attention_impl="pallas",
                      moe_impl="ragged", grouped_matmul="megablox", moe_buffer=1.25,
                      loss_chunk=512)
-    # microbatches=8: 16 rows per data x expert shard each on 32 v5p chips (the docstring's fit); the
-    # global-batch LBL then counts expert loads over each microbatch's 128 rows (524k tokens).
+    # microbatches=2: 16 rows per chip each on 32 v5p chips (the docstring's fit); the global-batch
+    # LBL then counts expert loads over each microbatch's 512 rows (2.1M tokens).
     train = TrainConfig(batch_size=1024, seq_len=4096, steps=100_000, lr_preset="moe_15a2b",
-                        grad_clip=0.0, eval_every=2000, checkpoint_every=1000, log_every=50, microbatches=8)
-    return Config(model=model, train=train, mesh=MeshConfig(data=-1, expert=8, model=4), exec=tpu)
+                        grad_clip=0.0, eval_every=2000, checkpoint_every=1000, log_every=50, microbatches=2)
+    return Config(model=model, train=train, mesh=MeshConfig(data=-1, fsdp=4, expert=8), exec=tpu)
 
 
 _FIT = "ours: fitted so the model has 15.0B parameters, 2.54B activated (the paper prints neither)"
@@ -85,9 +84,10 @@ PROVENANCE = {
     "train.learning_rate": "Sec. 3.2.1 (max LR 2e-3), through train.lr_preset",
     "train.min_learning_rate": "Sec. 3.2.1 (cosine to 3e-5), through train.lr_preset",
     "train.warmup_steps": "Sec. 3.2.1 (1k steps), through train.lr_preset",
-    "train.microbatches": "ours: execution; the batch of 1024 accumulated in 8 microbatches so a step "
-                          "fits 32 v5p chips (docs/presets.md, 'Which slice each preset fits'); the same "
-                          "update, except that the global-batch LBL counts loads per microbatch (128 rows)",
+    "train.microbatches": "ours: execution; the batch of 1024 accumulated in 2 microbatches on 32 v5p chips, "
+                          "the fewest bytes sent within HBM (docs/presets.md, 'How moe_15a2b's mesh was "
+                          "chosen'); the same update, except that the global-batch LBL counts loads per "
+                          "microbatch (512 rows)",
     "train.grad_clip": "Sec. 3.1 ('other hyperparameters follow the default values of the AdamW "
                        "optimizer'): no clipping; --config.train.grad_clip=1.0 clips at 1.0, "
                        "the small presets' default",
