@@ -40,7 +40,7 @@ def test_a_small_rehearsal_passes_every_stage(tmp_path, capsys):
 @pytest.mark.parametrize("preset, processes, devices", [
     ("dense_1p7b", 8, 8),       # 64 chips: fsdp 64
     ("dense_1p7b_48l", 8, 8),
-    ("moe_15a2b", 8, 8),        # 64 chips: data 2 x expert 8 x model 4
+    ("moe_15a2b", 8, 8),        # 64 chips: data 2 x fsdp 4 x expert 8
     ("extend_1p7b_32k", 8, 8),
 ])
 def test_every_paper_preset_rehearses_on_16_batch_shards(preset, processes, devices, tmp_path, capsys):
