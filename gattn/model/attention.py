@@ -111,6 +111,9 @@ class Attention(nnx.Module):
         v = self._gate_at("value", v, x_NxD, capture)
         q = apply_rope(q, positions_N, cfg.rope_base, cfg.yarn, cfg.rope_dim)
         k = apply_rope(k, positions_N, cfg.rope_base, cfg.yarn, cfg.rope_dim)
+        if capture.qk:
+            self.sow(nnx.Intermediate, "q", q)
+            self.sow(nnx.Intermediate, "k", k)
         return q, k, v
 
     def _output(self, y_NxHxK, x_NxD, *, sdpa_gate: bool = True, capture: Capture = NOTHING):

@@ -19,10 +19,12 @@ class Capture:
     attn_probs: bool = False  # the attention matrix [B, Hq, S, S] (F-Attn, attention maps)
     sdpa_out: bool = False    # the SDPA output before any G1 gate or non-linearity
     gate: bool = False        # gate scores, and what the gate takes and returns at its position
+    qk: bool = False          # q and k as SDPA takes them (after QK-norm and RoPE): the attention
+    #                           logits' inputs (the stability trace); not part of EVERYTHING
 
     @property
     def any(self) -> bool:
-        return self.block_out or self.ffn_out or self.attn_probs or self.sdpa_out or self.gate
+        return self.block_out or self.ffn_out or self.attn_probs or self.sdpa_out or self.gate or self.qk
 
 
 NOTHING = Capture()

@@ -10,6 +10,7 @@ from pathlib import Path
 from gattn.experiments.study.claims import claims
 from gattn.experiments.study.sink_rule import evaluate as sink_verdicts, markdown_lines, mechanism_figure
 from gattn.experiments.study.spec import Study, describe
+from gattn.experiments.study.stability_rule import evaluate as stability_verdicts, markdown_lines as stability_lines
 from gattn.experiments.study.stats import aggregate, fmt
 
 
@@ -113,6 +114,7 @@ def write_report(study: Study, records: list[dict], root: Path) -> dict:
               "roles": {"gated": study.gated_variant, "reference": study.reference_variant},
               "seconds": seconds,
               **({"sink_rule": sink_verdicts(study, records)} if study.sink_rule is not None else {}),
+              **({"stability_rule": stability_verdicts(study, records)} if study.stability_rule is not None else {}),
               "cells": [{k: v for k, v in r.items() if k not in ("measurements", "losses")} for r in all_records]}
     (root / "report.json").write_text(json.dumps(report, indent=1))
     (root / "report.md").write_text(markdown(report))
@@ -171,5 +173,7 @@ def markdown(report: dict) -> str:
     lines += [c["text"] + "\n" for c in report["claims"]]
     if "sink_rule" in report:
         lines += markdown_lines(report["sink_rule"], s["sink_rule"])
+    if "stability_rule" in report:
+        lines += stability_lines(report["stability_rule"], s["stability_rule"])
     lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in report["figures"]]
     return "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@ from gattn import cli, variants
 from gattn.config import Config, ConfigError, to_dict
 from gattn.eval.verdict import SinkRule
 from gattn.experiments.study.claims import CLAIMS, PAPER_GATED, PAPER_REFERENCE, Claim
+from gattn.experiments.study.stability_rule import StabilityRule
 
 CELL_FIELDS = ("variant", "lr", "seed", "clip")  # the names a `cell_dir` template may use
 # What a study directory holds besides its cells (a cell directory may not start with these).
@@ -52,6 +53,9 @@ class Study:
     # The sink verdict's rule (gattn/eval/verdict.py), fixed with the study before its runs: the
     # report then judges each gated variant against the reference by it (None: no such section).
     sink_rule: SinkRule | None = None
+    # The stability verdict's rule (stability_rule.py), likewise fixed before the runs: the report
+    # judges each variant against the reference at every learning rate by it (None: no such section).
+    stability_rule: StabilityRule | None = None
 
     def __post_init__(self):
         if not isinstance(self.base, Config):
@@ -87,6 +91,9 @@ class Study:
             raise ConfigError("overrides", self.overrides, "expected a tuple of 'FIELD=VALUE' strings")
         if self.sink_rule is not None and not isinstance(self.sink_rule, SinkRule):
             raise ConfigError("sink_rule", self.sink_rule, "expected a gattn.eval.verdict.SinkRule, or None")
+        if self.stability_rule is not None and not isinstance(self.stability_rule, StabilityRule):
+            raise ConfigError("stability_rule", self.stability_rule,
+                              "expected a gattn.experiments.study.stability_rule.StabilityRule, or None")
         _check_cell_dir(self)
         for cell in cells(self):  # every cell's config is checked before anything trains
             cell_config(self, cell)
@@ -258,6 +265,8 @@ def describe(study: Study) -> dict:
         out["grad_clips"] = list(study.clips)
     if study.sink_rule is not None:  # (likewise; a resumed study keeps the rule it started with)
         out["sink_rule"] = study.sink_rule.as_dict()
+    if study.stability_rule is not None:
+        out["stability_rule"] = study.stability_rule.as_dict()
     return json.loads(json.dumps(out))
 
 
