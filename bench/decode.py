@@ -1,12 +1,19 @@
-"""Greedy decoding speed: the kv cache against rerunning the full forward pass per token.
+"""Greedy decoding speed: the kv cache against rerunning the full forward pass per token, or
+(--mode speculative) self-speculative decoding with the MTP layer against plain cached decoding.
 
     python bench/decode.py [--config configs/tiny.py] [--variant sdpa_elementwise] [--batch 4]
                            [--prompt-len 64] [--new-tokens 64]
+    python bench/decode.py --mode speculative --config.model.mtp_layers=1     # a random model
+    python bench/decode.py --mode speculative --workdir RUN [--prompts-from-data]  # a trained one
 
 Prints JSON: tokens/s of `gattn.eval.decode.generate` (batched, cached) and of
 `generate_without_cache` (the reference: one row at a time, the whole sequence rerun per token),
 their ratio, and whether both produced the same tokens. A randomly initialised model (no eos), so
 every row generates exactly --new-tokens tokens; both are warmed up (compiled) before timing.
+The speculative mode reports `gattn.eval.speculative.generate`'s tokens/s, acceptance rate and
+main steps beside plain greedy decoding's, and whether the tokens are the same (they must be);
+with --workdir it decodes that run's model (no eos either), prompts from its validation data
+with --prompts-from-data (random tokens otherwise).
 """
 
 from __future__ import annotations
@@ -28,8 +35,52 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from gattn import cli  # noqa: E402
-from gattn.eval import decode  # noqa: E402
+from gattn.eval import decode, speculative  # noqa: E402
 from gattn.model.transformer import Transformer  # noqa: E402
+
+
+def prompts_of(cfg, workdir, args, vocab: int) -> list[list[int]]:
+    """--batch prompts of --prompt-len tokens (the i-th i tokens shorter): random tokens, or the
+    starts of the run's validation rows (--prompts-from-data)."""
+    if not args.prompts_from_data:
+        rng = np.random.default_rng(0)
+        return [rng.integers(0, vocab, args.prompt_len - i).tolist() for i in range(args.batch)]
+    from gattn.data.tokenizer import load_tokenizer  # noqa: PLC0415
+    from gattn.train.trainer import data_source  # noqa: PLC0415
+
+    batches = data_source(cfg).validation_batches(cfg, load_tokenizer(cfg, workdir), workdir)
+    rows = [r for b in next(iter(batches.values())) for r in b["tokens"]]
+    return [rows[i][:args.prompt_len - i].tolist() for i in range(args.batch)]
+
+
+def bench_speculative(args, overrides) -> dict:
+    if args.workdir:
+        from gattn.interop import runs  # noqa: PLC0415
+
+        cfg, model, _, _ = runs.load(args.workdir, None, overrides)
+    else:
+        cfg = cli.load(args.config, overrides, variant=args.variant)
+        model = Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(0))
+    prompts = prompts_of(cfg, args.workdir, args, cfg.model.vocab_size)
+    out = {"jax": jax.__version__, "mode": "speculative", "model": args.workdir or args.config, "batch": args.batch,
+           "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "prompts": "data" if args.prompts_from_data
+           else "random"}
+    # the same cache length for both, so each compiles once in the warm-up
+    max_len = decode.round_up(decode.round_up(args.prompt_len, 16) + 2 * args.new_tokens, 16)
+    decode.generate(model, prompts, max_new_tokens=2, max_len=max_len)
+    speculative.generate(model, prompts, max_new_tokens=3, max_len=max_len)
+    t = time.perf_counter()
+    plain = decode.generate(model, prompts, max_new_tokens=args.new_tokens, max_len=max_len)
+    sec = time.perf_counter() - t
+    out.update(plain_tokens_per_s=round(args.batch * args.new_tokens / sec, 1), plain_s=round(sec, 3))
+    spec, stats = speculative.generate(model, prompts, max_new_tokens=args.new_tokens, max_len=max_len,
+                                       with_stats=True)
+    out.update(speculative_tokens_per_s=round(stats.tokens / stats.seconds, 1), speculative_s=round(stats.seconds, 3),
+               acceptance_rate=round(stats.acceptance, 4), main_steps=stats.steps,
+               tokens_per_main_step=round(stats.tokens / args.batch / max(stats.steps, 1), 3))
+    out["speedup"] = round(out["speculative_tokens_per_s"] / out["plain_tokens_per_s"], 2)
+    out["same_tokens"] = spec == plain
+    return out
 
 
 def main(argv=None):
@@ -39,7 +90,14 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--mode", choices=("cache", "speculative"), default="cache")
+    ap.add_argument("--workdir", help="speculative mode: a trained run (with model.mtp_layers = 1)")
+    ap.add_argument("--prompts-from-data", action="store_true", help="speculative mode with --workdir: "
+                    "prompts from the run's validation data")
     args, overrides = cli.parse_args(ap, argv)
+    if args.mode == "speculative":
+        print(json.dumps(bench_speculative(args, overrides), indent=2))
+        return
     cfg = cli.load(args.config, overrides, variant=args.variant)
     model = Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)

@@ -11,6 +11,9 @@ an empty prompt is that BOS alone, or EOS (gattn's documents follow one). All pr
 batch through the kv-cache decoder (gattn.eval.decode), each row as it would alone, and each
 stops at the tokenizer's EOS (not printed) or after --max-tokens tokens. Greedy by default;
 --temperature > 0 samples from the --top-p nucleus, the same tokens for the same --seed.
+`--speculative mtp` decodes greedily with the model's MTP layer drafting every second token
+(model.mtp_layers = 1; gattn.eval.speculative): the same tokens as plain greedy decoding, with the
+drafts' acceptance rate and the tokens/s on stderr.
 
 Output: each prompt's continuation (after a `==> prompt <==` line when there are several), or
 with --json one line per prompt: {"prompt", "completion", "tokens" (the generated ids)}.
@@ -69,8 +72,9 @@ def encode(tokenizer, texts: list[str], bos: int | None) -> list[list[int]]:
 
 
 def complete(cfg, model, tokenizer, texts: list[str], *, max_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0) -> list[dict]:
-    """{"prompt", "completion", "tokens"} per prompt: one batched decode of all of them."""
+             top_p: float = 1.0, seed: int = 0, speculative: str = "none") -> list[dict]:
+    """{"prompt", "completion", "tokens"} per prompt: one batched decode of all of them (with
+    `speculative` "mtp", greedy and drafted by the MTP layer; the statistics go to stderr)."""
     import jax  # noqa: PLC0415
 
     from gattn.eval import decode  # noqa: PLC0415
@@ -78,9 +82,18 @@ def complete(cfg, model, tokenizer, texts: list[str], *, max_tokens: int, temper
 
     prompts = encode(tokenizer, texts, opening(cfg, tokenizer))
     eos = tokenizer.eos_id()
-    tokens = decode.generate(with_exec(model, off_mesh(model.ex)), prompts, max_new_tokens=max_tokens,
-                             eos_id=eos if eos >= 0 else None, temperature=temperature, top_p=top_p,
-                             key=jax.random.key(seed))
+    model = with_exec(model, off_mesh(model.ex))
+    if speculative == "mtp":
+        from gattn.eval import speculative as spec  # noqa: PLC0415
+
+        tokens, stats = spec.generate(model, prompts, max_new_tokens=max_tokens, eos_id=eos if eos >= 0 else None,
+                                      with_stats=True)
+        print(f"speculative (mtp): {stats.accepted} of {stats.drafts} drafts accepted ({100 * stats.acceptance:.1f}%), "
+              f"{stats.tokens} tokens in {stats.steps} main steps, {stats.tokens / stats.seconds:.1f} tokens/s "
+              "(compilation included)", file=sys.stderr, flush=True)
+    else:
+        tokens = decode.generate(model, prompts, max_new_tokens=max_tokens, eos_id=eos if eos >= 0 else None,
+                                 temperature=temperature, top_p=top_p, key=jax.random.key(seed))
     return [{"prompt": text, "completion": tokenizer.decode(t), "tokens": t} for text, t in zip(texts, tokens)]
 
 
@@ -97,6 +110,9 @@ def main(argv=None) -> int:
                     "tokens whose probability reaches this (1: every token; default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="the sampling key: jax.random.key(seed) (default: %(default)s)")
     ap.add_argument("--step", type=int, help="the checkpoint to load (default: the latest)")
+    ap.add_argument("--speculative", choices=("none", "mtp"), default="none",
+                    help="mtp: greedy decoding with the model's MTP layer drafting (the same tokens; "
+                    "acceptance and tokens/s on stderr)")
     ap.add_argument("--json", action="store_true", help='one JSON line per prompt: {"prompt", "completion", "tokens"}')
     args, overrides = cli.parse_args(ap, argv)
     texts = list(args.prompts) + (read_prompts(args.prompts_file) if args.prompts_file else [])
@@ -107,11 +123,17 @@ def main(argv=None) -> int:
     from gattn.eval import decode  # noqa: PLC0415
 
     decode.check_sampling(args.temperature, args.top_p, ("--temperature", "--top-p"))  # before the model loads
+    if args.speculative != "none" and args.temperature != 0:
+        raise ConfigError("--speculative", args.speculative, "'none' with --temperature > 0 (speculative "
+                          "decoding here is greedy only)")
     from gattn.interop import runs  # noqa: PLC0415
 
     cfg, model, tokenizer, _ = runs.load(args.workdir, args.step, overrides)
+    if args.speculative == "mtp" and not cfg.model.mtp_layers:
+        raise ConfigError("--speculative", "mtp", f"'none' for {args.workdir}: its model has no MTP layer "
+                          "(model.mtp_layers = 0)")
     rows = complete(cfg, model, tokenizer, texts, max_tokens=args.max_tokens, temperature=args.temperature,
-                    top_p=args.top_p, seed=args.seed)
+                    top_p=args.top_p, seed=args.seed, speculative=args.speculative)
     for row in rows:
         if args.json:
             print(json.dumps(row, ensure_ascii=False))

@@ -250,19 +250,37 @@ def test_measurements_on_a_hybrid_cover_attention_layers_and_m_act_everywhere(tm
     assert plots.sparsity(out, tmp_path / "s.png").is_file()
 
 
-def test_multi_token_prediction_tensors_are_skipped_with_one_warning(converted, tmp_path, capsys):
+def test_the_multi_token_prediction_layer_is_kept_both_ways_and_an_incomplete_one_refused(converted, tmp_path):
+    """Qwen3-Next's mtp.* tensors (the released names; transformers skips them) become the MTP
+    layer (model.mtp_layers = 1) beside the same main parameters, and to-hf writes every one back
+    bit for bit; a folder holding only some of them is refused naming a missing one."""
+    import dataclasses
     import shutil
 
     from safetensors.numpy import load_file, save_file
+
+    from gattn.interop import mtp as hf_mtp
+    from gattn.interop.weights import ConversionError
 
     _, tmp = converted
     src = tmp_path / "hf_mtp"
     shutil.copytree(tmp / "hf", src)
     tensors = load_file(src / "model.safetensors")
-    tensors.update({"mtp.fc.weight": np.ones((64, 128), np.float32), "mtp.norm.weight": np.ones(64, np.float32)})
-    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    cfg = dataclasses.replace(rundir.read_config(tmp / "run").model, mtp_layers=1)
+    rng = np.random.default_rng(4)
+    mtp = {n: rng.normal(0, 0.2, shape).astype(np.float32) for n, shape in hf_mtp.hf_shapes(cfg, "qwen3_next").items()}
+    assert len(mtp) > 10 and "mtp.layers.0.self_attn.q_proj.weight" in mtp
+    save_file({**tensors, **mtp}, src / "model.safetensors", metadata={"format": "pt"})
     convert.from_hf(src, tmp_path / "run")
-    warnings = [line for line in capsys.readouterr().err.splitlines() if "mtp" in line]
-    assert len(warnings) == 1 and "skipping 2 multi-token-prediction tensors" in warnings[0]
+    assert rundir.read_config(tmp_path / "run").model.mtp_layers == 1
     a, b = _flat_params(tmp / "run"), _flat_params(tmp_path / "run")
-    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert all(np.array_equal(a[k], b[k]) for k in a) and {k for k in b if k[0] == "mtp"} == set(b) - set(a)
+    convert.to_hf(tmp_path / "run", tmp_path / "back")
+    back = {n: t for n, t in load_file(tmp_path / "back" / "model.safetensors").items() if n.startswith("mtp.")}
+    assert back.keys() == mtp.keys() and all(np.array_equal(back[n], mtp[n]) for n in mtp)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+    partial = {"mtp.fc.weight": mtp["mtp.fc.weight"], "mtp.norm.weight": mtp["mtp.norm.weight"]}
+    save_file({**tensors, **partial}, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"tensor mtp\..* is missing"):
+        convert.from_hf(src, tmp_path / "run2")

@@ -79,6 +79,9 @@ class Config:
             raise ConfigError("train.microbatches", self.train.microbatches,
                               f"a count that leaves each microbatch ({self.train.batch_size} / microbatches rows) a "
                               f"multiple of model.moe.micro_batches ({moe.micro_batches})")
+        if self.train.mtp_loss_weight and not self.model.mtp_layers:
+            raise ConfigError("train.mtp_loss_weight", self.train.mtp_loss_weight,
+                              "0 unless model.mtp_layers = 1 (there is no MTP layer to train)")
         check_layer_scan(self.model, self.exec)
         impl = self.exec.moe_impl
         if impl in ("all_to_all", "ragged"):

@@ -269,6 +269,10 @@ class ModelConfig:
     output_clip: float | None = None       # Appendix A.5: clip attn/FFN outputs to (-c, c).
     match_ffn_params: bool = False         # Table 2: shrink d_ff so params equal the baseline's.
     param_dtype: str = "float32"           # the dtype parameters are stored (and checkpointed) in
+    # Qwen3-Next's / Qwen3.5's multi-token-prediction layer (gattn/model/mtp.py, docs/mtp.md): 1 = one
+    # full-attention block that predicts token t+2 at position t, sharing the embedding and LM head
+    # (trained with train.mtp_loss_weight, drafting for speculative decoding); 0 = none.
+    mtp_layers: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers", "q_heads", "kv_heads", "head_dim", "d_ff"):
@@ -309,6 +313,9 @@ class ModelConfig:
         if self.moe is not None and self.match_ffn_params:
             raise ConfigError("match_ffn_params", True, "FFN matching is for dense models (moe is set)")
         self._check_layer_types()
+        if not isinstance(self.mtp_layers, int) or isinstance(self.mtp_layers, bool) or self.mtp_layers not in (0, 1):
+            raise ConfigError("mtp_layers", self.mtp_layers, "0 (no multi-token prediction) or 1 (Qwen3-Next's "
+                              "and Qwen3.5's one MTP layer; deeper MTP stacks are not built)")
         if self.ffn_width <= 0:
             raise ConfigError("match_ffn_params", True,
                               f"the block adds {self.block_added_params} parameters, more than the "

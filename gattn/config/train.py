@@ -58,6 +58,10 @@ class TrainConfig:
     extend: str = "recompute"
     continue_step: int = 0
     continue_lr: float = 0.0
+    # The multi-token-prediction loss (model.mtp_layers = 1): loss = CE + mtp_loss_weight * the MTP
+    # layer's CE of token t+2 at position t (gattn/train/loss.py). 0: the MTP layer is not run in
+    # training (its weights then get no gradient, only AdamW's weight decay).
+    mtp_loss_weight: float = 0.0
 
     def __post_init__(self):
         _integer("seed", self.seed, zero_ok=True)
@@ -83,6 +87,7 @@ class TrainConfig:
         _choice("extend", self.extend, EXTEND)
         _integer("continue_step", self.continue_step, zero_ok=True)
         _positive("continue_lr", self.continue_lr, zero_ok=True)
+        _positive("mtp_loss_weight", self.mtp_loss_weight, zero_ok=True)
         if self.continue_step and self.extend == "recompute":
             raise ConfigError("continue_step", self.continue_step, "0 with extend='recompute' (a continuation "
                               "is extend='constant' or 'decay' from that update)")

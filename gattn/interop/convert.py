@@ -1,15 +1,15 @@
 """Hugging Face checkpoints <-> gattn runs, with numerical parity.
 
     python -m gattn.convert from-hf SRC_DIR --workdir DIR
-    python -m gattn.convert to-hf WORKDIR --out DIR [--step N] [--layout auto|qwen3|llama|qwen3_next|qwen3_moe|release]
+    python -m gattn.convert to-hf WORKDIR --out DIR [--step N] [--layout auto|qwen3|llama|qwen3_next|qwen3_moe|qwen3_5|release]
 
 `from-hf` reads a local Hugging Face model folder (config.json, safetensors shards or
 pytorch_model.bin files, tokenizer.json; nothing is downloaded) and writes a gattn run directory
 that eval.py restores and `train.py --init-from` continues: config.json, an Orbax checkpoint of
 the parameters (step 0) and the tokenizer under tokenizer/hf/. `to-hf` writes the reverse, with
 the run's tokenizer as files AutoTokenizer loads as they are; its --layout auto writes only a
-layout transformers loads as is (qwen3, llama, qwen3_next, qwen3_moe) and refuses a run none of them holds,
-naming the explicit layouts that do.
+layout transformers loads as is (qwen3, llama, qwen3_next, qwen3_moe, qwen3_5) and refuses a run none of
+them holds, naming the explicit layouts that do.
 
 Layouts (all Linear weights are [out, in]; gattn stores [in, out], so each is transposed):
 
@@ -31,7 +31,18 @@ Layouts (all Linear weights are [out, in]; gattn stores [in, out], so each is tr
                  repeated head_dim times). Every RMSNorm but the GDN's scales by (1 + w): gattn
                  reads it as model.zero_centered_norm and copies w as it is (a model without it
                  is written with w = scale - 1). Partial rotary embedding (rope_dim). The
-                 multi-token-prediction tensors (mtp.*) are skipped with a warning.
+                 multi-token-prediction layer (mtp.*) is model.mtp_layers = 1, read and written
+                 by gattn/interop/mtp.py (transformers skips it on load).
+    qwen3_5      Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (and, read only, the language model
+                 of Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration, under
+                 model.language_model. beside the skipped vision tower model.visual.): qwen3_next's
+                 model, with the GDN projections one per role (in_proj_qkv [all q | all k | all v],
+                 in_proj_z, in_proj_b, in_proj_a), a dense MLP or an MoE with a shared expert in
+                 every layer, the router always renormalised, experts read per expert or fused
+                 (mlp.experts.gate_up_proj / down_proj) and written per expert, and the multimodal
+                 RoPE's mrope_section (plain RoPE on text). auto writes it for a run converted
+                 from one (converted.json, or that of the run's train.init_from); config.json is
+                 gattn/interop/qwen3_5.py.
 
 gattn's GQA grouping (query head h reads kv head h // G) and its rotate-half RoPE are Hugging
 Face's, so no head is permuted. Biases (attention_bias / qkv_bias) split as the weights do.
@@ -57,7 +68,8 @@ from typing import NamedTuple
 import numpy as np
 
 from gattn.config import Config, ConfigError, ModelConfig, TrainConfig
-from gattn.interop.hf_config import LAYOUTS, detect_layout, export_layout, hf_config, model_config
+from gattn.interop import mtp as hf_mtp, qwen3_5
+from gattn.interop.hf_config import LAYOUTS, detect_layout, export_layout, hf_config, model_config, text_fields
 from gattn.interop.weights import (IGNORED_SUFFIXES, ConversionError, TensorFiles, from_gattn, hf_shapes,
                                    read_json, to_gattn)
 
@@ -77,17 +89,16 @@ def read_hf(src: str | Path) -> tuple[dict, str, ModelConfig, dict[str, np.ndarr
     layout = detect_layout(hf)
     cfg = model_config(hf, layout)
     files = TensorFiles(src)
+    if layout == "qwen3_5":
+        qwen3_5.read_language_model(files, hf, cfg)
     present = [n for n in files.names() if not n.endswith(IGNORED_SUFFIXES)]
-    mtp = [n for n in present if n.startswith("mtp.")]
-    if mtp:  # Qwen3-Next's multi-token-prediction head: transformers does not load it either
-        print(f"warning: skipping {len(mtp)} multi-token-prediction tensors (mtp.*): gattn predicts the next "
-              "token only", file=sys.stderr)
-        present = [n for n in present if not n.startswith("mtp.")]
+    # Qwen3-Next's and Qwen3.5's multi-token-prediction layer (mtp.*): model.mtp_layers = 1, every tensor kept
+    cfg = dataclasses.replace(cfg, mtp_layers=hf_mtp.mtp_layers(text_fields(hf), present))
     if cfg.tie_embeddings and "lm_head.weight" in present and _head_differs(files, src):
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     elif cfg.tie_embeddings and "lm_head.weight" in present:
         present.remove("lm_head.weight")  # some exports write the tied head as well
-    expected = hf_shapes(cfg)
+    expected = {**hf_shapes(cfg, layout), **hf_mtp.hf_shapes(cfg, layout)}
     unexpected = sorted(n for n in present if n not in expected)
     if unexpected:
         raise ConversionError(f"tensor {unexpected[0]} is not part of the {layout} layout of this config "
@@ -128,8 +139,8 @@ def load_tokenizer_files(src: Path, hf: dict) -> dict[str, bytes]:
                               "tokenizer; save it with tokenizer.save_pretrained)")
     files = {n: (src / n).read_bytes() for n in HF_TOKENIZER_FILES if (src / n).is_file()}
     tc = read_json(src / "tokenizer_config.json", files.get("tokenizer_config.json", b"{}"))
-    if "eos_token" not in tc and hf.get("eos_token_id") is not None:
-        eos = hf["eos_token_id"]
+    eos = hf.get("eos_token_id") if hf.get("eos_token_id") is not None else text_fields(hf).get("eos_token_id")
+    if "eos_token" not in tc and eos is not None:
         tc["eos_token_id"] = eos[0] if isinstance(eos, list) else eos
         files["tokenizer_config.json"] = json.dumps(tc, indent=2).encode()
     return files
@@ -156,10 +167,10 @@ def read_run(src: str | Path) -> HFRun:
     hf, layout, model_cfg, tensors = read_hf(src)
     tokenizer_files = load_tokenizer_files(Path(src), hf)
     variant = "baseline" if model_cfg.gate is None else f"sdpa_{model_cfg.gate.granularity}"
-    max_len = int(hf.get("max_position_embeddings") or 4096)
+    max_len = int(text_fields(hf).get("max_position_embeddings") or 4096)
     cfg = Config(model=model_cfg, train=dataclasses.replace(TrainConfig(), seq_len=min(max_len, 4096)),
                  variant=variant)
-    params = to_gattn(tensors, model_cfg, layout)
+    params = {**to_gattn(tensors, model_cfg, layout), **hf_mtp.to_gattn(tensors, model_cfg, layout)}
     del tensors  # (each parameter is moved into a jax array below: about two copies at the peak)
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract, nnx.Param)
@@ -254,15 +265,15 @@ def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layo
     workdir, out = Path(workdir), Path(out)
     _check_gattn_run(workdir)
     cfg = rundir.read_config(workdir)
-    layout = export_layout(cfg.model, layout)
+    layout = export_layout(cfg.model, layout, source=converted_layout(workdir, cfg))
     _check_new_folder(out, "--out")
     max_len = cfg.train.seq_len if cfg.model.yarn is None else int(cfg.model.yarn.original_len * cfg.model.yarn.factor)
     tokenizer_files = export_tokenizer(cfg, tokenizer_path(cfg, workdir), max_len)
     special = special_token_ids(tokenizer_files)
     model = rundir.load(workdir, step, ["exec.scan_layers=false"]).model
     params = {path: np.asarray(var[...], np.float32) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    tensors = from_gattn(params, model.cfg, layout)
-    config = {**hf_config(model.cfg, layout, max_len), **special}
+    tensors = {**from_gattn(params, model.cfg, layout), **hf_mtp.from_gattn(params, model.cfg, layout)}
+    config = {**hf_config(model.cfg, layout, max_len), **hf_mtp.hf_config_fields(model.cfg, layout), **special}
 
     shards, size = [[]], 0
     for name in tensors:
@@ -407,6 +418,15 @@ def special_token_ids(files: dict[str, bytes]) -> dict[str, int | None]:
         token = token.get("content") if isinstance(token, dict) else token
         out[f"{name}_token_id"] = tc.get(f"{name}_token_id", tok.token_to_id(token) if token else None)
     return out
+
+
+def converted_layout(workdir: Path, cfg: Config) -> str | None:
+    """The layout run `workdir` was converted from (its converted.json), or that of the run it
+    continues (train.init_from), or None."""
+    for run in (workdir, Path(cfg.train.init_from) if cfg.train.init_from else None):
+        if run is not None and (run / "converted.json").is_file():
+            return read_json(run / "converted.json").get("layout")
+    return None
 
 
 def _check_gattn_run(workdir: Path) -> None:

@@ -1,20 +1,23 @@
 """Hugging Face config.json <-> gattn ModelConfig, both ways: which layout a config.json is in,
 the gattn model it describes (refusing what gattn cannot represent), the config.json of a gattn
 model, and the layout a gattn model is exported in. The layouts are described in
-gattn/interop/convert.py."""
+gattn/interop/convert.py; Qwen3.5's config is gattn/interop/qwen3_5.py."""
 
 from __future__ import annotations
 
 from gattn.config import (LAYER_TYPES, ConfigError, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec, YarnSpec,
                           hybrid_layer_types)
+from gattn.interop import qwen3_5
 
-LAYOUTS = ("qwen3", "llama", "release", "qwen3_next", "qwen3_moe")
-NATIVE = ("qwen3", "llama", "qwen3_next", "qwen3_moe")  # the layouts transformers loads as they are
+LAYOUTS = ("qwen3", "llama", "release", "qwen3_next", "qwen3_moe", "qwen3_5")
+NATIVE = ("qwen3", "llama", "qwen3_next", "qwen3_moe", "qwen3_5")  # the layouts transformers loads as they are
+NEXT_FAMILY = ("qwen3_next", "qwen3_5")  # Qwen3-Next's attention, norms, GDN layers and shared-expert MoE
 RELEASE_CAVEAT = ("--layout release writes the paper's released layout, which transformers loads only with "
                   "the release's own modeling code (its modeling_qwen3.py, trust_remote_code=True), which "
                   "gattn does not ship")
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen3NextForCausalLM": "qwen3_next",
-                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+                 "Qwen3MoeForCausalLM": "qwen3_moe",
+                 **{name: "qwen3_5" for name in qwen3_5.TEXT_ARCHITECTURES + qwen3_5.MULTIMODAL_ARCHITECTURES}}
 RELEASE_FLAGS = ("headwise_attn_output_gate", "elementwise_attn_output_gate", "use_qk_norm", "qkv_bias")
 # Hugging Face hidden_act -> gattn ffn_activation (jax.nn.gelu is the tanh approximation).
 ACTIVATIONS = {"silu": "silu", "relu": "relu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
@@ -29,7 +32,8 @@ def detect_layout(hf: dict) -> str:
     for name in names:
         if name in ARCHITECTURES:
             return ARCHITECTURES[name]
-    by_type = {"qwen3": "qwen3", "llama": "llama", "qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe"}
+    by_type = {"qwen3": "qwen3", "llama": "llama", "qwen3_next": "qwen3_next", "qwen3_moe": "qwen3_moe",
+               **{name: "qwen3_5" for name in qwen3_5.MODEL_TYPES}}
     if not names and hf.get("model_type") in by_type:
         return by_type[hf["model_type"]]
     raise ConfigError("config.json architectures", names or hf.get("model_type"),
@@ -75,9 +79,16 @@ def _rope(hf: dict, default_partial: float) -> tuple[float, YarnSpec | None, flo
     return float(base), yarn, float(partial)
 
 
+def text_fields(hf: dict) -> dict:
+    """The language model's fields of a config.json: a multimodal Qwen3.5's text_config, else itself."""
+    return hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf
+
+
 def model_config(hf: dict, layout: str) -> ModelConfig:
     """The gattn model of a Hugging Face config.json in `layout`; fields gattn cannot represent
     (sliding windows, linear-attention or MoE layers, exact GELU, MLP biases) are refused."""
+    if layout == "qwen3_5":
+        return qwen3_5.model_config(hf)
     d, heads = int(_field(hf, "hidden_size")), int(_field(hf, "num_attention_heads"))
     layers = int(_field(hf, "num_hidden_layers"))
     if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
@@ -175,6 +186,8 @@ def _moe(hf: dict, layers: int) -> MoESpec:
 
 def hf_config(cfg: ModelConfig, layout: str, max_len: int) -> dict:
     """The Hugging Face config.json of gattn model `cfg` in `layout` (see `export_layout`)."""
+    if layout == "qwen3_5":
+        return qwen3_5.hf_config(cfg, hf_config(cfg, "qwen3_next", max_len))
     rope = {"rope_theta": cfg.rope_base, "rope_type": "default"}
     if cfg.yarn is not None:
         y = cfg.yarn
@@ -297,11 +310,13 @@ def _instead(cfg: ModelConfig) -> str:
     return "; or ".join(ways) if ways else "no Hugging Face layout holds this run"
 
 
-def export_layout(cfg: ModelConfig, layout: str = "auto") -> str:
+def export_layout(cfg: ModelConfig, layout: str = "auto", source: str | None = None) -> str:
     """The Hugging Face layout gattn model `cfg` is written in. auto: the layout transformers
     loads as is that holds the model unchanged (`native_layout`), and a refusal that names the
     explicit ways out where there is none (`--layout release` never comes silently: transformers
-    cannot load it without the release's code). Models no layout holds are refused, naming the field."""
+    cannot load it without the release's code); a run converted from Qwen3.5 (`source`, the
+    layout it was read in) goes back to Qwen3.5, which holds what qwen3_next holds but for an MoE
+    router that does not renormalise. Models no layout holds are refused, naming the field."""
     g = cfg.gate
     checks = [("sdpa_nonlinearity", cfg.sdpa_nonlinearity, cfg.sdpa_nonlinearity == "none",
                "'none' to export to Hugging Face (no layout transforms the SDPA output but by a G1 gate)"),
@@ -324,32 +339,37 @@ def export_layout(cfg: ModelConfig, layout: str = "auto") -> str:
                               f"({', '.join(NATIVE)}), and none holds this run unchanged ({_why_not_native(cfg)}): "
                               f"{_instead(cfg)}")
         layout = native_layout(cfg)
+        if layout == "qwen3_next" and source == "qwen3_5" and (cfg.moe is None or cfg.moe.renormalize):
+            layout = "qwen3_5"
     if layout not in LAYOUTS:
         raise ConfigError("--layout", layout, f"expected auto or one of {', '.join(LAYOUTS)}")
-    if _next_only(cfg) and layout != "qwen3_next":
+    if _next_only(cfg) and layout not in NEXT_FAMILY:
         field = "model.layer_types" if cfg.hybrid else "model.moe.shared_expert_width"
         raise ConfigError(field, cfg.layer_types if cfg.hybrid else cfg.moe.shared_expert_width,
-                          f"layout {layout} has no {_next_only(cfg)}: only qwen3_next does; {_instead(cfg)}")
-    moe_ok = {"qwen3_moe": cfg.moe is not None, "qwen3_next": True}.get(layout, cfg.moe is None)
+                          f"layout {layout} has no {_next_only(cfg)}: only qwen3_next and qwen3_5 do; {_instead(cfg)}")
+    moe_ok = {"qwen3_moe": cfg.moe is not None, "qwen3_next": True, "qwen3_5": True}.get(layout, cfg.moe is None)
     if not moe_ok or (layout == "qwen3_moe" and cfg.moe.shared_expert_width):
         raise ConfigError("model.moe", cfg.moe, (f"None for layout {layout} (a dense FFN); " if cfg.moe is not None
                                                   else "an MoE for layout qwen3_moe; ") + _instead(cfg))
-    if layout == "qwen3_next" and cfg.moe is not None and not cfg.moe.shared_expert_width:
-        raise ConfigError("model.moe.shared_expert_width", 0, "> 0 for layout qwen3_next (its MoE always runs a "
+    if layout in NEXT_FAMILY and cfg.moe is not None and not cfg.moe.shared_expert_width:
+        raise ConfigError("model.moe.shared_expert_width", 0, f"> 0 for layout {layout} (its MoE always runs a "
                           f"shared expert); {_instead(cfg)}")
+    if layout == "qwen3_5" and cfg.moe is not None and not cfg.moe.renormalize:
+        raise ConfigError("model.moe.renormalize", False, "True for layout qwen3_5 (Qwen3.5-MoE's router always "
+                          "renormalises its top-k); --layout qwen3_next (norm_topk_prob false) holds this run")
     holds_gate = {"qwen3": g is None, "llama": g is None, "qwen3_next": g is not None, "release": True,
-                  "qwen3_moe": g is None}[layout]
+                  "qwen3_moe": g is None, "qwen3_5": g is not None}[layout]
     if not holds_gate:
         what = "no gate" if layout in ("qwen3", "llama", "qwen3_moe") else "a G1 gate (elementwise, or headwise repeated)"
         raise ConfigError("model.gate", g, f"layout {layout} holds {what}; {_instead(cfg)}")
     qk = {"qwen3": (True, "Qwen3 normalises q and k"), "llama": (False, "Llama has no QK-norm"),
-          "qwen3_next": (True, "Qwen3-Next normalises q and k"),
+          "qwen3_next": (True, "Qwen3-Next normalises q and k"), "qwen3_5": (True, "Qwen3.5 normalises q and k"),
           "qwen3_moe": (True, "Qwen3-MoE normalises q and k")}.get(layout)
     if qk is not None and cfg.qk_norm != qk[0]:
         raise ConfigError("model.qk_norm", cfg.qk_norm, f"{qk[0]} for layout {layout} ({qk[1]}); {_instead(cfg)}")
-    if cfg.rope_dim not in (None, cfg.head_dim) and layout != "qwen3_next":
+    if cfg.rope_dim not in (None, cfg.head_dim) and layout not in NEXT_FAMILY:
         raise ConfigError("model.rope_dim", cfg.rope_dim, f"None (all of head_dim) for layout {layout}: of the "
-                          "layouts only qwen3_next (a G1 gate with QK-norm) has partial rotary embeddings")
+                          "layouts only qwen3_next and qwen3_5 (a G1 gate with QK-norm) have partial rotary embeddings")
     if cfg.rope_dim is not None and int(cfg.head_dim * (cfg.rope_dim / cfg.head_dim)) != cfg.rope_dim:
         raise ConfigError("model.rope_dim", cfg.rope_dim, f"a value transformers recovers from "
                           f"partial_rotary_factor = rope_dim / head_dim ({cfg.head_dim}) without rounding")

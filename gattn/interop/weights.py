@@ -1,6 +1,6 @@
 """Hugging Face tensors <-> gattn parameters, both ways: the files a model folder keeps them in
 (safetensors or pytorch_model.bin), every tensor name and shape of a layout, and the mapping
-(transposes, the gate packed into q_proj, Qwen3-Next's 1 + w norms). The layouts are described
+(transposes, the gate packed into q_proj, Qwen3-Next's and Qwen3.5's 1 + w norms). The layouts are described
 in gattn/interop/convert.py."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from gattn.config import ModelConfig
+from gattn.interop.hf_config import NEXT_FAMILY  # (q_proj rows [query | gate] per head, (1 + w) norms)
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exports carry
 
@@ -58,7 +59,7 @@ class TensorFiles:
             if not (src / shard).is_file():
                 raise ConversionError(f"shard {shard} (holding tensor {name}) is missing from {src}")
         self.where = weight_map
-        self._open = {}
+        self._open, self._stored, self._derived, self._fused = {}, {}, {}, {}
 
     @staticmethod
     def _names(path: Path) -> list[str]:
@@ -83,12 +84,56 @@ class TensorFiles:
     def names(self) -> list[str]:
         return list(self.where)
 
+    def drop(self, prefix: str) -> list[str]:
+        """Leaves out the tensors whose names start with `prefix` (a vision tower); returns their names."""
+        dropped = [n for n in self.where if n.startswith(prefix)]
+        for name in dropped:
+            del self.where[name]
+        return dropped
+
+    def rename(self, old: str, new: str) -> None:
+        """Reads the tensors stored as `old` + rest under the names `new` + rest (a multimodal
+        checkpoint's language model, under its own prefix beside a vision tower)."""
+        self._stored = {new + n[len(old):]: n for n in self.where if n.startswith(old)}
+        self.where = {(new + n[len(old):] if n.startswith(old) else n): shard for n, shard in self.where.items()}
+
+    def unfuse_experts(self, num_experts: int, width: int, d_model: int) -> None:
+        """Reads each layer's experts stored fused, as Qwen3.5-MoE's released files store them
+        (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]), under the
+        per-expert names transformers' save_pretrained writes (`mlp.experts.{j}.gate_proj.weight`, ...)."""
+        for fused in [n for n in self.where if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+            shard, base = self.where.pop(fused), fused.rsplit(".", 1)[0]
+            up = fused.endswith("gate_up_proj")
+            shape = (num_experts, 2 * width, d_model) if up else (num_experts, d_model, width)
+            parts = (("gate_proj", slice(0, width)), ("up_proj", slice(width, None))) if up else (("down_proj", slice(None)),)
+            for j in range(num_experts):
+                for name, rows in parts:
+                    self.where[f"{base}.{j}.{name}.weight"] = shard
+                    self._derived[f"{base}.{j}.{name}.weight"] = (fused, shard, shape, j, rows)
+
     def get(self, name: str) -> np.ndarray:
         """The tensor in float32 (bf16 and fp16 widen exactly)."""
-        f = self._file(self.where[name])
+        if name in self._derived:
+            fused, shard, shape, j, rows = self._derived[name]
+            return self._read_fused(fused, shard, shape)[j, rows]
+        return self._read(self._stored.get(name, name), self.where[name])
+
+    def _read(self, stored: str, shard: str) -> np.ndarray:
+        f = self._file(shard)
         if isinstance(f, dict):
-            return f[name].float().numpy()
-        return np.asarray(f.get_tensor(name), dtype=np.float32)
+            return f[stored].float().numpy()
+        return np.asarray(f.get_tensor(stored), dtype=np.float32)
+
+    def _read_fused(self, fused: str, shard: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A fused expert tensor, checked, and kept while its slices are read (the layer's two)."""
+        if fused not in self._fused:
+            if len(self._fused) >= 2:
+                self._fused.pop(next(iter(self._fused)))
+            self._fused[fused] = self._read(self._stored.get(fused, fused), shard)
+            if self._fused[fused].shape != shape:
+                raise ConversionError(f"tensor {self._stored.get(fused, fused)} has shape "
+                                      f"{self._fused[fused].shape}; config.json implies {shape}")
+        return self._fused[fused]
 
 
 def _torch_load(path: Path) -> dict:
@@ -109,7 +154,7 @@ def _split_q(w: np.ndarray, cfg: ModelConfig, layout: str) -> tuple[np.ndarray, 
     if g is None:
         return w, None
     rest = w.shape[1:]
-    if layout == "qwen3_next":
+    if layout in NEXT_FAMILY:
         per_head = w.reshape(hq, 2 * k, *rest)
         return per_head[:, :k].reshape(hq * k, *rest), per_head[:, k:].reshape(hq * k, *rest)
     per_group = w.reshape(hk, -1, *rest)  # release: [queries of the G heads | their gates]
@@ -118,13 +163,14 @@ def _split_q(w: np.ndarray, cfg: ModelConfig, layout: str) -> tuple[np.ndarray, 
 
 
 def _join_q(q: np.ndarray, gate: np.ndarray | None, cfg: ModelConfig, layout: str) -> np.ndarray:
-    """The inverse of `_split_q`. In qwen3_next a headwise gate is written elementwise, each
-    head's row repeated over its head_dim rows: the same gate values, so the same logits."""
+    """The inverse of `_split_q`. In qwen3_next and qwen3_5 a headwise gate is written
+    elementwise, each head's row repeated over its head_dim rows: the same gate values, so the
+    same logits."""
     hq, hk, k = cfg.q_heads, cfg.kv_heads, cfg.head_dim
     if gate is None:
         return q
     rest = q.shape[1:]
-    if layout == "qwen3_next":
+    if layout in NEXT_FAMILY:
         per_head = gate.reshape(hq, -1, *rest)
         per_head = np.repeat(per_head, k // per_head.shape[1], axis=1)
         both = np.concatenate([q.reshape(hq, k, *rest), per_head], axis=1)
@@ -138,8 +184,9 @@ def _q_rows(cfg: ModelConfig) -> int:
     return cfg.q_heads * cfg.head_dim + heads * width
 
 
-def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of the Hugging Face model and its shape."""
+def hf_shapes(cfg: ModelConfig, layout: str = "qwen3_next") -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the Hugging Face model in `layout` and its shape (the layout names
+    only the GDN layers' packing: qwen3_5's, or Qwen3-Next's for every other)."""
     d, f, v = cfg.d_model, cfg.ffn_width, cfg.vocab_size
     kv = cfg.kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
@@ -148,7 +195,7 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         if cfg.layer_type(i) == "linear_attention":
-            out.update({f"{p}linear_attn.{name}": shape for name, shape in _gdn_shapes(cfg).items()})
+            out.update({f"{p}linear_attn.{name}": shape for name, shape in _gdn_shapes(cfg, layout).items()})
         else:
             attn = {"q_proj": (_q_rows(cfg), d), "k_proj": (kv, d), "v_proj": (kv, d),
                     "o_proj": (d, cfg.q_heads * cfg.head_dim)}
@@ -174,14 +221,15 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def _gdn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The tensors of one Gated DeltaNet layer (transformers' Qwen3NextGatedDeltaNet) and their shapes."""
+def _gdn_shapes(cfg: ModelConfig, layout: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of one Gated DeltaNet layer in `layout` and their shapes."""
     from gattn.model import gdn  # noqa: PLC0415 (jax; this module stays numpy-only to import)
-    spec = gdn.GDNSpec.of(cfg)
-    g, h, dk, dv, d = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, spec.d_model
-    return {"in_proj_qkvz.weight": (2 * g * dk + 2 * h * dv, d), "in_proj_ba.weight": (2 * h, d),
-            "conv1d.weight": (spec.conv_dim, 1, spec.conv_kernel), "dt_bias": (h,), "A_log": (h,),
-            "norm.weight": (dv,), "out_proj.weight": (d, h * dv)}
+    return gdn.hf_shapes(gdn.GDNSpec.of(cfg), _packing(layout))
+
+
+def _packing(layout: str) -> str:
+    """How the GDN layers' projections are packed in `layout` (gattn/model/gdn.py)."""
+    return "qwen3_5" if layout == "qwen3_5" else "qwen3_next"
 
 
 # gattn's SwiGLU weights <-> the projections of a Hugging Face MLP (transposed); an MoE holds them per
@@ -209,10 +257,10 @@ def _recentre(t: dict[str, np.ndarray], cfg: ModelConfig, offset: float) -> dict
 
 
 def _norm_offset(cfg: ModelConfig, layout: str) -> float:
-    """What to add to a Hugging Face norm weight to get gattn's: qwen3_next stores w of a (1 + w)
-    norm; gattn stores w too when model.zero_centered_norm (then the tensors are copied bit for
-    bit), else the factor itself."""
-    return float(layout == "qwen3_next") - float(cfg.zero_centered_norm)
+    """What to add to a Hugging Face norm weight to get gattn's: qwen3_next and qwen3_5 store w
+    of a (1 + w) norm; gattn stores w too when model.zero_centered_norm (then the tensors are
+    copied bit for bit), else the factor itself."""
+    return float(layout in NEXT_FAMILY) - float(cfg.zero_centered_norm)
 
 
 def to_gattn(tensors: dict[str, np.ndarray], cfg: ModelConfig, layout: str) -> dict[tuple, np.ndarray]:
@@ -238,7 +286,7 @@ def to_gattn(tensors: dict[str, np.ndarray], cfg: ModelConfig, layout: str) -> d
                 out[b + ("ffn", "shared_gate")] = t[p + "mlp.shared_expert_gate.weight"].T
         if cfg.layer_type(i) == "linear_attention":
             from gattn.model import gdn  # noqa: PLC0415
-            layer = gdn.from_hf(t, p + "linear_attn.", gdn.GDNSpec.of(cfg))
+            layer = gdn.from_hf(t, p + "linear_attn.", gdn.GDNSpec.of(cfg), _packing(layout))
             out.update({b + ("linear_attn",) + path: value for path, value in layer.items()})
             continue
         a = p + "self_attn."
@@ -282,7 +330,7 @@ def from_gattn(params: dict[tuple, np.ndarray], cfg: ModelConfig, layout: str) -
         if cfg.layer_type(i) == "linear_attention":
             from gattn.model import gdn  # noqa: PLC0415
             layer = {path[len(b) + 1:]: value for path, value in P.items() if path[:len(b) + 1] == b + ("linear_attn",)}
-            out.update(gdn.to_hf(layer, p + "linear_attn.", gdn.GDNSpec.of(cfg)))
+            out.update(gdn.to_hf(layer, p + "linear_attn.", gdn.GDNSpec.of(cfg), _packing(layout)))
             continue
         a = p + "self_attn."
         gate = P[b + ("attn", "gate", "w")].T if cfg.gate is not None else None

@@ -7,7 +7,8 @@ Per value head, a state S [K, V] (keys -> values) is decayed, corrected towards 
     o_t = S_t^T q_t / sqrt(K)
 
 with q, k L2-normalised, beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) <= 0. The layer
-around it follows transformers' Qwen3NextGatedDeltaNet: projections of x to q, k, v, z, b, a; a
+around it follows transformers' Qwen3NextGatedDeltaNet (Qwen3.5's is the same layer, its
+projections packed differently: the tensor section below): projections of x to q, k, v, z, b, a; a
 depthwise causal conv (width W) with SiLU over the channels of q, k, v; the rule; an RMSNorm per
 head (scale w, not 1 + w) gated by SiLU(z); the output projection.
 
@@ -360,20 +361,50 @@ class GatedDeltaNet(nnx.Module):
 
 # --------------------------------------------------------------------------- transformers' tensors
 #
-# transformers packs the projections per key head: in_proj_qkvz's rows are, for each key head j,
-# [q_j (K) | k_j (K) | v (H/G value heads of V) | z (same)], in_proj_ba's are [b (H/G) | a (H/G)];
-# the conv's channels are [all q | all k | all v]. Here each is a parameter of its own.
+# Qwen3-Next packs the projections per key head: in_proj_qkvz's rows are, for each key head j,
+# [q_j (K) | k_j (K) | v (H/G value heads of V) | z (same)], in_proj_ba's are [b (H/G) | a (H/G)].
+# Qwen3.5 has one projection per role: in_proj_qkv's rows are [all q | all k | all v] (the conv's
+# channel order), then in_proj_z, in_proj_b, in_proj_a. Both compute the same layer; the conv's
+# channels are [all q | all k | all v] in both. Here each is a parameter of its own.
+
+HF_NAMES = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
+            "out_proj.weight")
+QWEN3_5_NAMES = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                 "conv1d.weight", "dt_bias", "A_log", "norm.weight", "out_proj.weight")
+PACKINGS = ("qwen3_next", "qwen3_5")
 
 
-def from_hf(tensors: dict[str, np.ndarray], prefix: str, spec: GDNSpec) -> dict[tuple[str, ...], np.ndarray]:
-    """transformers' `{prefix}in_proj_qkvz.weight`, ... (prefix e.g. "model.layers.0.linear_attn.")
-    -> this layer's parameters {path: array}."""
-    t = {name: np.asarray(tensors[prefix + name]) for name in HF_NAMES}
+def hf_names(packing: str = "qwen3_next") -> tuple[str, ...]:
+    """The tensor names of one layer in `packing` (a Hugging Face layout: qwen3_next or qwen3_5)."""
+    if packing not in PACKINGS:
+        raise ConfigError("packing", packing, f"one of {', '.join(PACKINGS)}")
+    return HF_NAMES if packing == "qwen3_next" else QWEN3_5_NAMES
+
+
+def hf_shapes(spec: GDNSpec, packing: str = "qwen3_next") -> dict[str, tuple[int, ...]]:
+    """The tensors of one layer in `packing` and their shapes."""
+    g, h, dk, dv, d = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim, spec.d_model
+    proj = ({"in_proj_qkv.weight": (2 * g * dk + h * dv, d), "in_proj_z.weight": (h * dv, d),
+             "in_proj_b.weight": (h, d), "in_proj_a.weight": (h, d)} if hf_names(packing) == QWEN3_5_NAMES
+            else {"in_proj_qkvz.weight": (2 * g * dk + 2 * h * dv, d), "in_proj_ba.weight": (2 * h, d)})
+    return {**proj, "conv1d.weight": (spec.conv_dim, 1, spec.conv_kernel), "dt_bias": (h,), "A_log": (h,),
+            "norm.weight": (dv,), "out_proj.weight": (d, h * dv)}
+
+
+def from_hf(tensors: dict[str, np.ndarray], prefix: str, spec: GDNSpec,
+            packing: str = "qwen3_next") -> dict[tuple[str, ...], np.ndarray]:
+    """transformers' `{prefix}in_proj_qkvz.weight`, ... (prefix e.g. "model.layers.0.linear_attn.";
+    `packing` qwen3_next or qwen3_5, above) -> this layer's parameters {path: array}."""
+    t = {name: np.asarray(tensors[prefix + name]) for name in hf_names(packing)}
     g, h, dk, dv = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
-    r = h // g
-    qkvz = t["in_proj_qkvz.weight"].reshape(g, 2 * dk + 2 * r * dv, -1)
-    q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
-    b, a = np.split(t["in_proj_ba.weight"].reshape(g, 2 * r, -1), [r], axis=1)
+    if packing == "qwen3_5":
+        q, k, v = np.split(t["in_proj_qkv.weight"], [g * dk, 2 * g * dk])
+        z, b, a = t["in_proj_z.weight"], t["in_proj_b.weight"], t["in_proj_a.weight"]
+    else:
+        r = h // g
+        qkvz = t["in_proj_qkvz.weight"].reshape(g, 2 * dk + 2 * r * dv, -1)
+        q, k, v, z = np.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+        b, a = np.split(t["in_proj_ba.weight"].reshape(g, 2 * r, -1), [r], axis=1)
     conv_q, conv_k, conv_v = np.split(t["conv1d.weight"][:, 0, :].T, [g * dk, 2 * g * dk], axis=1)
     out = {"wq": q.reshape(g * dk, -1).T, "wk": k.reshape(g * dk, -1).T, "wv": v.reshape(h * dv, -1).T,
            "wz": z.reshape(h * dv, -1).T, "wb": b.reshape(h, -1).T, "wa": a.reshape(h, -1).T,
@@ -382,8 +413,10 @@ def from_hf(tensors: dict[str, np.ndarray], prefix: str, spec: GDNSpec) -> dict[
     return {(name,): np.ascontiguousarray(value) for name, value in out.items()}
 
 
-def to_hf(params: dict[tuple[str, ...], np.ndarray], prefix: str, spec: GDNSpec) -> dict[str, np.ndarray]:
+def to_hf(params: dict[tuple[str, ...], np.ndarray], prefix: str, spec: GDNSpec,
+          packing: str = "qwen3_next") -> dict[str, np.ndarray]:
     """This layer's parameters {path: array} -> transformers' tensors (the inverse of from_hf)."""
+    hf_names(packing)  # (refuses an unknown packing)
     p = {path[-1]: np.asarray(value) for path, value in params.items()}
     g, h, dk, dv = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
     r = h // g
@@ -391,15 +424,15 @@ def to_hf(params: dict[tuple[str, ...], np.ndarray], prefix: str, spec: GDNSpec)
     def per_key_head(name, rows):  # [D, G * rows] -> [G, rows, D]
         return p[name].T.reshape(g, rows, -1)
 
-    qkvz = np.concatenate([per_key_head("wq", dk), per_key_head("wk", dk), per_key_head("wv", r * dv),
-                           per_key_head("wz", r * dv)], axis=1)
-    ba = np.concatenate([per_key_head("wb", r), per_key_head("wa", r)], axis=1)
+    if packing == "qwen3_5":
+        out = {"in_proj_qkv.weight": np.concatenate([p["wq"], p["wk"], p["wv"]], axis=1).T,
+               "in_proj_z.weight": p["wz"].T, "in_proj_b.weight": p["wb"].T, "in_proj_a.weight": p["wa"].T}
+    else:
+        qkvz = np.concatenate([per_key_head("wq", dk), per_key_head("wk", dk), per_key_head("wv", r * dv),
+                               per_key_head("wz", r * dv)], axis=1)
+        ba = np.concatenate([per_key_head("wb", r), per_key_head("wa", r)], axis=1)
+        out = {"in_proj_qkvz.weight": qkvz.reshape(-1, spec.d_model), "in_proj_ba.weight": ba.reshape(-1, spec.d_model)}
     conv = np.concatenate([p["conv_q"], p["conv_k"], p["conv_v"]], axis=1).T[:, None, :]
-    out = {"in_proj_qkvz.weight": qkvz.reshape(-1, spec.d_model), "in_proj_ba.weight": ba.reshape(-1, spec.d_model),
-           "conv1d.weight": conv, "dt_bias": p["dt_bias"], "A_log": p["a_log"], "norm.weight": p["norm"],
-           "out_proj.weight": p["wo"].T}
+    out.update({"conv1d.weight": conv, "dt_bias": p["dt_bias"], "A_log": p["a_log"], "norm.weight": p["norm"],
+                "out_proj.weight": p["wo"].T})
     return {prefix + name: np.ascontiguousarray(value) for name, value in out.items()}
-
-
-HF_NAMES = ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "dt_bias", "A_log", "norm.weight",
-            "out_proj.weight")

@@ -7,7 +7,8 @@ The residual stream is 2-D, x_NxD with N = batch * sequence: every projection is
 [N, D] x [D, *] matmul and every weight gradient a single contraction (docs/performance.md).
 
 `Transformer.decode` runs new tokens against a kv cache (gattn/eval/decode.py generates with it);
-`unscanned` turns a scan_layers model into the equivalent layer list.
+`unscanned` turns a scan_layers model into the equivalent layer list. With model.mtp_layers = 1 the
+model also holds Qwen3-Next's multi-token-prediction layer (`mtp`, gattn/model/mtp.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from gattn.model.capture import NOTHING, Capture
 from gattn.model.gdn import GatedDeltaNet, GDNSpec, GDNState
 from gattn.model.layers import DTYPES, RMSNorm, SwiGLU, dense, param
 from gattn.model.moe import MoE
+from gattn.model.mtp import MTP
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -92,22 +94,35 @@ class Block(nnx.Module):
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
         return self._ffn_residual(x_NxD, mask_BxSxT.shape[0], decoding=True)[0], k_BxHxTxK, v_BxHxTxK
 
-    def decode_linear(self, x_NxD, state: GDNState, valid_BxS) -> tuple[jax.Array, GDNState]:
+    def decode_linear(self, x_NxD, state: GDNState, valid_BxS, stepwise: bool = False):
         """A Gated DeltaNet block on S new tokens per row with this layer's recurrent and conv
         state: (x, state). One token runs the recurrent rule; more (a prompt) the chunked one,
         where invalid tokens (left padding) form a segment of their own, so the state after the
         prompt is the real tokens' alone. A row whose new tokens are all padding (a prompt
-        prefilled in pieces, shorter than its padding) keeps its state."""
+        prefilled in pieces, shorter than its padding) keeps its state.
+
+        `stepwise` (all S tokens valid): the recurrent rule token by token, as S one-token steps
+        compute it, returning (x, state, the state after each token): a speculative step keeps
+        the state after its last accepted token."""
         b, s = valid_BxS.shape
         x_BxSxD = self.attn_norm(x_NxD).reshape(b, s, -1)
-        if s == 1:
+        each = []
+        if stepwise:
+            pieces, new = [], state
+            for i in range(s):
+                h_i, new = self.linear_attn.step(x_BxSxD[:, i:i + 1], new)
+                pieces.append(h_i)
+                each.append(new)
+            h = jnp.concatenate(pieces, axis=1)
+        elif s == 1:
             h, new = self.linear_attn.step(x_BxSxD, state)
         else:
             h, new = self.linear_attn.prefill(x_BxSxD, valid_BxS.astype(jnp.int32), state)
         state = jax.tree.map(lambda n, o: jnp.where(valid_BxS[:, -1].reshape((b,) + (1,) * (n.ndim - 1)), n, o),
                              new, state)
         x_NxD = x_NxD + self._branch_out(h.reshape(x_NxD.shape), getattr(self, "attn_post_norm", None))
-        return self._ffn_residual(x_NxD, b, decoding=True)[0], state
+        x_NxD = self._ffn_residual(x_NxD, b, decoding=True)[0]
+        return (x_NxD, state, tuple(each)) if stepwise else (x_NxD, state)
 
 
 class Transformer(nnx.Module):
@@ -134,6 +149,8 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = param("weight", rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                  std=cfg.init_std, dtype=pd)
+        if cfg.mtp_layers:  # (built last: the main model's parameters are those of the model without it)
+            self.mtp = MTP(cfg, Block(cfg, ex, rngs=rngs), rngs=rngs, dtype=self.dtype)
 
     def __call__(self, tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None,
                  segment_ids_BxS: jax.Array | None = None) -> jax.Array:
@@ -186,6 +203,24 @@ class Transformer(nnx.Module):
             aux = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
         return self.final_norm(x_NxD), aux
 
+    def mtp_hidden(self, hidden_NxD: jax.Array, next_tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None,
+                   segment_ids_BxS: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """(y_NxD, aux): the MTP layer's final hidden state at each position t, from the main
+        model's `hidden` output h_t there and the token after it (`next_tokens_BxS[:, t]` =
+        x_{t+1}); `head_logits(y, self.head_weight(), self.dtype)` predicts x_{t+2}. Positions
+        and segment ids are those of t (defaults as in `hidden`); aux holds the MTP block's MoE
+        values, unstacked."""
+        b, s = next_tokens_BxS.shape
+        if positions_BxS is None:
+            positions_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
+
+        def run(mtp, h, e):
+            return mtp(h, e, positions_BxS.reshape(-1), segment_ids_BxS, (b, s))
+
+        if self.ex.remat != "none":
+            run = nnx.remat(run, policy=REMAT_POLICIES[self.ex.remat])
+        return run(self.mtp, hidden_NxD, self._embed(next_tokens_BxS))
+
     def head_weight(self) -> jax.Array:
         """The LM head [D, V]: the tied embedding transposed, or lm_head."""
         return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
@@ -226,13 +261,21 @@ class Transformer(nnx.Module):
         True) marks padding among the new tokens. The caller keeps index + S <= the cache length
         (a write past the end is clamped by dynamic_update_slice, silently)."""
         b, s = tokens_BxS.shape
+        x_NxD, cache = self.decode_hidden(tokens_BxS, positions_BxS, cache, valid_BxS)
+        logits_NxV = head_logits(x_NxD, self.head_weight(), self.dtype)
+        return logits_NxV.reshape(b, s, self.cfg.vocab_size), cache
+
+    def decode_hidden(self, tokens_BxS: jax.Array, positions_BxS: jax.Array, cache: dict,
+                      valid_BxS: jax.Array | None = None, stepwise: bool = False) -> tuple[jax.Array, dict]:
+        """`decode` up to the final hidden state (after the final norm) x_NxD. `stepwise` runs
+        the Gated DeltaNet layers token by token and adds cache["gdn_each"]: per layer, the
+        state after each new token (None for attention layers), for a speculative step to
+        keep the state after its last accepted token (Block.decode_linear)."""
+        b, s = tokens_BxS.shape
         index = cache["index"]
         if valid_BxS is None:
             valid_BxS = jnp.ones((b, s), bool)
-        valid_BxT = jax.lax.dynamic_update_slice(cache["valid"], valid_BxS.astype(bool), (0, index))
-        t = valid_BxT.shape[1]
-        visible_SxT = jnp.arange(t)[None, :] <= index + jnp.arange(s)[:, None]
-        mask_BxSxT = visible_SxT[None] & valid_BxT[:, None, :]
+        valid_BxT, mask_BxSxT = _decode_mask(cache, valid_BxS)
         positions_N = positions_BxS.reshape(-1)
         x_NxD = self._embed(tokens_BxS)
 
@@ -247,23 +290,58 @@ class Transformer(nnx.Module):
             scan = nnx.scan(step, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))
             x_NxD, (k_L, v_L) = scan(x_NxD, self.blocks, cache["k"], cache["v"])
         else:
-            ks, vs, states = [], [], []
+            ks, vs, states, each = [], [], [], []
             for block, k, v, state in zip(self.blocks, cache["k"], cache["v"],
                                           cache.get("gdn", (None,) * len(self.blocks)), strict=True):
-                if state is not None:
+                after = None
+                if state is not None and stepwise:
+                    x_NxD, state, after = block.decode_linear(x_NxD, state, valid_BxS, stepwise=True)
+                elif state is not None:
                     x_NxD, state = block.decode_linear(x_NxD, state, valid_BxS)
                 else:
                     x_NxD, k, v = run(x_NxD, block, k, v)
                 ks.append(k)
                 vs.append(v)
                 states.append(state)
+                each.append(after)
             k_L, v_L = tuple(ks), tuple(vs)
         new = {"k": k_L, "v": v_L, "valid": valid_BxT, "index": index + s}
         if "gdn" in cache:
             new["gdn"] = tuple(states)
-        cache = new
-        logits_NxV = head_logits(self.final_norm(x_NxD), self.head_weight(), self.dtype)
+            if stepwise:
+                new["gdn_each"] = tuple(each)
+        return self.final_norm(x_NxD), new
+
+    def init_mtp_cache(self, batch: int, max_len: int) -> dict:
+        """An empty kv cache for the MTP layer's attention (k, v [B, Hk, T, K], valid, index), laid
+        out as one layer of `init_cache`'s."""
+        cfg = self.cfg
+        k, v = (jnp.zeros((batch, cfg.kv_heads, max_len, cfg.head_dim), self.dtype) for _ in "kv")
+        return {"k": k, "v": v, "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
+
+    def mtp_decode(self, hidden_NxD: jax.Array, next_tokens_BxS: jax.Array, positions_BxS: jax.Array,
+                   cache: dict, valid_BxS: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """(logits [B, S, V] of x_{t+2}, cache): S new MTP inputs per row (the main model's final
+        hidden states h_t from `decode_hidden` and the tokens after them) into the MTP cache's
+        slots index..index+S-1, as `decode` does for the main model."""
+        b, s = next_tokens_BxS.shape
+        if valid_BxS is None:
+            valid_BxS = jnp.ones((b, s), bool)
+        valid_BxT, mask_BxSxT = _decode_mask(cache, valid_BxS)
+        y_NxD, k, v = self.mtp.decode(hidden_NxD, self._embed(next_tokens_BxS), positions_BxS.reshape(-1),
+                                      cache["k"], cache["v"], mask_BxSxT, cache["index"])
+        logits_NxV = head_logits(y_NxD, self.head_weight(), self.dtype)
+        cache = {"k": k, "v": v, "valid": valid_BxT, "index": cache["index"] + s}
         return logits_NxV.reshape(b, s, self.cfg.vocab_size), cache
+
+
+def _decode_mask(cache: dict, valid_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the cache's valid slots with the S new ones written at its index [B, T], the new queries'
+    attention mask [B, S, T]): slot i sees slot j iff j <= i and slot j is valid."""
+    index, s = cache["index"], valid_BxS.shape[1]
+    valid_BxT = jax.lax.dynamic_update_slice(cache["valid"], valid_BxS.astype(bool), (0, index))
+    visible_SxT = jnp.arange(valid_BxT.shape[1])[None, :] <= index + jnp.arange(s)[:, None]
+    return valid_BxT, visible_SxT[None] & valid_BxT[:, None, :]
 
 
 def head_logits(x_NxD: jax.Array, head_DxV: jax.Array, dtype) -> jax.Array:

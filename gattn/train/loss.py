@@ -1,5 +1,6 @@
 """Next-token cross-entropy on 2-D logits, all at once or a chunk of the sequence at a time
-(exec.loss_chunk), and the MoE auxiliary losses."""
+(exec.loss_chunk), the MoE auxiliary losses, and the multi-token-prediction loss (model.mtp_layers:
+token t+2 predicted at position t)."""
 
 from __future__ import annotations
 
@@ -69,25 +70,38 @@ def target_weights(segment_ids_BxS: jax.Array) -> jax.Array:
     return (seg_out != 0) & (seg_out == seg_in)
 
 
-def _next_token_nll(model, tokens_BxS, segment_ids_BxS, positions_BxS):
+def mtp_target_weights(segment_ids_BxS: jax.Array) -> jax.Array:
+    """[B, S-1] bool: which MTP targets count, the target of input position t being token t+2:
+    tokens t, t+1 and t+2 all in one document (not padding); the last position has none."""
+    seg_in, seg_mid, seg_out = segment_ids_BxS[:, :-2], segment_ids_BxS[:, 1:-1], segment_ids_BxS[:, 2:]
+    w = (seg_out != 0) & (seg_out == seg_in) & (seg_mid == seg_in)
+    return jnp.pad(w, ((0, 0), (0, 1)))
+
+
+def _head_nll(model, x_NxD, targets_BxS):
+    """Cross-entropy [B, S] of the LM head on final hidden states x_NxD: the logits all at once, or
+    exec.loss_chunk positions per row at a time (`chunked_token_nll`)."""
+    b, s = targets_BxS.shape
+    if model.ex.loss_chunk:
+        return chunked_token_nll(x_NxD.reshape(b, s, -1), model.head_weight(), targets_BxS, model.dtype,
+                                 model.ex.loss_chunk)
+    return token_nll(head_logits(x_NxD, model.head_weight(), model.dtype).reshape(b, s, -1), targets_BxS)
+
+
+def _next_token_nll(model, tokens_BxS, segment_ids_BxS, positions_BxS, hidden_too: bool = False):
     """(nll [B, S-1], weights, aux) for predicting tokens[:, 1:] from tokens[:, :-1]. With packed
     documents (segment ids, 0 = padding; positions restarting at each document) a target counts
     only if it is in the same document as its input token, so no document is predicted from the
-    one before it and padding is ignored. Weights are None without segment ids. The logits are
-    formed all at once, or exec.loss_chunk positions per row at a time (`chunked_token_nll`)."""
+    one before it and padding is ignored. Weights are None without segment ids. `hidden_too`
+    appends the final hidden states x_NxD (the MTP layer's input)."""
     inputs, targets = tokens_BxS[:, :-1], tokens_BxS[:, 1:]
     pos = None if positions_BxS is None else positions_BxS[:, :-1]
     seg_in = weights = None
     if segment_ids_BxS is not None:
         seg_in, weights = segment_ids_BxS[:, :-1], target_weights(segment_ids_BxS)
     x_NxD, aux = model.hidden(inputs, positions_BxS=pos, segment_ids_BxS=seg_in)
-    b, s = inputs.shape
-    if model.ex.loss_chunk:
-        nll = chunked_token_nll(x_NxD.reshape(b, s, -1), model.head_weight(), targets, model.dtype,
-                                model.ex.loss_chunk)
-    else:
-        nll = token_nll(head_logits(x_NxD, model.head_weight(), model.dtype).reshape(b, s, -1), targets)
-    return nll, weights, aux
+    nll = _head_nll(model, x_NxD, targets)
+    return (nll, weights, aux, x_NxD) if hidden_too else (nll, weights, aux)
 
 
 def lm_loss(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None,
@@ -103,6 +117,29 @@ def lm_loss_and_aux(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | N
     return _weighted_mean(nll, weights), aux
 
 
+def lm_and_mtp_loss(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | None = None,
+                    positions_BxS: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict]:
+    """(mean next-token loss, mean MTP loss, aux) of a model with an MTP layer, from one forward
+    pass. The MTP layer at input position t reads the main model's final hidden state there and
+    token t+1 (the next-token target) and predicts token t+2, counted where `mtp_target_weights`
+    says (without segment ids: every position but the last). aux stacks the MTP block's MoE
+    values after the main layers' ([L + 1, ...]), so its router is balanced like theirs."""
+    nll, weights, aux, x_NxD = _next_token_nll(model, tokens_BxS, segment_ids_BxS, positions_BxS, hidden_too=True)
+    next_BxS = tokens_BxS[:, 1:]  # x_{t+1}, the MTP input beside h_t
+    pos = None if positions_BxS is None else positions_BxS[:, :-1]
+    seg_in = None if segment_ids_BxS is None else segment_ids_BxS[:, :-1]
+    y_NxD, mtp_aux = model.mtp_hidden(x_NxD, next_BxS, pos, seg_in)
+    mtp_targets = jnp.pad(tokens_BxS[:, 2:], ((0, 0), (0, 1)))  # (the last position's target is cut below)
+    if segment_ids_BxS is not None:
+        mtp_weights = mtp_target_weights(segment_ids_BxS)
+    else:
+        mtp_weights = jnp.pad(jnp.ones_like(tokens_BxS[:, 2:], bool), ((0, 0), (0, 1)))
+    mtp = _weighted_mean(_head_nll(model, y_NxD, mtp_targets), mtp_weights)
+    if aux:
+        aux = jax.tree.map(lambda main, extra: jnp.concatenate([main, extra[None]]), aux, mtp_aux)
+    return _weighted_mean(nll, weights), mtp, aux
+
+
 def aux_loss(moe, aux: dict) -> jax.Array:
     """The weighted auxiliary losses of a MoE model (0 for a dense one): lbl_coef * LBL +
     z_loss_coef * router z-loss, each averaged over layers."""
@@ -114,7 +151,7 @@ def aux_loss(moe, aux: dict) -> jax.Array:
 def aux_metrics(aux: dict) -> dict:
     """Scalars for the logs: mean LBL and z-loss over layers, dropped assignments, and the
     busiest expert's load over the mean load (1 = perfectly balanced), worst layer."""
-    if not aux:
+    if "lbl" not in aux:  # a dense model (its aux holds at most the MTP loss)
         return {}
     load = aux["load"].astype(jnp.float32)  # [L, E]
     return {"moe/lbl": jnp.mean(aux["lbl"]), "moe/z_loss": jnp.mean(aux["z_loss"]),

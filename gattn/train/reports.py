@@ -145,7 +145,7 @@ class Reports:
         record = {"loss": self.loss, "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]),
                   "tokens_per_sec": self.tokens_per_sec() if self.timed_steps else 0.0,
                   "skipped_steps": self.skipped, "collapsed_steps": self.collapsed_steps, "loss_spikes": self.spikes.count,
-                  **{k: float(v) for k, v in m.items() if k.startswith("moe/")}}
+                  **{k: float(v) for k, v in m.items() if k.startswith(("moe/", "mtp/"))}}
         if self.validates(step):
             record.update(self.val)
         self.log_file.write(step, record)

@@ -34,7 +34,8 @@ from gattn.model import sharding
 from gattn.model.transformer import Transformer, relayout
 from gattn.train import checkpoint, hosts, init_from, lease, optim, prefetch, rundir
 from gattn.train.reports import Reports, Startup, TrainingStopped  # noqa: F401 (TrainingStopped: trainer's API)
-from gattn.train.loss import aux_loss, aux_metrics, lm_loss_and_aux, lm_nll_sum, target_weights
+from gattn.train.loss import (aux_loss, aux_metrics, lm_and_mtp_loss, lm_loss_and_aux, lm_nll_sum,
+                              mtp_target_weights, target_weights)
 
 
 def state_shardings(tx, abstract_params, mesh):
@@ -131,7 +132,8 @@ def resume(cfg: Config, workdir: Path, mngr, state, mesh, step: int | None):
     return found[1]
 
 
-_SUMMED_AUX = ("load", "dropped")  # counts add up over microbatches; the MoE losses average
+_SUMMED_AUX = ("load", "dropped", "mtp_loss")  # counts (and the MTP loss's microbatch shares) add up over
+#                                                 microbatches; the MoE losses average
 
 
 def split_microbatches(batch: dict, m: int, mesh=None) -> dict:
@@ -159,16 +161,25 @@ def loss_and_grads(cfg: Config, graphdef, params, batch: dict, mesh=None):
     are the big step's (to float rounding). A MoE is not: its router sees one microbatch at a
     time, so the global-batch LBL counts expert loads per microbatch (the mean of the microbatches'
     LBLs) and an expert capacity is per microbatch (other tokens are dropped than in the big
-    step); loads and drop counts are summed."""
-    m = cfg.train.microbatches
+    step); loads and drop counts are summed. With train.mtp_loss_weight > 0 the MTP layer's
+    cross-entropy (token t+2 at position t) is added with that weight, split over microbatches
+    the same way, and returned in aux as "mtp_loss"."""
+    m, mtp_weight = cfg.train.microbatches, cfg.train.mtp_loss_weight
 
     def objective(params, b, scale):
         model = nnx.merge(graphdef, params)
-        ce, aux = lm_loss_and_aux(model, b["tokens"], b["segment_ids"], b["positions"])
-        if scale is None:
-            return ce + aux_loss(cfg.model.moe, aux), (ce, aux)
-        ce_part = ce * jnp.sum(target_weights(b["segment_ids"])) / scale
-        return ce_part + aux_loss(cfg.model.moe, aux) / m, (ce_part, aux)
+        if mtp_weight:
+            ce, mtp, aux = lm_and_mtp_loss(model, b["tokens"], b["segment_ids"], b["positions"])
+        else:
+            (ce, aux), mtp = lm_loss_and_aux(model, b["tokens"], b["segment_ids"], b["positions"]), None
+        if scale is not None:  # (this microbatch's share of the whole batch's means)
+            ce = ce * jnp.sum(target_weights(b["segment_ids"])) / scale[0]
+            if mtp_weight:
+                mtp = mtp * jnp.sum(mtp_target_weights(b["segment_ids"])) / scale[1]
+        loss = ce + aux_loss(cfg.model.moe, aux) / (1 if scale is None else m)
+        if mtp_weight:
+            loss, aux = loss + mtp_weight * mtp, {**aux, "mtp_loss": mtp}
+        return loss, (ce, aux)
 
     if m == 1:
         (_, (loss, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, batch, None)
@@ -177,12 +188,14 @@ def loss_and_grads(cfg: Config, graphdef, params, batch: dict, mesh=None):
     def accumulate(params, batch, data=None):
         """The scan over the microbatches; with `data` (a manual mesh axis) each data shard sums its
         own rows' gradients and they are reduced once, after the scan."""
-        total = jnp.sum(target_weights(batch["segment_ids"])).astype(jnp.float32)
-        total = jnp.maximum(total if data is None else jax.lax.psum(total, data), 1)
+        totals = []
+        for weights in (target_weights, mtp_target_weights):
+            total = jnp.sum(weights(batch["segment_ids"])).astype(jnp.float32)
+            totals.append(jnp.maximum(total if data is None else jax.lax.psum(total, data), 1))
 
         def one(carry, b):
             grads_acc, loss_acc = carry
-            (_, (part, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, b, total)
+            (_, (part, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, b, totals)
             grads_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_acc, grads)
             return (grads_acc, loss_acc + part), aux
 
@@ -191,6 +204,8 @@ def loss_and_grads(cfg: Config, graphdef, params, batch: dict, mesh=None):
                                             split_microbatches(batch, m, mesh))
         if data is not None:
             grads, loss = jax.lax.psum((grads, loss), data)
+            if "mtp_loss" in aux_M:
+                aux_M = {**aux_M, "mtp_loss": jax.lax.psum(aux_M["mtp_loss"], data)}
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         aux = {k: v.sum(0) if k in _SUMMED_AUX else v.mean(0) for k, v in aux_M.items()}
         return (loss, aux), grads
@@ -243,6 +258,8 @@ def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):
         report = {"loss": loss, "grad_norm": grad_norm, "finite": ok,
                   # what optax applied (its count, not state["step"]: skipped steps do not advance it)
                   "lr": lr(optim.schedule_count(state["opt_state"])), **aux_metrics(aux)}
+        if "mtp_loss" in aux:
+            report["mtp/loss"] = aux["mtp_loss"]
         return new_state, report
 
     values = optim.schedule_values(cfg.train)

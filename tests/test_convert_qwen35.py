@@ -1,0 +1,431 @@
+"""Issue 45: Qwen3.5 in and out (gattn/interop/qwen3_5.py). Tiny random transformers 5.24 models
+built here: Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM and a Qwen3_5ForConditionalGeneration folder
+(a vision tower beside the language model), each 3 Gated DeltaNet layers and 1 gated attention
+layer, head_dim 64, partial RoPE 0.25, checked on 80 tokens so the GDN chunk of 64 is crossed."""
+
+import contextlib
+import dataclasses
+import io
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from gattn.config import ConfigError, Config, GateSpec, ModelConfig, MoESpec, TrainConfig
+from gattn.eval import decode
+from gattn.interop import convert, hf_config, qwen3_5
+from gattn.interop.weights import ConversionError
+from gattn.train import rundir
+from test_convert import _flat_params, randomize, save, tokenizer_file  # noqa: F401 (a fixture)
+from test_hybrid import tiny_hybrid
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+TOKENS = np.random.default_rng(1).integers(0, 320, size=(2, 80))
+TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-6,
+            layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [3, 3, 2], "mrope_interleaved": True})
+MOE = {**{k: v for k, v in TEXT.items() if k != "intermediate_size"}, "num_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32}
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+              temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16)
+KINDS = ("dense", "moe", "vl")
+
+
+def qwen35_model(kind: str, seed=0):
+    """A random tiny Qwen3.5 of `kind`: every weight random, norms around 0 (they scale by 1 + w),
+    the GDN decay rates A from 0.02 to 4 so some heads remember across the chunk boundary."""
+    model = {"dense": lambda: transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT)),
+             "moe": lambda: transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**MOE)),
+             "vl": lambda: transformers.Qwen3_5ForConditionalGeneration(
+                 transformers.Qwen3_5Config(text_config=TEXT, vision_config=VISION))}[kind]()
+    model = randomize(model, seed=seed, norm_center=0.0)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("linear_attn"):
+                module.A_log.copy_(torch.log(0.02 + 4 * torch.rand(module.A_log.shape, generator=g)))
+                module.norm.weight.copy_(1.0 + 0.2 * torch.randn(module.norm.weight.shape, generator=g))  # not 1 + w
+    return model
+
+
+def hf_logits(model, tokens=TOKENS):
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
+
+
+_forward = jax.jit(lambda graphdef, state, tokens: nnx.merge(graphdef, state)(tokens), static_argnums=0)
+
+
+def gattn_logits(workdir, tokens=TOKENS):
+    graphdef, state = nnx.split(rundir.load(workdir).model)  # (dense and vl share one compile)
+    return np.asarray(_forward(graphdef, state, jnp.asarray(tokens)))
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def converted(request, tmp_path_factory, tokenizer_file):  # noqa: F811
+    """(kind, transformers model, folder, its converted run, what from-hf printed)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    model = qwen35_model(request.param)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        convert.from_hf(save(model, tmp / "hf", tokenizer_file), tmp / "run")
+    return request.param, model, tmp / "hf", tmp / "run", err.getvalue()
+
+
+def test_logits_match_transformers(converted):
+    kind, model, _, run, printed = converted
+    cfg = rundir.read_config(run).model
+    assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",) and cfg.zero_centered_norm
+    assert (cfg.head_dim, cfg.rope_dim, cfg.gate, cfg.qk_norm) == (64, 16, GateSpec(granularity="elementwise"), True)
+    assert (cfg.linear_attention.num_k_heads, cfg.linear_attention.num_v_heads) == (2, 4)
+    assert cfg.moe == (MoESpec(num_experts=4, top_k=2, expert_width=24, renormalize=True, shared_expert_width=32)
+                       if kind == "moe" else None)
+    assert json.loads((run / "converted.json").read_text())["layout"] == "qwen3_5"
+    vision = [line for line in printed.splitlines() if "vision tower" in line]
+    assert len(vision) == (kind == "vl")
+    if kind == "vl":  # one line naming the tower and its tensors
+        n = sum(name.startswith("model.visual.") for name in model.state_dict())
+        assert vision[0] == (f"note: skipping the vision tower of Qwen3_5ForConditionalGeneration (model.visual.*, "
+                             f"{n} tensors): gattn converts the language model only") and n > 5
+    ours, theirs = gattn_logits(run), hf_logits(model)
+    assert np.abs(theirs).max() > 1  # (logits that carry signal)
+    print(f"{kind}: max |logit difference| {np.abs(ours - theirs).max():.2g} (logits up to {np.abs(theirs).max():.2g})")
+    np.testing.assert_allclose(ours, theirs, **TOL)
+
+
+def test_round_trip_is_bit_identical_and_loads_back_in_transformers(converted, tmp_path):
+    """from-hf then to-hf writes every language-model tensor back bit for bit (the vision tower
+    left out), as a text model transformers loads with the same logits; and from-hf of the export
+    gives the run's parameters bit for bit."""
+    from safetensors.numpy import load_file
+
+    kind, model, hf_dir, run, _ = converted
+    convert.to_hf(run, tmp_path / "back")  # auto: a run converted from Qwen3.5 goes back to Qwen3.5
+    arch = json.loads((tmp_path / "back" / "config.json").read_text())["architectures"]
+    assert arch == ["Qwen3_5MoeForCausalLM" if kind == "moe" else "Qwen3_5ForCausalLM"]
+    saved = {name.replace("model.language_model.", "model."): t for name, t in
+             load_file(hf_dir / "model.safetensors").items() if not name.startswith("model.visual.")}
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert saved.keys() == back.keys() and any("in_proj_qkv" in name for name in back)
+    for name in saved:
+        np.testing.assert_array_equal(saved[name], back[name], err_msg=name)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert type(again).__name__ == arch[0]
+    np.testing.assert_array_equal(hf_logits(again), hf_logits(model))
+    convert.from_hf(tmp_path / "back", tmp_path / "run2")
+    a, b = _flat_params(run), _flat_params(tmp_path / "run2")
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
+
+
+def test_greedy_decoding_gives_transformers_generate_tokens(converted):
+    """Two prompts in one left-padded batch, prefilled 16 tokens at a time (the long one crosses
+    the 64-token chunk), then recurrent steps: each row decodes what transformers' generate
+    decodes for it alone."""
+    _, model, _, run, _ = converted
+    prompts = [TOKENS[0, :70].tolist(), TOKENS[1, :9].tolist()]
+    theirs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.as_tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
+                                 do_sample=False)
+        theirs.append(out[0, len(prompt):].tolist())
+    ours = decode.generate(rundir.load(run).model, prompts, max_new_tokens=8, prefill_chunk=16, max_len=96)
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("converted", ["moe"], indirect=True)
+def test_released_fused_experts_read_as_the_saved_ones(converted, tmp_path):
+    """Qwen3.5-MoE's released files store each layer's experts fused (gate_up_proj [E, 2F, D],
+    down_proj [E, D, F]): the same parameters as the per-expert tensors save_pretrained writes. A
+    fused tensor of the wrong shape is named. (With an MTP layer: the test below.)"""
+    from safetensors.numpy import load_file, save_file
+
+    _, _, hf_dir, run, _ = converted
+    tensors = load_file(hf_dir / "model.safetensors")
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for i in range(4):
+        p = f"model.layers.{i}.mlp.experts."
+        fused[p + "gate_up_proj"] = np.stack([np.concatenate([tensors[f"{p}{j}.gate_proj.weight"],
+                                                              tensors[f"{p}{j}.up_proj.weight"]]) for j in range(4)])
+        fused[p + "down_proj"] = np.stack([tensors[f"{p}{j}.down_proj.weight"] for j in range(4)])
+    src = tmp_path / "released"
+    shutil.copytree(hf_dir, src)
+    save_file(fused, src / "model.safetensors", metadata={"format": "pt"})
+    convert.from_hf(src, tmp_path / "run")
+    a, b = _flat_params(run), _flat_params(tmp_path / "run")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    fused["model.layers.2.mlp.experts.down_proj"] = fused["model.layers.2.mlp.experts.down_proj"][:, :, :20]
+    save_file(fused, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"tensor model.layers.2.mlp.experts.down_proj has shape "
+                                              r"\(4, 64, 20\); config.json implies \(4, 64, 24\)"):
+        convert.from_hf(src, tmp_path / "run3")
+
+
+@pytest.mark.parametrize("converted", ["vl"], indirect=True)
+def test_measurements_and_lm_eval_read_a_qwen3_5_folder(converted):
+    """lm-eval's model class loads the multimodal folder itself (converted in memory) and scores
+    continuations as transformers does; eval.py's measurements on the converted run cover the
+    attention layer and M-Act everywhere, as on any hybrid (tests/test_hybrid.py)."""
+    from gattn.eval import analysis
+    from gattn.interop import harness
+
+    _, model, hf_dir, run, _ = converted
+    lm = harness.GattnLM(workdir=str(hf_dir), batch_size=2)
+    requests = [(None, TOKENS[0, :70].tolist(), TOKENS[0, 70:76].tolist()),
+                (None, TOKENS[1, :20].tolist(), TOKENS[1, 20:23].tolist())]
+    ours = [logp for logp, _ in lm._loglikelihood_tokens(requests)]
+    theirs = []
+    for _, ctx, cont in requests:
+        logp = torch.log_softmax(torch.as_tensor(hf_logits(model, [ctx + cont])[0]), -1)
+        theirs.append(float(sum(logp[len(ctx) - 1 + i, t] for i, t in enumerate(cont))))
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
+    out = analysis.summarize(rundir.load(run).model, TOKENS[:, :24])
+    rows = out["per_layer"]
+    assert [r["mixer"] for r in rows] == ["linear_attention"] * 3 + ["full_attention"]
+    assert all(r["m_act"] > 0 for r in rows) and [r["gate_score"] is None for r in rows] == [True] * 3 + [False]
+    assert 0 < out["overall"]["gate_score"] < 1 and out["overall"]["attention_layers"] == [3]
+
+
+# --------------------------------------------------------------------------- no model needed
+
+
+def test_the_multimodal_rope_on_text_positions_is_plain_rope():
+    """transformers' Qwen3.5 RoPE with the shipped config (head_dim 256, a quarter rotating,
+    mrope_section [11, 11, 10], base 1e7; and with YaRN) on text positions (temporal = height =
+    width) equals gattn's plain partial RoPE; on image positions it does not."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding, apply_rotary_pos_emb
+
+    from gattn.model.layers import apply_rope
+
+    shipped = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+               "mrope_interleaved": True}
+    yarn = {**shipped, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    assert qwen3_5.mrope_section(64) == shipped["mrope_section"] and qwen3_5.mrope_section(16) == [3, 3, 2]
+    rng = np.random.default_rng(0)
+    positions = np.sort(rng.choice(4096, size=48, replace=False))
+    x = rng.standard_normal((48, 2, 256)).astype(np.float32)  # [tokens, heads, head_dim]
+    for rope in (shipped, yarn):
+        hf = {**TEXT, "head_dim": 256, "max_position_embeddings": 4096, "rope_parameters": rope}
+        cfg = hf_config.model_config({**hf, "architectures": ["Qwen3_5ForCausalLM"]}, "qwen3_5")
+        assert cfg.rope_dim == 64 and (cfg.yarn is None) == (rope is shipped)
+        embed = Qwen3_5TextRotaryEmbedding(transformers.Qwen3_5TextConfig(**hf))
+        xt = torch.as_tensor(x).transpose(0, 1)[None]  # [1, heads, tokens, head_dim]
+
+        def theirs(pos_3xS):
+            cos, sin = embed(xt, torch.as_tensor(pos_3xS)[:, None, :])
+            return apply_rotary_pos_emb(xt, xt, cos, sin)[0][0].transpose(0, 1).numpy()
+
+        ours = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions), cfg.rope_base, cfg.yarn, cfg.rope_dim))
+        # (to fp32 angle rounding: at positions near 4096 one ulp of the angle is 4.9e-4 rad, and the
+        # two sides round their frequencies differently; an image's positions differ by > 0.1 below)
+        np.testing.assert_allclose(theirs(np.stack([positions] * 3)), ours, rtol=0, atol=2e-3)
+        near = positions < 256
+        np.testing.assert_allclose(theirs(np.stack([positions] * 3))[near], ours[near], rtol=0, atol=1e-4)
+        image = np.stack([positions, positions // 7, positions % 7])  # (an image's grid: height, width differ)
+        assert np.abs(theirs(image) - ours).max() > 0.1
+
+
+QWEN35_27B = {  # Qwen3.5-27B's config.json, as released (vision_config shortened: it is skipped)
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "image_token_id": 248056,
+    "video_token_id": 248057, "vision_start_token_id": 248053, "vision_end_token_id": 248054,
+    "language_model_only": False, "tie_word_embeddings": False, "transformers_version": "4.57.0.dev0",
+    "vision_config": {"depth": 27, "hidden_size": 1152, "model_type": "qwen3_5"},
+    "text_config": {
+        "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True, "bos_token_id": 248044,
+        "dtype": "bfloat16", "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256,
+        "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02, "intermediate_size": 17408,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16, "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 48,
+        "linear_value_head_dim": 128, "mamba_ssm_dtype": "float32", "max_position_embeddings": 262144,
+        "model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+        "num_attention_heads": 24, "num_hidden_layers": 64, "num_key_value_heads": 4, "rms_norm_eps": 1e-6,
+        "use_cache": True, "vocab_size": 248320,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "rope_type": "default",
+                            "rope_theta": 10_000_000, "partial_rotary_factor": 0.25}}}
+
+
+def test_every_config_field_is_mapped_or_refused_in_one_line():
+    text = QWEN35_27B["text_config"]
+    assert hf_config.detect_layout(QWEN35_27B) == "qwen3_5"
+    cfg = hf_config.model_config(QWEN35_27B, "qwen3_5")
+    assert (cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.q_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff) == \
+        (248320, 5120, 64, 24, 4, 256, 17408)
+    assert (cfg.rope_base, cfg.rope_dim, cfg.tie_embeddings, cfg.moe, cfg.layer_types) == \
+        (1e7, 64, False, None, tuple(text["layer_types"]))
+    la = cfg.linear_attention
+    assert (la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim, la.conv_kernel) == (16, 48, 128, 128, 4)
+    moe_text = {**{k: v for k, v in text.items() if k != "intermediate_size"}, "model_type": "qwen3_5_moe_text",
+                "hidden_size": 2048, "num_hidden_layers": 4, "layer_types": text["layer_types"][:4],
+                "num_key_value_heads": 2, "num_experts": 256, "num_experts_per_tok": 8,
+                "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "router_aux_loss_coef": 0.001}
+    moe = hf_config.model_config({**moe_text, "architectures": ["Qwen3_5MoeForCausalLM"]}, "qwen3_5").moe
+    assert moe == MoESpec(num_experts=256, top_k=8, expert_width=512, renormalize=True, shared_expert_width=512)
+    outer, inner = "config.json ", "config.json text_config."
+    refused = [  # (where, field, value, what the line must say)
+        (inner, "attn_output_gate", False, "always gates"), (inner, "hidden_act", "gelu", "'silu' or absent"),
+        (inner, "attention_dropout", 0.1, "no attention dropout"), (inner, "mlp_only_layers", [1], r"\[\] or absent"),
+        (inner, "norm_topk_prob", False, "always renormalises"), (inner, "num_experts", 8, "not one of the fields"),
+        (inner, "quantization_config", {"bits": 4}, "not one of the fields"),
+        (inner, "tie_word_embeddings", True, "the outer tie_word_embeddings"),
+        (inner, "layer_types", ["mamba"] * 64, "one of full_attention, linear_attention"),
+        (outer, "quantization_config", {"bits": 4}, "not one of the fields of Qwen3.5's multimodal"),
+        (outer, "text_config", None, "the language model's config")]
+    for where, field, value, match in refused:
+        bad = json.loads(json.dumps(QWEN35_27B))
+        (bad if where == outer else bad["text_config"])[field] = value
+        with pytest.raises(ConfigError, match=f"'{where}{field}' = .* is not allowed: .*{match}"):
+            hf_config.model_config(bad, "qwen3_5")
+    for key, value, match in [("mrope_interleaved", False, "interleaves"), ("mrope_section", [11, 21], "3 integers"),
+                              ("rope_type", "linear", "'default' or 'yarn'"), ("scaling", 2.0, "one of rope_type")]:
+        bad = json.loads(json.dumps(QWEN35_27B))
+        bad["text_config"]["rope_parameters"][key] = value
+        with pytest.raises(ConfigError, match=match):
+            hf_config.model_config(bad, "qwen3_5")
+
+
+def test_export_writes_qwen3_5_for_a_converted_qwen3_5_and_refuses_what_it_cannot_hold(tmp_path):
+    """auto gives Qwen3.5 back to a run converted from one, or continuing one (train.init_from),
+    and qwen3_next otherwise; Qwen3.5's config.json reads back as the same gattn model; an MoE that
+    does not renormalise or has no shared expert is refused naming the field."""
+    shared = MoESpec(num_experts=4, top_k=2, expert_width=8, shared_expert_width=8)
+    for model in (tiny_hybrid(rope_dim=4), tiny_hybrid(moe=shared)):
+        assert hf_config.export_layout(model) == "qwen3_next"
+        assert hf_config.export_layout(model, source="qwen3_5") == "qwen3_5"
+        hf = hf_config.hf_config(model, "qwen3_5", 128)
+        assert hf["rope_parameters"]["mrope_section"] == qwen3_5.mrope_section(model.rope_dim or model.head_dim)
+        unused = {"d_ff": model.moe.expert_width} if model.moe else {}  # (d_ff is not written beside an MoE)
+        assert hf_config.model_config(hf, "qwen3_5") == dataclasses.replace(model, **unused)
+    unnormalised = tiny_hybrid(moe=MoESpec(num_experts=4, top_k=2, expert_width=8, shared_expert_width=8,
+                                           renormalize=False))
+    assert hf_config.export_layout(unnormalised, source="qwen3_5") == "qwen3_next"
+    with pytest.raises(ConfigError, match="'model.moe.renormalize' = False .*--layout qwen3_next"):
+        hf_config.export_layout(unnormalised, "qwen3_5")
+    with pytest.raises(ConfigError, match="'model.moe.shared_expert_width' = 0 .*layout qwen3_5"):
+        hf_config.export_layout(tiny_hybrid(moe=MoESpec(num_experts=4, top_k=2, expert_width=8)), "qwen3_5")
+    with pytest.raises(ConfigError, match="'model.gate' = None .*layout qwen3_5 holds a G1 gate"):
+        hf_config.export_layout(ModelConfig(qk_norm=True), "qwen3_5")
+    source = tmp_path / "converted"
+    source.mkdir()
+    (source / "converted.json").write_text(json.dumps({"layout": "qwen3_5"}))
+    continued = Config(model=tiny_hybrid(), train=TrainConfig(init_from=str(source)))
+    assert convert.converted_layout(tmp_path, continued) == "qwen3_5"
+    assert convert.converted_layout(tmp_path, Config(model=tiny_hybrid())) is None
+
+
+# --------------------------------------------------------------------------- the MTP layer in a folder
+
+
+class TorchMTP(torch.nn.Module):
+    """Qwen3.5's MTP layer built from transformers' own modules, as the released checkpoints name
+    its tensors (mtp.*) and vLLM / SGLang run it (transformers skips it on load): y = norm(layer(fc(
+    [pre_fc_norm_embedding(embed(x_{t+1})) | pre_fc_norm_hidden(h_t)]))), logits = lm_head(y), h_t
+    the main model's final hidden state. A plain module, so its MoE experts are stored fused
+    (mlp.experts.gate_up_proj / down_proj), as in the released Qwen3.5-MoE files."""
+
+    def __init__(self, model):
+        super().__init__()
+        text = model.config.get_text_config()
+        mod = transformers.models.qwen3_5_moe.modeling_qwen3_5_moe if "Moe" in type(model).__name__ else \
+            transformers.models.qwen3_5.modeling_qwen3_5
+        prefix = "Qwen3_5Moe" if "Moe" in type(model).__name__ else "Qwen3_5"
+        norm, layer = getattr(mod, prefix + "RMSNorm"), getattr(mod, prefix + "DecoderLayer")
+        d = text.hidden_size
+        self.pre_fc_norm_embedding, self.pre_fc_norm_hidden = norm(d, eps=text.rms_norm_eps), norm(d, eps=text.rms_norm_eps)
+        self.fc = torch.nn.Linear(2 * d, d, bias=False)
+        self.layers = torch.nn.ModuleList([layer(text, text.layer_types.index("full_attention"))])
+        self.norm = norm(d, eps=text.rms_norm_eps)
+        self.main = [model]  # (not a submodule: its tensors are not the MTP layer's)
+
+    def logits(self, tokens):
+        """MTP logits [1, S-1, V] (position t predicts token t+2) of one row of tokens [1, S]."""
+        main = self.main[0]
+        inner = main.model.language_model if hasattr(main.model, "language_model") else main.model
+        with torch.no_grad():
+            ids = torch.as_tensor(tokens)
+            h = inner(input_ids=ids).last_hidden_state[:, :-1]
+            e = inner.embed_tokens(ids[:, 1:])
+            x = self.fc(torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(h)], -1))
+            s = x.shape[1]
+            pos = torch.arange(s).view(1, 1, -1).expand(3, 1, -1)
+            mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+            x = self.layers[0](x, position_embeddings=inner.rotary_emb(x, pos), attention_mask=mask)
+            return main.lm_head(self.norm(x)).float().numpy()
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_mtp_layer_converts_both_ways_and_gives_the_reference_mtp_logits(kind, tmp_path, tokenizer_file):  # noqa: F811
+    """A Qwen3.5 folder with its MTP layer (mtp.*, as released: the MoE's experts fused): from-hf
+    sets model.mtp_layers = 1 and gattn's MTP logits equal the reference built from transformers'
+    modules; to-hf writes every mtp.* tensor back (bit for bit; the MoE's experts per expert) and
+    mtp_num_hidden_layers 1; transformers loads the export with the same logits."""
+    from safetensors.numpy import load_file, save_file
+
+    from gattn.model.transformer import head_logits
+
+    model = qwen35_model(kind)
+    mtp = randomize(TorchMTP(model), seed=5, norm_center=0.0)
+    hf_dir = save(model, tmp_path / "hf", tokenizer_file, {"mtp_num_hidden_layers": 1,
+                                                            "mtp_use_dedicated_embeddings": False})
+    tensors = load_file(hf_dir / "model.safetensors")
+    released = {"mtp." + n: t.detach().numpy().copy() for n, t in mtp.state_dict().items()}
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in released) == (kind == "moe")
+    save_file({**tensors, **released}, hf_dir / "model.safetensors", metadata={"format": "pt"})
+
+    convert.from_hf(hf_dir, tmp_path / "run")
+    ours_model = rundir.load(tmp_path / "run").model
+    assert ours_model.cfg.mtp_layers == 1
+    tokens = TOKENS[:1, :40]
+    x_NxD, _ = ours_model.hidden(jnp.asarray(tokens))
+    h_NxD = x_NxD.reshape(1, 40, -1)[:, :-1].reshape(39, -1)
+    y_NxD, _ = ours_model.mtp_hidden(h_NxD, jnp.asarray(tokens[:, 1:]))
+    ours = np.asarray(head_logits(y_NxD, ours_model.head_weight(), ours_model.dtype)).reshape(1, 39, -1)
+    theirs = mtp.logits(tokens)
+    assert np.abs(theirs).max() > 1
+    np.testing.assert_allclose(ours, theirs, **TOL)
+
+    convert.to_hf(tmp_path / "run", tmp_path / "back")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["mtp_num_hidden_layers"] == 1
+    written = {n: t for n, t in back.items() if n.startswith("mtp.")}
+    if kind == "moe":  # (written per expert, as save_pretrained writes the main layers')
+        p, e = "mtp.layers.0.mlp.experts.", 4
+        written[p + "gate_up_proj"] = np.stack([np.concatenate([written.pop(f"{p}{j}.gate_proj.weight"),
+                                                                written.pop(f"{p}{j}.up_proj.weight")]) for j in range(e)])
+        written[p + "down_proj"] = np.stack([written.pop(f"{p}{j}.down_proj.weight") for j in range(e)])
+    assert written.keys() == released.keys()
+    for name in released:
+        np.testing.assert_array_equal(written[name], released[name], err_msg=name)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    np.testing.assert_array_equal(hf_logits(again), hf_logits(model))
+
+
+def test_the_continued_pretraining_preset_is_the_converted_qwen3_5_2b():
+    """configs/qwen3_5_2b.py is the model from-hf reads from Qwen3.5-2B's released config.json
+    (its text_config's fields, as published; the vision tower's left out) with its MTP layer, so
+    `train.py --init-from` accepts the converted run (gattn/train/init_from.py compares them)."""
+    from gattn import cli
+    from gattn.train import init_from
+
+    released = json.loads(json.dumps(QWEN35_27B))
+    released["text_config"].update(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+        linear_num_value_heads=16, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6,
+        tie_word_embeddings=True)
+    released["tie_word_embeddings"] = True
+    converted = dataclasses.replace(hf_config.model_config(released, "qwen3_5"), mtp_layers=1)
+    preset = cli.load("qwen3_5_2b", [])
+    assert preset.model == converted
+    rundir.check_same(preset, Config(model=converted), ("model",), may_change=init_from.MAY_DIFFER, what="the source",
+                  fix="(the check --init-from makes)")
+    assert preset.train.mtp_loss_weight > 0 and preset.model.mtp_layers == 1
