@@ -46,6 +46,7 @@ COMMON = {
     "model.layer_types": "every layer softmax attention, as in the paper (Qwen3-Next's hybrid: docs/hybrid.md)",
     "model.linear_attention": "none: no Gated DeltaNet layers (the paper's models are attention only)",
     "model.param_dtype": "ours: float32 weights and optimizer state (the paper does not say)",
+    "model.mtp_layers": "none: no multi-token-prediction layer (the paper has none; Qwen3.5's: docs/mtp.md)",
     "train.seed": "ours: any seed",
     "train.weight_decay": "Sec. 3.1 (AdamW's defaults): PyTorch's weight decay 0.01, with its betas "
                           "(0.9, 0.999) and epsilon 1e-8; ours: only weight matrices decay, not norm "
@@ -56,6 +57,7 @@ COMMON = {
     "train.extend": "ours: a resume with more steps refits the cosine to them (docs/training.md)",
     "train.continue_step": "none: the schedule as trained (a continuation starts here; docs/training.md)",
     "train.continue_lr": "none: the schedule as trained (a continuation's LR; docs/training.md)",
+    "train.mtp_loss_weight": "none: next-token loss only (the paper trains no MTP layer; docs/mtp.md)",
 }
 # Settings that change neither the trained model nor its training: how often to log, evaluate and
 # save, and when a run stops on non-finite losses.
