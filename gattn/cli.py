@@ -58,14 +58,16 @@ def _coerce(path: str, text: str, hint: Any) -> Any:
     return text
 
 
-def _build(cfg: Any, tree: dict, prefix: str) -> Any:
+def _build(cfg: Any, tree: dict, prefix: str, replace: dict | None = None) -> Any:
     """Returns `cfg` with every override in `tree` ({field: text or subtree}) applied at once, so
     that cross-field checks see the final values whatever the order on the command line. `cfg` may
-    be a dataclass type: an absent sub-config is created from its defaults and the given fields."""
+    be a dataclass type: an absent sub-config is created from its defaults and the given fields.
+    `replace` ({field: value}) swaps whole fields in the same construction (a variant's model),
+    the overrides of those fields applying on top of the new values."""
     cls = cfg if isinstance(cfg, type) else type(cfg)
     fields = {f.name for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    changes = {}
+    changes = dict(replace or {})
     for name, value in tree.items():
         path = f"{prefix}.{name}" if prefix else name
         if name not in fields:
@@ -74,7 +76,7 @@ def _build(cfg: Any, tree: dict, prefix: str) -> Any:
         if isinstance(value, str):
             changes[name] = _coerce(path, value, hints[name])
             continue
-        child = None if isinstance(cfg, type) else getattr(cfg, name)
+        child = changes[name] if name in changes else None if isinstance(cfg, type) else getattr(cfg, name)
         if child is None:  # a field of an absent sub-config: built from its defaults and these fields
             child = next((a for a in (hints[name], *typing.get_args(hints[name]))
                           if dataclasses.is_dataclass(a)), None)
@@ -87,8 +89,9 @@ def _build(cfg: Any, tree: dict, prefix: str) -> Any:
         raise e.under(prefix) from None
 
 
-def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
-    """Applies overrides like `model.num_layers=2` (a leading `--config.` is accepted too)."""
+def apply_overrides(cfg: Any, overrides: list[str], replace: dict | None = None) -> Any:
+    """Applies overrides like `model.num_layers=2` (a leading `--config.` is accepted too), with
+    the whole fields in `replace` swapped in the same construction (see `_build`)."""
     tree: dict = {}
     seen: dict[str, str] = {}
     for item in overrides:
@@ -109,7 +112,7 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
         if isinstance(node.get(leaf), dict):
             raise ConfigError(path, text.strip(), "set either the value or its fields, not both")
         node[leaf] = text.strip()
-    return _build(cfg, tree, "")
+    return _build(cfg, tree, "", replace)
 
 
 def canonical(path: str) -> str:
@@ -187,12 +190,13 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
                           "the variant once" if variant is not None else "one variant (given twice with different "
                           "names): name the variant once")
     variant = named[-1].partition("=")[2].strip() if named else variant
-    if variant is not None:  # (the execution overrides first: the variant's model is checked against them)
-        cfg = apply_overrides(cfg, [o for o in overrides if not o.removeprefix("--").removeprefix("config.")
-                                    .startswith("model.")])
-        base, cfg = cfg.model, dataclasses.replace(cfg, model=variants.apply(variant, cfg.model), variant=variant)
-        variant_model = cfg.model
-    cfg = apply_overrides(cfg, list(overrides))
+    # The variant's model and every override in one construction: the cross-field checks see the
+    # final config (a variant's model with an execution override it needs, an MTP loss weight with
+    # the model.mtp_layers set beside it), whatever the order.
+    base = cfg.model
+    variant_model = variants.apply(variant, base) if variant is not None else None
+    cfg = apply_overrides(cfg, list(overrides),
+                          None if variant is None else {"model": variant_model, "variant": variant})
     if variant is not None:  # the variant's own fields changed by an override: recorded as what the model is
         cfg = dataclasses.replace(cfg, variant=describe_variant(variant, base, variant_model, cfg.model))
     check_variant(cfg)

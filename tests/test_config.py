@@ -193,6 +193,20 @@ def test_load_config_file_with_variant_and_overrides():
     assert e.value.field == "--config"
 
 
+def test_a_variant_loads_with_an_mtp_loss_weight_and_its_layer_in_either_order():
+    """The variant's model and every override are built in one construction, so the cross-field
+    check (an MTP loss weight needs model.mtp_layers) sees both, whatever their order; it used to
+    apply the train overrides before the model ones and refuse this command line."""
+    for overrides in (["--config.train.mtp_loss_weight=0.3", "--config.model.mtp_layers=1"],
+                      ["--config.model.mtp_layers=1", "--config.train.mtp_loss_weight=0.3"]):
+        cfg = cli.load(ROOT / "configs/tiny.py", overrides, variant="sdpa_elementwise")
+        assert (cfg.model.mtp_layers, cfg.train.mtp_loss_weight) == (1, 0.3)
+        assert cfg.variant == "sdpa_elementwise" and cfg.model.gate == GateSpec()
+    with pytest.raises(ConfigError) as e:
+        cli.load(ROOT / "configs/tiny.py", ["--config.train.mtp_loss_weight=0.3"], variant="sdpa_elementwise")
+    assert e.value.field == "train.mtp_loss_weight"
+
+
 def test_extension_preset_changes_only_what_no_parameter_depends_on():
     """configs/extend_tiny.py: the tiny model with RoPE base 1M at 4x the sequence length."""
     tiny, ext = cli.load(ROOT / "configs/tiny.py"), cli.load(ROOT / "configs/extend_tiny.py")
