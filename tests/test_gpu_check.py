@@ -128,3 +128,32 @@ def test_docs_gpu_md_installs_the_jax_that_pyproject_pins():
     installs = [line for line in page.splitlines() if line.startswith("pip install") and "jax[cuda" in line]
     assert installs and all(f"=={pinned}" in line for line in installs), installs
     assert not re.search(r"^pip install -U", page, re.M)
+
+
+def test_a_kernels_part_cut_short_still_reports_its_ratios(tmp_path, monkeypatch):
+    """On the H200 the part's time cap killed it inside the `xla` path at 8k, after the fused,
+    ungated and cuDNN paths were timed: the ratios, written only after the last path, were lost."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+
+    from gattn import kernels
+
+    def killed(*a, **k):
+        raise SystemExit("killed by the part's time cap")  # not an Exception: like the kill, it ends the part
+
+    monkeypatch.setattr(kernels, "attention_xla", killed)
+    report = gpu_check.Report(tmp_path / "kernels.json", "kernels")
+    with pytest.raises(SystemExit):
+        gpu_check.part_kernels(report, True, float("inf"))
+    written = json.loads((tmp_path / "kernels.json").read_text())["kernels"]["32"]
+    assert "xla_plus_gate" not in written
+    assert written["fused_over_ungated"] > 0 and written["fused_over_cudnn_plus_gate"] > 0
+
+
+def test_gpu_blocks_dry_run(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_blocks.py"), "--out", str(tmp_path), "--dry-run"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads((tmp_path / "gpu_blocks.json").read_text())["rows"]
+    assert "cudnn_plus_gate" in rows and len(rows) == 3
+    assert all(r[p]["ms"] > 0 for r in rows.values() for p in ("fwd", "fwd_bwd")), rows
