@@ -2,6 +2,7 @@
 answers are known, the stability trace against the run it replays, and one small lab run."""
 
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -151,6 +152,11 @@ def test_a_small_lab_run_is_traced_step_for_step(tmp_path):
     assert rows[0]["update_ratio"] != rows[-1]["update_ratio"]
     path = trace.figure({"gated": {"rows": rows, "spike_steps": [12]}}, tmp_path / "fig.png")
     assert path.stat().st_size > 10_000
+    # the command line: the same figure from the trace just written, and its numbers beside it
+    assert trace.main([f"gated={tmp_path}", "--out", str(tmp_path / "cli.png"), "--reuse"]) == 0
+    numbers = json.loads((tmp_path / "cli.json").read_text())["gated"]
+    assert numbers["matches_run"] and numbers["steps"] == 24
+    assert numbers["m_act"]["max"] == max(r["m_act"] for r in rows)
 
 
 def test_max_attention_logit_is_the_largest_causal_score():
@@ -179,7 +185,7 @@ def test_max_attention_logit_is_the_largest_causal_score():
 
 @pytest.mark.slow
 def test_the_instability_verdict_study(tmp_path):
-    """The whole preset study (150 cells, about 4 hours on 2 shared cores: docs/instability.md)."""
+    """The whole preset study (100 cells; its time on 2 shared cores: docs/instability.md)."""
     from gattn.experiments.study import load, run
 
     report = run(load("instability_verdict"), tmp_path)

@@ -13,12 +13,25 @@ before the runs (gattn/experiments/study/stability_rule.py; study.json records i
   the 95% Student-t interval of the paired differences;
 - no verdict at a rate where the baseline neither diverged nor averaged >= 1 spike.
 
-150 cells of the lab's budget; resumable cell by cell: rerun the same command.
+100 cells (5 variants x 2 learning rates x 10 seeds) of the lab's budget; resumable cell by cell:
+rerun the same command.
 
     nice -n 10 python -m gattn.study configs/study/instability_verdict.py --workdir workdir/study/instability_verdict
+
+`python -m gattn.study` trains the cells learning rate by learning rate, variant by variant, seed
+by seed, so a study stopped part way has some variants and no others. Run as a script, this file
+trains the same cells in the same directory in the order a partial study stays balanced and
+paired in (`order`: seeds outer, the three variants the claim needs at both rates, the higher
+first, before the two controls), and writes the report (DIR/report.md, report.json) from the cells finished so far;
+`--report` writes it without training; `--part K/N` trains every N-th cell of the order from the
+K-th, so that N processes can share the cells (one per core). Either command resumes what the
+other left.
+
+    nice -n 10 python configs/study/instability_verdict.py --workdir workdir/study/instability_verdict [--report]
 """
 
 import math
+import sys
 from pathlib import Path
 
 from gattn.cli import load
@@ -29,6 +42,7 @@ RULE = StabilityRule(margin=1.0, window=10, alpha=0.05, confidence=0.95, interva
 VARIANTS = ("baseline", "sdpa_elementwise_ffn_matched", "sdpa_headwise_ffn_matched", "sandwich_norm",
             "output_clip_100")
 LEARNING_RATES = (3e-1, 1.0)
+CLAIM_VARIANTS = VARIANTS[:3]  # the verdict's; the controls (sandwich norm, clipping) follow them
 
 
 def get_study() -> Study:
@@ -45,3 +59,67 @@ def get_study() -> Study:
         stability_rule=RULE,
         description="the instability verdict: the instability lab, baseline vs G1 gates and the paper's "
                     "controls, 10 paired seeds at two learning rates")
+
+
+def order(study: Study) -> list:
+    """The study's cells in the order the script trains them: the claim's variants first, seed by
+    seed (in a seed: the highest learning rate first, where the baseline loses stability, then the
+    lower; at each, every variant), then the controls the same way."""
+    from gattn.experiments.study import cells  # noqa: PLC0415
+
+    first = [v for v in study.variants if v in CLAIM_VARIANTS]
+    rank = {v: i for i, v in enumerate(first + [v for v in study.variants if v not in first])}
+    return sorted(cells(study), key=lambda c: (c.variant not in first, c.seed, -c.lr, rank[c.variant]))
+
+
+def finished(study: Study, root: Path) -> list[dict]:
+    """The records of the cells finished in `root` (cell.json), in the study's own order."""
+    import json  # noqa: PLC0415
+
+    from gattn.experiments.study import cells  # noqa: PLC0415
+
+    return [json.loads((root / c.path / "cell.json").read_text()) for c in cells(study)
+            if (root / c.path / "cell.json").is_file()]
+
+
+def main(argv=None) -> int:
+    import argparse  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    from gattn.experiments.study import describe, run_cell, write_report  # noqa: PLC0415
+    from gattn.experiments.study.runner import STOPPED, _check_same_study  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(description="the instability verdict in a balanced, paired order (see the docstring)")
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--report", action="store_true", help="write the report from the finished cells; train nothing")
+    ap.add_argument("--part", default="0/1", help="K/N: train only every N-th cell of the order from the K-th "
+                    "(N processes side by side, one per core, K = 0..N-1)")
+    args = ap.parse_args(argv)
+    k, _, n = args.part.partition("/")
+    if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+        ap.error(f"--part {args.part!r}: expected K/N with 0 <= K < N")
+    study, root = get_study(), Path(args.workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    _check_same_study(study, root)  # (the same check, and study.json, as python -m gattn.study)
+    (root / "study.json").write_text(json.dumps(describe(study), indent=2))
+    grid = order(study)
+    stopped = False
+    for i, cell in enumerate([] if args.report else grid, 1):
+        if (i - 1) % int(n) != int(k):
+            continue
+        done = (root / cell.path / "cell.json").is_file()
+        print(f"[{i}/{len(grid)}] {cell.variant} lr={cell.lr:g} seed={cell.seed}: "
+              + ("finished earlier, skipped" if done else "training"), flush=True)
+        if run_cell(study, cell, root) is None:
+            print(STOPPED, flush=True)
+            stopped = True
+            break
+    records = finished(study, root)
+    if records:
+        write_report(study, records, root)
+        print(f"report of {len(records)}/{len(grid)} finished cells: {root / 'report.md'}", flush=True)
+    return 1 if stopped else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

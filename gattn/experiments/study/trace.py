@@ -173,3 +173,65 @@ def figure(traces: dict[str, dict], path: Path, lead: int = 10, lag: int = 3, ti
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     return path
+
+
+def summary(rows: list[dict], spike_steps: list[int], lead: int = 10) -> dict:
+    """Numbers of one traced run for the docs: each probe's largest value along the run (and its
+    step), and its mean over the `lead` steps before the run's spikes against its mean at them."""
+    out = {"steps": len(rows), "spikes": len(spike_steps)}
+    for key in FIELDS[1:] + ("grad_norm",):
+        vals = [(r.get(key), r["step"]) for r in rows if isinstance(r.get(key), (int, float))]
+        if not vals:
+            continue
+        top = max(vals)
+        win = before_spikes(rows, spike_steps, key, lead, 0) if spike_steps else np.full((0, lead + 1), np.nan)
+        out[key] = {"max": top[0], "at": top[1], "median": float(np.median([v for v, _ in vals])),
+                    "before_spikes": float(np.nanmean(win[:, :-1])) if len(win) else None,
+                    "at_spikes": float(np.nanmean(win[:, -1])) if len(win) else None}
+    return out
+
+
+def main(argv=None) -> int:
+    """python -m gattn.experiments.study.trace NAME=RUN_DIR [NAME=RUN_DIR ...] --out FIG.png
+    [--title T] [--reuse]: traces each finished run (or, with --reuse, reads the DIR/trace.jsonl
+    an earlier trace wrote), draws the mechanism figure of them all, and prints each run's
+    `summary` (also written beside the figure as FIG.json)."""
+    import argparse  # noqa: PLC0415
+
+    from gattn.experiments.study.runner import _losses, read_metrics  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(prog="python -m gattn.experiments.study.trace", description=main.__doc__)
+    ap.add_argument("runs", nargs="+", help="NAME=RUN_DIR: a finished training run (its metrics.jsonl, config.json)")
+    ap.add_argument("--out", required=True, help="the figure (PNG); its numbers go to the same name with .json")
+    ap.add_argument("--title", default="")
+    ap.add_argument("--reuse", action="store_true", help="read RUN_DIR/trace.jsonl where it exists")
+    args = ap.parse_args(argv)
+    traces, numbers = {}, {}
+    for item in args.runs:
+        name, _, path = item.partition("=")
+        path = Path(path)
+        done = path / "trace.jsonl"
+        if args.reuse and done.is_file():
+            rows = [json.loads(line) for line in done.read_text().splitlines()]
+            logged = {r["step"]: r.get("loss") for r in read_metrics(path)}
+            diffs = [abs(r["loss"] - logged[r["step"]]) for r in rows
+                     if isinstance(r.get("loss"), float) and isinstance(logged.get(r["step"]), float)]
+            res = {"rows": rows, "matches_run": bool(diffs) and max(diffs) == 0.0,
+                   "max_loss_diff": max(diffs) if diffs else math.nan}
+        else:
+            res = trace(path)
+        spikes = _losses(path)["spike_steps"]
+        traces[name] = {"rows": res["rows"], "spike_steps": spikes}
+        numbers[name] = {"run": str(path), "matches_run": res["matches_run"], "max_loss_diff": res["max_loss_diff"],
+                         "spike_steps": spikes, **summary(res["rows"], spikes)}
+        print(name, json.dumps(numbers[name]), flush=True)
+    out = figure(traces, Path(args.out), title=args.title)
+    out.with_suffix(".json").write_text(json.dumps(numbers, indent=1))
+    print(f"figure: {out}", flush=True)
+    return 0 if all(n["matches_run"] for n in numbers.values()) else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
