@@ -16,9 +16,9 @@ Which slice it fits (`python bench/fit_presets.py --preset dense_1p7b --topology
 trainer's train and eval steps compiled by libtpu at the real batch of 1024 x 4096, docs/presets.md):
 as configured, on a v5p-64 slice (v5p:4x4x2, 32 chips; mesh fsdp 32: parameters, gradients and
 AdamW moments sharded over every chip) with the batch in one pass (32 rows per chip) and
-exec.loss_chunk=512, the train step takes 43.3 GiB per chip of 95 and sends 11.7 GiB per chip over
-ICI (before FSDP, on data 8 x model 4: 35.6 GiB and 441 GiB); the eval step with the resident
-AdamW moments, 1.5 GiB. The smallest slices measured to fit, before FSDP: 4 chips, on v5e:2x2
+exec.loss_chunk=512, the train step takes 40.9 GiB per chip of 95 by memory_analysis (XLA's heap
+peak: 27.55) and sends 11.7 GiB per chip over ICI (before FSDP, on data 8 x model 4: 35.6 GiB and
+441 GiB); the eval step with the resident AdamW moments, 1.5 GiB. The smallest slices measured to fit, before FSDP: 4 chips, on v5e:2x2
 (v5litepod-4, 16 GiB each) with --config.train.microbatches=256 (4 rows per microbatch), 13.0 GiB
 train / 2.8 GiB eval (6.0 with the moments), or on v5p:2x2x1 (v5p-8) with microbatches=32, 35.9
 GiB train / 2.9 GiB eval.

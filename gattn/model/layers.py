@@ -111,7 +111,13 @@ def apply_rope(x_NxHxK: jax.Array, positions_N: jax.Array, base: float,
     per layer (fwd+bwd, peer shapes) faster than combining the halves with [N, 1, K/2] tables.
     With `yarn`, the frequencies and the scale of `rope_frequencies`. With `rope_dim` < K
     (partial rotary, as Qwen3-Next), only the first rope_dim dims rotate, as a head of that size
-    (pairs i and i + rope_dim/2, frequencies over rope_dim); the rest pass through unchanged."""
+    (pairs i and i + rope_dim/2, frequencies over rope_dim); the rest pass through unchanged.
+
+    The angles, cos and sin are float32; the rotation itself runs in x's dtype, as Qwen's and
+    Llama's reference code does (transformers casts cos and sin to the activations' dtype). In a
+    bf16 model a float32 rotation kept [N, H, K] float32 copies of q and k alive in every layer's
+    recomputed backward: dense_1p7b's step on v5p-64 peaked at 28.36 GiB per chip against 27.55
+    with the rotation in bf16 (docs/presets.md)."""
     if rope_dim is not None and rope_dim < x_NxHxK.shape[-1]:
         rotated = apply_rope(x_NxHxK[..., :rope_dim], positions_N, base, yarn)
         return jnp.concatenate([rotated, x_NxHxK[..., rope_dim:]], axis=-1)
@@ -123,9 +129,9 @@ def apply_rope(x_NxHxK: jax.Array, positions_N: jax.Array, base: float,
         cos, sin = cos * scale, sin * scale
     cos_Nx1xK = jnp.concatenate([cos, cos], axis=-1)[:, None, :]
     sin_Nx1xK = jnp.concatenate([-sin, sin], axis=-1)[:, None, :]
-    x = x_NxHxK.astype(jnp.float32)
+    x = x_NxHxK
     rotated = jnp.concatenate([x[..., k // 2:], x[..., : k // 2]], axis=-1)
-    return (x * cos_Nx1xK + rotated * sin_Nx1xK).astype(x_NxHxK.dtype)
+    return x * cos_Nx1xK.astype(x.dtype) + rotated * sin_Nx1xK.astype(x.dtype)
 
 
 FFN_ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu}
