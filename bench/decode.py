@@ -11,9 +11,12 @@ Prints JSON: tokens/s of `gattn.eval.decode.generate` (batched, cached) and of
 their ratio, and whether both produced the same tokens. A randomly initialised model (no eos), so
 every row generates exactly --new-tokens tokens; both are warmed up (compiled) before timing.
 The speculative mode reports `gattn.eval.speculative.generate`'s tokens/s, acceptance rate and
-main steps beside plain greedy decoding's, and whether the tokens are the same (they must be);
-with --workdir it decodes that run's model (no eos either), prompts from its validation data
-with --prompts-from-data (random tokens otherwise).
+main steps beside plain greedy decoding's, and whether the tokens are the same (they must be):
+both compiled first, then timed --repeats times, alternated (the medians; `*_ms_per_step`: a
+call's time over its main steps, the prompt's pass included). With --workdir it decodes that
+run's model (no eos either), prompts from its validation data with --prompts-from-data (random
+tokens otherwise). A batch runs until its slowest row is done, so its main steps are those of the
+row whose drafts were accepted least.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def bench_speculative(args, overrides) -> dict:
     else:
         cfg = cli.load(args.config, overrides, variant=args.variant)
         model = Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(0))
-    prompts = prompts_of(cfg, args.workdir, args, cfg.model.vocab_size)
+    prompts = prompts_of(cfg, Path(args.workdir) if args.workdir else None, args, cfg.model.vocab_size)
     out = {"jax": jax.__version__, "mode": "speculative", "model": args.workdir or args.config, "batch": args.batch,
            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "prompts": "data" if args.prompts_from_data
            else "random"}
@@ -69,13 +72,19 @@ def bench_speculative(args, overrides) -> dict:
     max_len = decode.round_up(decode.round_up(args.prompt_len, 16) + 2 * args.new_tokens, 16)
     decode.generate(model, prompts, max_new_tokens=2, max_len=max_len)
     speculative.generate(model, prompts, max_new_tokens=3, max_len=max_len)
-    t = time.perf_counter()
-    plain = decode.generate(model, prompts, max_new_tokens=args.new_tokens, max_len=max_len)
-    sec = time.perf_counter() - t
-    out.update(plain_tokens_per_s=round(args.batch * args.new_tokens / sec, 1), plain_s=round(sec, 3))
-    spec, stats = speculative.generate(model, prompts, max_new_tokens=args.new_tokens, max_len=max_len,
-                                       with_stats=True)
-    out.update(speculative_tokens_per_s=round(stats.tokens / stats.seconds, 1), speculative_s=round(stats.seconds, 3),
+    plain_s, spec_s = [], []
+    for _ in range(args.repeats):  # alternated, so a slower spell of a shared machine hits both
+        t = time.perf_counter()
+        plain = decode.generate(model, prompts, max_new_tokens=args.new_tokens, max_len=max_len)
+        plain_s.append(time.perf_counter() - t)
+        spec, stats = speculative.generate(model, prompts, max_new_tokens=args.new_tokens, max_len=max_len,
+                                           with_stats=True)
+        spec_s.append(stats.seconds)
+    sec, spec_sec = float(np.median(plain_s)), float(np.median(spec_s))
+    out.update(repeats=args.repeats, plain_tokens_per_s=round(args.batch * args.new_tokens / sec, 1),
+               plain_s=round(sec, 3), plain_ms_per_step=round(1000 * sec / args.new_tokens, 2))
+    out.update(speculative_tokens_per_s=round(stats.tokens / spec_sec, 1), speculative_s=round(spec_sec, 3),
+               speculative_ms_per_step=round(1000 * spec_sec / (stats.steps + 1), 2),
                acceptance_rate=round(stats.acceptance, 4), main_steps=stats.steps,
                tokens_per_main_step=round(stats.tokens / args.batch / max(stats.steps, 1), 3))
     out["speedup"] = round(out["speculative_tokens_per_s"] / out["plain_tokens_per_s"], 2)
@@ -92,6 +101,8 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--mode", choices=("cache", "speculative"), default="cache")
     ap.add_argument("--workdir", help="speculative mode: a trained run (with model.mtp_layers = 1)")
+    ap.add_argument("--repeats", type=int, default=3, help="speculative mode: timed calls of each (alternated); "
+                    "the median is reported")
     ap.add_argument("--prompts-from-data", action="store_true", help="speculative mode with --workdir: "
                     "prompts from the run's validation data")
     args, overrides = cli.parse_args(ap, argv)

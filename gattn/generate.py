@@ -13,7 +13,10 @@ stops at the tokenizer's EOS (not printed) or after --max-tokens tokens. Greedy 
 --temperature > 0 samples from the --top-p nucleus, the same tokens for the same --seed.
 `--speculative mtp` decodes greedily with the model's MTP layer drafting every second token
 (model.mtp_layers = 1; gattn.eval.speculative): the same tokens as plain greedy decoding, with the
-drafts' acceptance rate and the tokens/s on stderr.
+drafts' acceptance rate and the tokens/s on stderr; --compare-greedy decodes the prompts with plain
+greedy decoding too and adds its tokens/s, the speed-up (both compiled first, then timed three
+times, alternated: the medians) and whether the tokens are the same (bench/decode.py --mode
+speculative measures the same on random or validation-data prompts, --repeats times).
 
 Output: each prompt's continuation (after a `==> prompt <==` line when there are several), or
 with --json one line per prompt: {"prompt", "completion", "tokens" (the generated ids)}.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from gattn import cli
@@ -72,9 +76,11 @@ def encode(tokenizer, texts: list[str], bos: int | None) -> list[list[int]]:
 
 
 def complete(cfg, model, tokenizer, texts: list[str], *, max_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, seed: int = 0, speculative: str = "none") -> list[dict]:
+             top_p: float = 1.0, seed: int = 0, speculative: str = "none",
+             compare_greedy: bool = False) -> list[dict]:
     """{"prompt", "completion", "tokens"} per prompt: one batched decode of all of them (with
-    `speculative` "mtp", greedy and drafted by the MTP layer; the statistics go to stderr)."""
+    `speculative` "mtp", greedy and drafted by the MTP layer; the statistics go to stderr, with
+    `compare_greedy` against plain greedy decoding's: `_speculative`)."""
     import jax  # noqa: PLC0415
 
     from gattn.eval import decode  # noqa: PLC0415
@@ -84,17 +90,57 @@ def complete(cfg, model, tokenizer, texts: list[str], *, max_tokens: int, temper
     eos = tokenizer.eos_id()
     model = with_exec(model, off_mesh(model.ex))
     if speculative == "mtp":
-        from gattn.eval import speculative as spec  # noqa: PLC0415
-
-        tokens, stats = spec.generate(model, prompts, max_new_tokens=max_tokens, eos_id=eos if eos >= 0 else None,
-                                      with_stats=True)
-        print(f"speculative (mtp): {stats.accepted} of {stats.drafts} drafts accepted ({100 * stats.acceptance:.1f}%), "
-              f"{stats.tokens} tokens in {stats.steps} main steps, {stats.tokens / stats.seconds:.1f} tokens/s "
-              "(compilation included)", file=sys.stderr, flush=True)
+        tokens = _speculative(model, prompts, max_tokens, eos if eos >= 0 else None, compare_greedy)
     else:
         tokens = decode.generate(model, prompts, max_new_tokens=max_tokens, eos_id=eos if eos >= 0 else None,
                                  temperature=temperature, top_p=top_p, key=jax.random.key(seed))
     return [{"prompt": text, "completion": tokenizer.decode(t), "tokens": t} for text, t in zip(texts, tokens)]
+
+
+COMPARE_REPEATS = 3  # --compare-greedy: timed calls of each decoder (alternated); the medians are compared
+
+
+def _speculative(model, prompts: list[list[int]], max_tokens: int, eos: int | None, compare_greedy: bool):
+    """The MTP-drafted greedy tokens, with one line of statistics on stderr: the drafts accepted,
+    main steps and tokens/s (the call's compilation included). With `compare_greedy`, plain greedy
+    decoding runs on the same prompts too: each decoder is compiled first (one short call), then
+    timed COMPARE_REPEATS times, alternated, and the line gives both median tokens/s, the speed-up
+    and whether the tokens are the same."""
+    import numpy as np  # noqa: PLC0415
+
+    from gattn.eval import decode  # noqa: PLC0415
+    from gattn.eval import speculative as spec  # noqa: PLC0415
+
+    if not compare_greedy:
+        tokens, stats = spec.generate(model, prompts, max_new_tokens=max_tokens, eos_id=eos, with_stats=True)
+        print(f"{_stats_line(stats, stats.seconds)} (compilation included; the speed-up against plain greedy "
+              "decoding: --compare-greedy, or bench/decode.py --mode speculative)", file=sys.stderr, flush=True)
+        return tokens
+    # one cache length for the warm-up and the timed calls: each decoder compiles once
+    max_len = decode.round_up(decode.round_up(max(map(len, prompts)), 16) + 2 * max_tokens, 16)
+    decode.generate(model, prompts, max_new_tokens=2, max_len=max_len)
+    spec.generate(model, prompts, max_new_tokens=3, max_len=max_len)
+    plain_s, spec_s = [], []
+    for _ in range(COMPARE_REPEATS):
+        t = time.perf_counter()
+        plain = decode.generate(model, prompts, max_new_tokens=max_tokens, eos_id=eos, max_len=max_len)
+        plain_s.append(time.perf_counter() - t)
+        tokens, stats = spec.generate(model, prompts, max_new_tokens=max_tokens, eos_id=eos, max_len=max_len,
+                                      with_stats=True)
+        spec_s.append(stats.seconds)
+    plain_rate = sum(map(len, plain)) / float(np.median(plain_s))
+    spec_rate = stats.tokens / float(np.median(spec_s))
+    print(f"{_stats_line(stats, float(np.median(spec_s)))} against plain greedy decoding's {plain_rate:.1f} "
+          f"tokens/s (compiled first, medians of {COMPARE_REPEATS} calls each): "
+          f"speed-up {spec_rate / plain_rate:.2f}x, "
+          + ("the same tokens" if plain == tokens else "NOT the same tokens as plain greedy decoding"),
+          file=sys.stderr, flush=True)
+    return tokens
+
+
+def _stats_line(stats, seconds: float) -> str:
+    return (f"speculative (mtp): {stats.accepted} of {stats.drafts} drafts accepted ({100 * stats.acceptance:.1f}%), "
+            f"{stats.tokens} tokens in {stats.steps} main steps, {stats.tokens / seconds:.1f} tokens/s")
 
 
 def main(argv=None) -> int:
@@ -113,6 +159,9 @@ def main(argv=None) -> int:
     ap.add_argument("--speculative", choices=("none", "mtp"), default="none",
                     help="mtp: greedy decoding with the model's MTP layer drafting (the same tokens; "
                     "acceptance and tokens/s on stderr)")
+    ap.add_argument("--compare-greedy", action="store_true", help="with --speculative mtp: decode with plain "
+                    f"greedy too (both compiled first, then timed {COMPARE_REPEATS} times, alternated) and report "
+                    "the speed-up of the median times and whether the tokens are the same on stderr")
     ap.add_argument("--json", action="store_true", help='one JSON line per prompt: {"prompt", "completion", "tokens"}')
     args, overrides = cli.parse_args(ap, argv)
     texts = list(args.prompts) + (read_prompts(args.prompts_file) if args.prompts_file else [])
@@ -126,6 +175,9 @@ def main(argv=None) -> int:
     if args.speculative != "none" and args.temperature != 0:
         raise ConfigError("--speculative", args.speculative, "'none' with --temperature > 0 (speculative "
                           "decoding here is greedy only)")
+    if args.compare_greedy and args.speculative == "none":
+        raise ConfigError("--compare-greedy", True, "only with --speculative mtp (it times speculative decoding "
+                          "against plain greedy decoding)")
     from gattn.interop import runs  # noqa: PLC0415
 
     cfg, model, tokenizer, _ = runs.load(args.workdir, args.step, overrides)
@@ -133,7 +185,8 @@ def main(argv=None) -> int:
         raise ConfigError("--speculative", "mtp", f"'none' for {args.workdir}: its model has no MTP layer "
                           "(model.mtp_layers = 0)")
     rows = complete(cfg, model, tokenizer, texts, max_tokens=args.max_tokens, temperature=args.temperature,
-                    top_p=args.top_p, seed=args.seed, speculative=args.speculative)
+                    top_p=args.top_p, seed=args.seed, speculative=args.speculative,
+                    compare_greedy=args.compare_greedy)
     for row in rows:
         if args.json:
             print(json.dumps(row, ensure_ascii=False))

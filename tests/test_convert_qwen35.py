@@ -1,7 +1,8 @@
 """Issue 45: Qwen3.5 in and out (gattn/interop/qwen3_5.py). Tiny random transformers 5.24 models
-built here: Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM and a Qwen3_5ForConditionalGeneration folder
-(a vision tower beside the language model), each 3 Gated DeltaNet layers and 1 gated attention
-layer, head_dim 64, partial RoPE 0.25, checked on 80 tokens so the GDN chunk of 64 is crossed."""
+built here: Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM and Qwen3_5ForConditionalGeneration and
+Qwen3_5MoeForConditionalGeneration folders (a vision tower beside the language model), each 3 Gated
+DeltaNet layers and 1 gated attention layer, head_dim 64, partial RoPE 0.25, checked on 80 tokens
+so the GDN chunk of 64 is crossed."""
 
 import contextlib
 import dataclasses
@@ -37,7 +38,7 @@ MOE = {**{k: v for k, v in TEXT.items() if k != "intermediate_size"}, "num_exper
        "moe_intermediate_size": 24, "shared_expert_intermediate_size": 32}
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
               temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16)
-KINDS = ("dense", "moe", "vl")
+KINDS = ("dense", "moe", "vl", "vl_moe")  # vl: the multimodal folders
 
 
 def qwen35_model(kind: str, seed=0):
@@ -46,7 +47,9 @@ def qwen35_model(kind: str, seed=0):
     model = {"dense": lambda: transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT)),
              "moe": lambda: transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**MOE)),
              "vl": lambda: transformers.Qwen3_5ForConditionalGeneration(
-                 transformers.Qwen3_5Config(text_config=TEXT, vision_config=VISION))}[kind]()
+                 transformers.Qwen3_5Config(text_config=TEXT, vision_config=VISION)),
+             "vl_moe": lambda: transformers.Qwen3_5MoeForConditionalGeneration(
+                 transformers.Qwen3_5MoeConfig(text_config=MOE, vision_config=VISION))}[kind]()
     model = randomize(model, seed=seed, norm_center=0.0)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -66,7 +69,7 @@ _forward = jax.jit(lambda graphdef, state, tokens: nnx.merge(graphdef, state)(to
 
 
 def gattn_logits(workdir, tokens=TOKENS):
-    graphdef, state = nnx.split(rundir.load(workdir).model)  # (dense and vl share one compile)
+    graphdef, state = nnx.split(rundir.load(workdir).model)  # (dense and vl, moe and vl_moe share one compile)
     return np.asarray(_forward(graphdef, state, jnp.asarray(tokens)))
 
 
@@ -88,13 +91,13 @@ def test_logits_match_transformers(converted):
     assert (cfg.head_dim, cfg.rope_dim, cfg.gate, cfg.qk_norm) == (64, 16, GateSpec(granularity="elementwise"), True)
     assert (cfg.linear_attention.num_k_heads, cfg.linear_attention.num_v_heads) == (2, 4)
     assert cfg.moe == (MoESpec(num_experts=4, top_k=2, expert_width=24, renormalize=True, shared_expert_width=32)
-                       if kind == "moe" else None)
+                       if "moe" in kind else None)
     assert json.loads((run / "converted.json").read_text())["layout"] == "qwen3_5"
     vision = [line for line in printed.splitlines() if "vision tower" in line]
-    assert len(vision) == (kind == "vl")
-    if kind == "vl":  # one line naming the tower and its tensors
+    assert len(vision) == kind.startswith("vl")
+    if kind.startswith("vl"):  # one line naming the tower and its tensors
         n = sum(name.startswith("model.visual.") for name in model.state_dict())
-        assert vision[0] == (f"note: skipping the vision tower of Qwen3_5ForConditionalGeneration (model.visual.*, "
+        assert vision[0] == (f"note: skipping the vision tower of {type(model).__name__} (model.visual.*, "
                              f"{n} tensors): gattn converts the language model only") and n > 5
     ours, theirs = gattn_logits(run), hf_logits(model)
     assert np.abs(theirs).max() > 1  # (logits that carry signal)
@@ -111,7 +114,7 @@ def test_round_trip_is_bit_identical_and_loads_back_in_transformers(converted, t
     kind, model, hf_dir, run, _ = converted
     convert.to_hf(run, tmp_path / "back")  # auto: a run converted from Qwen3.5 goes back to Qwen3.5
     arch = json.loads((tmp_path / "back" / "config.json").read_text())["architectures"]
-    assert arch == ["Qwen3_5MoeForCausalLM" if kind == "moe" else "Qwen3_5ForCausalLM"]
+    assert arch == ["Qwen3_5MoeForCausalLM" if "moe" in kind else "Qwen3_5ForCausalLM"]
     saved = {name.replace("model.language_model.", "model."): t for name, t in
              load_file(hf_dir / "model.safetensors").items() if not name.startswith("model.visual.")}
     back = load_file(tmp_path / "back" / "model.safetensors")
@@ -172,29 +175,160 @@ def test_released_fused_experts_read_as_the_saved_ones(converted, tmp_path):
         convert.from_hf(src, tmp_path / "run3")
 
 
-@pytest.mark.parametrize("converted", ["vl"], indirect=True)
-def test_measurements_and_lm_eval_read_a_qwen3_5_folder(converted):
-    """lm-eval's model class loads the multimodal folder itself (converted in memory) and scores
-    continuations as transformers does; eval.py's measurements on the converted run cover the
-    attention layer and M-Act everywhere, as on any hybrid (tests/test_hybrid.py)."""
-    from gattn.eval import analysis
-    from gattn.interop import harness
+def hf_inside(model, tokens):
+    """transformers' own intermediates of `model` on `tokens`, run with its eager attention (which
+    returns the attention weights): each decoder layer's output hidden state [B, S, D], the
+    attention layer's (layer 3's) probabilities [B, H, S, S] and gate scores sigmoid(gate)
+    [B, S, H, K] (q_proj's output is [query | gate] per head), and the logits."""
+    inner = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    attn = inner.layers[3].self_attn
+    seen = {"out": []}
 
-    _, model, hf_dir, run, _ = converted
-    lm = harness.GattnLM(workdir=str(hf_dir), batch_size=2)
-    requests = [(None, TOKENS[0, :70].tolist(), TOKENS[0, 70:76].tolist()),
-                (None, TOKENS[1, :20].tolist(), TOKENS[1, 20:23].tolist())]
-    ours = [logp for logp, _ in lm._loglikelihood_tokens(requests)]
-    theirs = []
-    for _, ctx, cont in requests:
-        logp = torch.log_softmax(torch.as_tensor(hf_logits(model, [ctx + cont])[0]), -1)
-        theirs.append(float(sum(logp[len(ctx) - 1 + i, t] for i, t in enumerate(cont))))
-    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
-    out = analysis.summarize(rundir.load(run).model, TOKENS[:, :24])
+    def keep(key):
+        return lambda module, args, out: seen.__setitem__(key, out)
+
+    def block_out(module, args, out):
+        seen["out"].append(out[0] if isinstance(out, tuple) else out)
+
+    hooks = [layer.register_forward_hook(block_out) for layer in inner.layers]
+    hooks += [attn.register_forward_hook(keep("attn")), attn.q_proj.register_forward_hook(keep("q"))]
+    was = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        logits = hf_logits(model, tokens)
+    finally:
+        model.set_attn_implementation(was)
+        for hook in hooks:
+            hook.remove()
+    b, s = np.shape(tokens)
+    q = seen["q"].view(b, s, -1, 2 * attn.head_dim)
+    assert len(seen["out"]) == 4 and seen["attn"][1] is not None  # (eager: the weights are returned)
+    return dict(block_out=[o.float().numpy() for o in seen["out"]], probs=seen["attn"][1].float().numpy(),
+                gate=torch.sigmoid(q[..., attn.head_dim:]).float().numpy(), logits=logits)
+
+
+def mean_nll(logits_BxSxV, targets_BxS):
+    logp = torch.log_softmax(torch.as_tensor(logits_BxSxV, dtype=torch.float64), -1)
+    return float(-logp.gather(-1, torch.as_tensor(targets_BxS)[..., None]).mean())
+
+
+@pytest.mark.parametrize("converted", KINDS, indirect=True)
+def test_the_papers_measurements_on_a_converted_qwen3_5_are_transformers_own(converted):
+    """eval.py's measurements on the converted run, against the same quantities read from
+    transformers' forward pass of the source model (80 tokens, crossing the GDN chunk):
+    analysis.summarize's M-Act on every layer, and on the attention layer its gate score (mean
+    sigmoid of q_proj's gate half), F-Attn per head (attention on token 0, queries 1..79) and the
+    F-Attn sink-head share; the sink lab's sinks.measure (eval.py's "sinks") on 64-token windows:
+    Gu et al.'s alpha_1 per head (the first 64 queries, A[0, 0] = 1 included), the Sink_1^0.3
+    share, the gate score per head, and the first-token ablation's losses (plain: transformers'
+    next-token loss; hidden: transformers' loss on the row without its first token)."""
+    from gattn.eval import analysis, sinks
+
+    _, model, _, run, _ = converted
+    ref = hf_inside(model, TOKENS)
+    b, h = TOKENS.shape[0], model.config.get_text_config().num_attention_heads
+    loaded = rundir.load(run).model
+    out = analysis.summarize(loaded, TOKENS)
     rows = out["per_layer"]
     assert [r["mixer"] for r in rows] == ["linear_attention"] * 3 + ["full_attention"]
-    assert all(r["m_act"] > 0 for r in rows) and [r["gate_score"] is None for r in rows] == [True] * 3 + [False]
-    assert 0 < out["overall"]["gate_score"] < 1 and out["overall"]["attention_layers"] == [3]
+    assert out["overall"]["attention_layers"] == [3] and "Gated DeltaNet" in out["overall"]["not_measured"]
+    m_act = [np.abs(o).max() for o in ref["block_out"]]
+    np.testing.assert_allclose([r["m_act"] for r in rows], m_act, rtol=1e-4)
+    assert all(x > 0 for x in m_act)
+    assert [r["gate_score"] is None and r["f_attn"] is None and r["sink_head_share"] is None for r in rows] == \
+        [True] * 3 + [False]
+    attention = rows[3]
+    assert 0 < attention["gate_score"] < 1 and out["overall"]["gate_score"] == attention["gate_score"]
+    np.testing.assert_allclose(attention["gate_score"], ref["gate"].mean(), rtol=0, atol=1e-5)
+    f_head = ref["probs"][:, :, 1:, 0].mean(axis=(0, 2))  # [H]: each head's attention on token 0, query 0 left out
+    assert len(attention["f_attn_per_head"]) == h and 0 < attention["f_attn"] < 1
+    np.testing.assert_allclose(attention["f_attn_per_head"], f_head, rtol=0, atol=1e-5)
+    assert attention["f_attn"] == pytest.approx(f_head.mean(), abs=1e-5) == out["overall"]["f_attn"]
+    assert attention["sink_head_share"] == np.mean(f_head > 0.3) == out["overall"]["sink_head_share"]
+    # (a random model has no sink head at 0.3: a threshold between its two heads makes one of them one)
+    assert abs(f_head[0] - f_head[1]) > 1e-4
+    between = analysis.summarize(loaded, TOKENS, options=analysis.Options(sink_threshold=float(f_head.mean())))
+    assert between["per_layer"][3]["sink_head_share"] == between["overall"]["sink_head_share"] == 0.5
+
+    cfg = rundir.read_config(run)
+    batch = {"tokens": TOKENS, "segment_ids": np.ones_like(TOKENS),
+             "positions": np.broadcast_to(np.arange(80), (b, 80))}
+    sink = sinks.measure(loaded, cfg, [batch])  # rows of 80 = 79 inputs + a target; windows of their first 64
+    o, (row,) = sink["overall"], sink["per_layer"]
+    assert (row["layer"], o["attention_layers"], o["window"], o["windows"]) == (3, [3], 64, b)
+    assert "Gated DeltaNet" in o["not_measured"]
+    alpha = ref["probs"][:, :, :64, 0].mean(axis=(0, 2))  # [H]
+    assert np.all((alpha > 0) & (alpha < 1))
+    np.testing.assert_allclose(row["alpha_1_per_head"], alpha, rtol=0, atol=1e-5)
+    assert row["sink_share"] == o["sink_share"] == np.mean(alpha > 0.3)
+    assert abs(alpha[0] - alpha[1]) > 1e-4  # (and at an eps between the two heads, one is a sink head)
+    assert sinks.measure(loaded, cfg, [batch], eps=float(alpha.mean()))["overall"]["sink_share"] == 0.5
+    assert o["alpha_1_mean"] == pytest.approx(alpha.mean(), abs=1e-5)
+    assert o["uniform_alpha_1"] == sinks.uniform_level(64)
+    np.testing.assert_allclose(row["gate_score_per_head"], ref["gate"][:, :64].mean(axis=(0, 1, 3)), rtol=0, atol=1e-5)
+    plain = mean_nll(ref["logits"][:, 1:79], TOKENS[:, 2:80])  # queries 1..78 of the 79 inputs (0 starts the document)
+    # token 0 hidden: the rest of the row alone (at positions 0.. here, 1.. in gattn: RoPE is relative)
+    hidden = mean_nll(hf_logits(model, TOKENS[:, 1:79]), TOKENS[:, 2:80])
+    ab = sink["ablation"]
+    assert ab["targets"] == b * 78 and ab["loss_plain"] == pytest.approx(plain, abs=1e-4)
+    assert ab["loss_hidden"] == pytest.approx(hidden, abs=1e-4) and abs(hidden - plain) > 1e-3
+    assert o["ablation_cost"] == ab["cost"] == pytest.approx(hidden - plain, abs=2e-4)
+
+
+@pytest.fixture(scope="module")
+def lm_eval_tasks(tmp_path_factory):
+    """tests/test_lm_eval.py's local multiple-choice task (ARC-Easy's schema, 3 questions) and its
+    rolling-loglikelihood task over a local file."""
+    from test_lm_eval import fixture_data, task_folder
+
+    root = tmp_path_factory.mktemp("lm_eval_tasks")
+    return task_folder(fixture_data(root / "data"), root / "tasks")
+
+
+def transformers_loglikelihood(model, ctx, cont):
+    """(sum of transformers' log-softmax of `cont` after `ctx`, whether its argmax gives each token)."""
+    logits = hf_logits(model, [list(ctx) + list(cont)])[0][len(ctx) - 1:-1]
+    logp = torch.log_softmax(torch.as_tensor(logits, dtype=torch.float64), -1).numpy()
+    return float(logp[np.arange(len(cont)), cont].sum()), bool((logits.argmax(-1) == np.asarray(cont)).all())
+
+
+@pytest.mark.parametrize("converted", ["vl", "vl_moe"], indirect=True)
+def test_lm_eval_scores_a_qwen3_5_folder_as_transformers_does(converted, lm_eval_tasks):
+    """lm-eval's own entry (lm_eval.simple_evaluate, as tests/test_lm_eval.py runs it: local tasks,
+    one few-shot example) with gattn's model class loading the Hugging Face folder itself
+    (converted in memory; the multimodal folders, as Qwen3.5 is released, dense and MoE): each
+    multiple-choice request's log-likelihood is transformers' log-softmax sum to 1e-4 and its
+    is_greedy transformers' argmax, each question's acc is whether transformers' scores pick the
+    gold answer, and each rolling request's log-likelihood is transformers' over lm-eval's own
+    rolling windows."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from test_lm_eval import _evaluate
+
+    from gattn.interop import harness
+
+    _, model, hf_dir, _, _ = converted
+    lm = harness.GattnLM(workdir=str(hf_dir), batch_size=2)
+    res = _evaluate(lm, lm_eval_tasks, tasks=["local_arc_easy", "rolling"])
+    questions = sorted(res["samples"]["local_arc_easy"], key=lambda x: x["doc_id"])
+    assert len(questions) == 3
+    for q in questions:
+        pairs = [tuple(a) for a in q["arguments"]]
+        assert len(pairs) == 4 and all(ctx for ctx, _ in pairs)
+        ours = [tuple(r[0]) for r in q["resps"]]
+        theirs = [transformers_loglikelihood(model, *lm._encode_pair(ctx, cont)) for ctx, cont in pairs]
+        np.testing.assert_allclose([x for x, _ in ours], [x for x, _ in theirs], rtol=0, atol=1e-4)
+        assert [g for _, g in ours] == [g for _, g in theirs]
+        assert all(x < 0 for x, _ in ours)
+        assert q["acc"] == float(np.argmax([x for x, _ in theirs]) == q["target"])
+    assert res["results"]["local_arc_easy"]["acc,none"] == pytest.approx(np.mean([q["acc"] for q in questions]))
+    rolling = res["samples"]["rolling"]
+    assert len(rolling) == 2
+    for r in rolling:
+        (text,) = r["arguments"][0]
+        windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+            token_list=lm.tok_encode(text), prefix_token=lm.prefix_token_id, max_seq_len=lm.max_length, context_len=1)]
+        theirs = sum(transformers_loglikelihood(model, ctx, cont)[0] for ctx, cont in windows)
+        assert r["resps"][0][0] == pytest.approx(theirs, rel=1e-6, abs=1e-4) and theirs < 0  # (a sum of ~30)
 
 
 # --------------------------------------------------------------------------- no model needed

@@ -4,6 +4,10 @@ of the Hugging Face mtp.* tensors (gattn/interop/mtp.py). docs/mtp.md."""
 
 import dataclasses
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +16,8 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_model
-from gattn.config import (Config, ConfigError, DataConfig, ExecConfig, GateSpec, LinearAttentionSpec, MoESpec,
-                          TrainConfig, hybrid_layer_types)
+from gattn.config import (BackcopySpec, Config, ConfigError, DataConfig, ExecConfig, GateSpec, LinearAttentionSpec,
+                          MoESpec, TrainConfig, hybrid_layer_types)
 from gattn.eval import decode, speculative
 from gattn.interop import mtp as hf_mtp
 from gattn.interop.weights import ConversionError
@@ -243,3 +247,62 @@ def test_mtp_refusals_name_the_field():
     from gattn import generate
     with pytest.raises(ConfigError, match="'--speculative' = 'mtp' .*greedy only"):
         generate.main(["--workdir", "nowhere", "x", "--speculative", "mtp", "--temperature", "0.5"])
+    with pytest.raises(ConfigError, match="'--compare-greedy' = True .*only with --speculative mtp"):
+        generate.main(["--workdir", "nowhere", "x", "--compare-greedy"])
+
+
+@pytest.fixture(scope="module")
+def mtp_run(tmp_path_factory):
+    """A tiny saved run with an MTP layer trained by the MTP loss: a few steps on Bigram-Backcopy
+    (a character tokenizer: nothing to train or read but the run itself)."""
+    kind = {k: NEXT[k] for k in ("gate", "qk_norm", "rope_dim")}
+    cfg = Config(model=tiny_model(vocab_size=21, mtp_layers=1, **kind),
+                 train=TrainConfig(batch_size=4, seq_len=32, steps=20, warmup_steps=2, learning_rate=1e-2,
+                                   log_every=10, eval_every=100, checkpoint_every=100, mtp_loss_weight=0.5),
+                 data=DataConfig(source="bigram_backcopy", backcopy=BackcopySpec(chars=20, triggers="0|1,2",
+                                                                                 offsets="1,3"),
+                                 eval_batches=1, eval_batch_size=4))
+    run = tmp_path_factory.mktemp("mtp") / "run"
+    trainer.train(cfg, run, progress=False)
+    return run
+
+
+def test_generate_speculative_gives_greedy_text_and_reports_acceptance_and_speedup(mtp_run, capsys):
+    """`python -m gattn.generate --speculative mtp` on a saved run: the text of plain greedy
+    decoding, the acceptance line on stderr; --compare-greedy adds the speed-up and the check."""
+    from gattn import generate
+
+    argv = ["--workdir", str(mtp_run), "--max-tokens", "20", "tea", "a sin ", "lo"]
+    assert generate.main(argv) == 0
+    plain = capsys.readouterr()
+    assert plain.out.count("==> ") == 3 and "speculative" not in plain.err
+    assert generate.main([*argv, "--speculative", "mtp"]) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out
+    line = re.search(r"speculative \(mtp\): (\d+) of (\d+) drafts accepted \(([\d.]+)%\), 60 tokens in (\d+) main "
+                     r"steps, [\d.]+ tokens/s \(compilation included; the speed-up .*--compare-greedy", spec.err)
+    assert line, spec.err
+    accepted, drafts, steps = int(line[1]), int(line[2]), int(line[4])
+    # each row: one token from the prompt's pass, then one or two a main step (the last may be cut)
+    assert drafts <= 3 * steps and 3 + drafts <= 60 <= 3 + drafts + accepted
+    assert 0 < accepted < drafts, spec.err  # the trained layer drafts both accepted and rejected tokens
+    assert generate.main([*argv, "--speculative", "mtp", "--compare-greedy"]) == 0
+    both = capsys.readouterr()
+    assert both.out == plain.out
+    assert re.search(r"60 tokens in \d+ main steps, [\d.]+ tokens/s against plain greedy decoding's [\d.]+ tokens/s "
+                     r"\(compiled first, medians of 3 calls each\): speed-up [\d.]+x, the same tokens$",
+                     both.err.strip()), both.err
+
+
+def test_bench_decode_speculative_reports_the_speedup_and_acceptance(mtp_run):
+    """bench/decode.py --mode speculative on a saved run with data prompts: its JSON."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "decode.py"), "--mode", "speculative", "--workdir",
+                           str(mtp_run), "--prompts-from-data", "--batch", "2", "--prompt-len", "12", "--new-tokens",
+                           "10", "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["same_tokens"] is True and out["prompts"] == "data"
+    for key in ("speedup", "acceptance_rate", "plain_tokens_per_s", "speculative_tokens_per_s", "tokens_per_main_step"):
+        assert isinstance(out[key], (int, float)) and out[key] >= 0, key
+    assert 0 <= out["acceptance_rate"] <= 1 and 1 <= out["tokens_per_main_step"] <= 2
