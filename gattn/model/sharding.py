@@ -115,6 +115,24 @@ def gathered(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(*(a[0] if a and len(a) == 1 else a for a in axes)))
 
 
+def rows(x: jax.Array) -> jax.Array:
+    """`x` (activations whose leading axis is the batch's rows, or tokens flattened row by row)
+    split over the batch axes on the context mesh (`jax.set_mesh`), the rest of it whole: the
+    residual stream's layout, pinned at the embedding and after every block as MaxText pins its
+    activations. Left to propagation alone, XLA may lay the stream out as the embedding table is
+    split (d_model over fsdp) and then all-reduce every layer's full-batch activations: the
+    hybrid qwen3_5_2b on v5p-32 sent 9,018 GiB per chip per step that way. No mesh, or inside a
+    shard_map over every batch axis: `x` as it is."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    manual = set(mesh.manual_axes)
+    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1 and a not in manual)
+    if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(axes[0] if len(axes) == 1 else axes, *([None] * (x.ndim - 1))))
+
+
 def param_shardings(params: nnx.State, mesh: Mesh):
     """NamedShardings for a state of parameters (arrays or abstract), from their logical axes."""
     logical = nnx.get_partition_spec(params)

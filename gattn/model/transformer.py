@@ -23,6 +23,7 @@ from gattn.config import ExecConfig, ModelConfig, check_layer_scan
 from gattn.model.attention import Attention
 from gattn.model.capture import NOTHING, Capture
 from gattn.model.gdn import GatedDeltaNet, GDNSpec, GDNState
+from gattn.model import sharding
 from gattn.model.layers import DTYPES, RMSNorm, SwiGLU, dense, param
 from gattn.model.moe import MoE
 from gattn.model.mtp import MTP
@@ -184,8 +185,9 @@ class Transformer(nnx.Module):
         positions_N = positions_BxS.reshape(-1)
         x_NxD = self._embed(tokens_BxS)
 
-        def run(block, x):
-            return block(x, positions_N, segment_ids_BxS, (b, s), capture, prefix_ids_BxSxK)
+        def run(block, x):  # the residual stream stays split by rows (sharding.rows)
+            x, aux = block(x, positions_N, segment_ids_BxS, (b, s), capture, prefix_ids_BxSxK)
+            return sharding.rows(x), aux
 
         if ex.remat != "none":
             run = nnx.remat(run, policy=REMAT_POLICIES[ex.remat])
@@ -219,14 +221,15 @@ class Transformer(nnx.Module):
 
         if self.ex.remat != "none":
             run = nnx.remat(run, policy=REMAT_POLICIES[self.ex.remat])
-        return run(self.mtp, hidden_NxD, self._embed(next_tokens_BxS))
+        y_NxD, aux = run(self.mtp, hidden_NxD, self._embed(next_tokens_BxS))
+        return sharding.rows(y_NxD), aux
 
     def head_weight(self) -> jax.Array:
         """The LM head [D, V]: the tied embedding transposed, or lm_head."""
         return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
     def _embed(self, tokens_BxS):
-        return jnp.take(self.embed[...], tokens_BxS.reshape(-1), axis=0).astype(self.dtype)
+        return sharding.rows(jnp.take(self.embed[...], tokens_BxS.reshape(-1), axis=0).astype(self.dtype))
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         """An empty kv cache: k and v per layer, [B, Hk, T, K] in the compute dtype (what SDPA
