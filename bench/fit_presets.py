@@ -70,6 +70,7 @@ ROWS = {
         ("moe_15a2b", "v5p:4x4x2", None, ()),
         ("extend_1p7b_32k", "v5p:4x4x2", None, ()),
         ("dense_1p7b_48l", "v5p:4x4x2", None, ()),
+        ("qwen3_5_2b", "v5p:2x2x4", None, ()),
     ],
     # The meshes and microbatches tried for dense_1p7b and moe_15a2b on their slice (4 numbers:
     # data, fsdp, expert, model); each preset takes the one with the shortest roofline step within
