@@ -105,7 +105,8 @@ def get_config():  # qwen3_5_2b (3 Gated DeltaNet layers to 1 gated attention, t
                             q_heads=4, kv_heads=2, head_dim=64, rope_dim=16, d_ff=512,
                             linear_attention=LinearAttentionSpec(num_k_heads=4, num_v_heads=4, head_k_dim=64,
                                                                  head_v_dim=64, conv_kernel=4))
-    return dataclasses.replace(c, model=m, train=dataclasses.replace(c.train, batch_size=16, seq_len=256))
+    # one pass: the preset's 4 microbatches would gather the weights 4 times (FSDP regathers per microbatch)
+    return dataclasses.replace(c, model=m, train=dataclasses.replace(c.train, batch_size=16, seq_len=256, microbatches=1))
 '''
 
 
