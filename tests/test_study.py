@@ -2,6 +2,7 @@
 resumed without retraining finished cells; the per-claim verdicts from constructed numbers."""
 
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -391,3 +392,13 @@ def test_the_command_line_s_errors_and_help(tmp_path):
     for default in ("the study file's base, else tiny", "else baseline,sdpa_elementwise", "else 0,1,2", "--gated",
                     "--reference", "--lrs"):
         assert default in " ".join(text.split()), default
+
+
+def test_the_report_says_what_diverged_counts():
+    """A study whose runner only stops on non-finite losses (diverged_loss inf, as the instability
+    verdict's) read 'its final loss is above inf'; with a stability rule the margin is the rule's."""
+    from gattn.experiments.study.report import divergence_words
+    assert divergence_words({"diverged_loss": 9.0}) == \
+        "A run diverged if training stopped on non-finite losses or its final loss is above 9.000."
+    ruled = divergence_words({"diverged_loss": math.inf, "stability_rule": {"margin": 1.0}})
+    assert "inf" not in ruled and "stability rule below" in ruled

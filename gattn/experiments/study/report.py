@@ -125,6 +125,17 @@ def _clip_words(clip: float) -> str:
     return f"gradient clipping at {clip:g}" if clip else "no gradient clipping"
 
 
+def divergence_words(s: dict) -> str:
+    """What 'diverged' counts in the tables: the runner's stop (non-finite losses, or a final loss
+    above `Study.diverged_loss` when that is finite); a stability rule judges by its own margin."""
+    words = "A run diverged if training stopped on non-finite losses"
+    if math.isfinite(s["diverged_loss"]):
+        words += f" or its final loss is above {s['diverged_loss']:.3f}"
+    if s.get("stability_rule"):
+        words += " (the preset stability rule below also counts a run that ends far above its own best)"
+    return words + "."
+
+
 def markdown(report: dict) -> str:
     s = report["study"]
     clips = s.get("grad_clips", [])
@@ -133,8 +144,7 @@ def markdown(report: dict) -> str:
     lines = [f"# Study: {s['description'] or ', '.join(s['variants'])}", "",
              f"{len(s['variants'])} variants x {len(s['learning_rates'])} learning rate(s) x {len(s['seeds'])} seeds; "
              f"{s['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens ({s['tokens']:,} tokens) per run. "
-             f"Mean ± sample std over seeds. A run diverged if training stopped on non-finite losses or its final "
-             f"loss is above {s['diverged_loss']:.3f}. Perplexity: held-out text per domain."
+             f"Mean ± sample std over seeds. {divergence_words(s)} Perplexity: held-out text per domain."
              + (f" Wall time: {sum(report['seconds'].values()) / 60:.1f} min ({report['seconds']['train'] / 60:.1f} "
                 f"training, {report['seconds']['measure'] / 60:.1f} measuring)." if report.get("seconds") else ""), "",
              f"## Table (LR {s['reference_lr']:g}" + (f", {_clip_words(clips[0])})" if clips else ")"), "",
