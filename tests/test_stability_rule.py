@@ -183,6 +183,33 @@ def test_max_attention_logit_is_the_largest_causal_score():
     assert every > best + 0.1
 
 
+def test_the_verdict_script_trains_its_balanced_order_at_one_rate(tmp_path, monkeypatch):
+    """configs/study/instability_verdict.py as a script: the claim's variants before the controls,
+    seeds outer, the higher rate first in a seed; --part shares the cells, --lr keeps one rate."""
+    import importlib.util
+    from pathlib import Path
+
+    from gattn.experiments import study as study_pkg
+
+    spec = importlib.util.spec_from_file_location(
+        "instability_verdict", Path(__file__).resolve().parents[1] / "configs" / "study" / "instability_verdict.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    grid = script.order(script.get_study())
+    assert len(grid) == 100 and {c.variant for c in grid[:60]} == set(script.CLAIM_VARIANTS)
+    assert [(c.variant, c.lr, c.seed) for c in grid[:4]] == [
+        ("baseline", 1.0, 0), ("sdpa_elementwise_ffn_matched", 1.0, 0), ("sdpa_headwise_ffn_matched", 1.0, 0),
+        ("baseline", 0.3, 0)]
+    trained = []
+    monkeypatch.setattr(study_pkg, "run_cell", lambda s, c, root: trained.append((c.variant, c.lr, c.seed)) or {})
+    assert script.main(["--workdir", str(tmp_path), "--lr", "1.0", "--part", "1/2"]) == 0
+    assert len(trained) == 25 and {lr for _, lr, _ in trained} == {1.0}
+    assert trained[:2] == [("sdpa_elementwise_ffn_matched", 1.0, 0), ("baseline", 1.0, 1)]
+    assert trained[-1][0] in ("sandwich_norm", "output_clip_100")
+    with pytest.raises(SystemExit):
+        script.main(["--workdir", str(tmp_path), "--lr", "0.5"])
+
+
 @pytest.mark.slow
 def test_the_instability_verdict_study(tmp_path):
     """The whole preset study (100 cells; its time on 2 shared cores: docs/instability.md)."""

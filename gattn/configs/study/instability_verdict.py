@@ -24,8 +24,9 @@ trains the same cells in the same directory in the order a partial study stays b
 paired in (`order`: seeds outer, the three variants the claim needs at both rates, the higher
 first, before the two controls), and writes the report (DIR/report.md, report.json) from the cells finished so far;
 `--report` writes it without training; `--part K/N` trains every N-th cell of the order from the
-K-th, so that N processes can share the cells (one per core). Either command resumes what the
-other left.
+K-th, so that N processes can share the cells (one per core); `--lr 1.0` only the cells at that
+rate (the controls where the baseline loses stability before the rate where it has no verdict).
+Either command resumes what the other left.
 
     nice -n 10 python configs/study/instability_verdict.py --workdir workdir/study/instability_verdict [--report]
 """
@@ -94,7 +95,11 @@ def main(argv=None) -> int:
     ap.add_argument("--report", action="store_true", help="write the report from the finished cells; train nothing")
     ap.add_argument("--part", default="0/1", help="K/N: train only every N-th cell of the order from the K-th "
                     "(N processes side by side, one per core, K = 0..N-1)")
+    ap.add_argument("--lr", type=float, default=None, help="train only the cells at this peak learning rate "
+                    "(one of LEARNING_RATES; e.g. the controls where the baseline loses stability first)")
     args = ap.parse_args(argv)
+    if args.lr is not None and args.lr not in LEARNING_RATES:
+        ap.error(f"--lr {args.lr:g}: expected one of the study's learning rates {', '.join(map(str, LEARNING_RATES))}")
     k, _, n = args.part.partition("/")
     if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
         ap.error(f"--part {args.part!r}: expected K/N with 0 <= K < N")
@@ -103,12 +108,13 @@ def main(argv=None) -> int:
     _check_same_study(study, root)  # (the same check, and study.json, as python -m gattn.study)
     (root / "study.json").write_text(json.dumps(describe(study), indent=2))
     grid = order(study)
+    todo = [c for c in grid if args.lr is None or c.lr == args.lr]
     stopped = False
-    for i, cell in enumerate([] if args.report else grid, 1):
+    for i, cell in enumerate([] if args.report else todo, 1):
         if (i - 1) % int(n) != int(k):
             continue
         done = (root / cell.path / "cell.json").is_file()
-        print(f"[{i}/{len(grid)}] {cell.variant} lr={cell.lr:g} seed={cell.seed}: "
+        print(f"[{i}/{len(todo)}] {cell.variant} lr={cell.lr:g} seed={cell.seed}: "
               + ("finished earlier, skipped" if done else "training"), flush=True)
         if run_cell(study, cell, root) is None:
             print(STOPPED, flush=True)
