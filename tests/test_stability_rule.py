@@ -210,6 +210,27 @@ def test_the_verdict_script_trains_its_balanced_order_at_one_rate(tmp_path, monk
         script.main(["--workdir", str(tmp_path), "--lr", "0.5"])
 
 
+def test_study_json_is_never_written_in_place(tmp_path, monkeypatch):
+    """Two --part processes started together: one truncated study.json to write it while the other
+    read it for its same-study check (a JSONDecodeError on an empty file). It is now replaced whole."""
+    import pathlib
+
+    from gattn.experiments.study import load, runner
+
+    real = pathlib.Path.write_text
+
+    def write_text(self, *a, **k):
+        assert self.name != "study.json", "study.json written in place: a reader can see it empty"
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+    study = load("instability_verdict")
+    runner.write_study(study, tmp_path)
+    runner._check_same_study(study, tmp_path)  # reads it back: the same study
+    assert json.loads((tmp_path / "study.json").read_text())["stability_rule"]["margin"] == 1.0
+    assert [p.name for p in tmp_path.iterdir()] == ["study.json"]  # no temporary file left
+
+
 @pytest.mark.slow
 def test_the_instability_verdict_study(tmp_path):
     """The whole preset study (100 cells; its time on 2 shared cores: docs/instability.md)."""

@@ -85,10 +85,9 @@ def finished(study: Study, root: Path) -> list[dict]:
 
 def main(argv=None) -> int:
     import argparse  # noqa: PLC0415
-    import json  # noqa: PLC0415
 
-    from gattn.experiments.study import describe, run_cell, write_report  # noqa: PLC0415
-    from gattn.experiments.study.runner import STOPPED, _check_same_study  # noqa: PLC0415
+    from gattn.experiments.study import run_cell, write_report  # noqa: PLC0415
+    from gattn.experiments.study.runner import STOPPED, _check_same_study, write_study  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(description="the instability verdict in a balanced, paired order (see the docstring)")
     ap.add_argument("--workdir", required=True)
@@ -106,7 +105,7 @@ def main(argv=None) -> int:
     study, root = get_study(), Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
     _check_same_study(study, root)  # (the same check, and study.json, as python -m gattn.study)
-    (root / "study.json").write_text(json.dumps(describe(study), indent=2))
+    write_study(study, root)  # (atomically: --part's processes start side by side and read it)
     grid = order(study)
     todo = [c for c in grid if args.lr is None or c.lr == args.lr]
     stopped = False

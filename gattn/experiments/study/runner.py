@@ -108,10 +108,21 @@ def run_cell(study: Study, cell: Cell, root: Path, *, shared: Path | None = None
         record["sink_curve"] = _sink_curve(cfg, workdir, study.measure_batches) if study.sink_points else []
     # Wall time of this session's part (a resumed cell counts from its resume).
     record["seconds"] = {"train": trained - start, "measure": time.perf_counter() - trained}
-    tmp = done.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, done)  # atomic: a cell is finished or not
+    _write_atomically(done, json.dumps(record))  # a cell is finished or not
     return record
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Writes `path` whole or not at all: a process reading it meanwhile (a second process of the
+    same study started beside this one) sees the old file or the new one, never a truncated one."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_study(study: Study, root: Path) -> None:
+    """ROOT/study.json: the study a later run of the same directory must match (_check_same_study)."""
+    _write_atomically(root / "study.json", json.dumps(describe(study), indent=2))
 
 
 def run_cells(study: Study, root: str | Path, *, shared: str | Path | None = None, progress: bool = False,
@@ -122,7 +133,7 @@ def run_cells(study: Study, root: str | Path, *, shared: str | Path | None = Non
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     _check_same_study(study, root)
-    (root / "study.json").write_text(json.dumps(describe(study), indent=2))
+    write_study(study, root)
     records, grid = [], cells(study)
     for i, cell in enumerate(grid, 1):
         finished = (root / cell.path / "cell.json").is_file()
