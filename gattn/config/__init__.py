@@ -79,6 +79,10 @@ class Config:
             raise ConfigError("train.microbatches", self.train.microbatches,
                               f"a count that leaves each microbatch ({self.train.batch_size} / microbatches rows) a "
                               f"multiple of model.moe.micro_batches ({moe.micro_batches})")
+        if moe is not None and self.exec.accumulate == "gathered":
+            raise ConfigError("exec.accumulate", self.exec.accumulate,
+                              "'sharded' for a MoE: 'gathered' sums each fsdp shard's own rows, and the MoE's "
+                              "global-batch LBL counts every shard's tokens")
         if self.train.mtp_loss_weight and not self.model.mtp_layers:
             raise ConfigError("train.mtp_loss_weight", self.train.mtp_loss_weight,
                               "0 unless model.mtp_layers = 1 (there is no MTP layer to train)")

@@ -22,6 +22,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_gpu", "cudnn", "auto")
 MOE_IMPLS = ("partitioned", "all_to_all", "ragged")
 GROUPED_MATMULS = ("ragged_dot", "megablox")  # exec.grouped_matmul of the ragged MoE path
+ACCUMULATE = ("sharded", "gathered")  # exec.accumulate: FSDP's gradient accumulation (ZeRO-3 or ZeRO-2)
 LBL_SCOPES = ("global", "micro")
 DECODE_ERRORS = ("strict", "replace")  # data.decode_errors (gattn/data/corpus.py)
 

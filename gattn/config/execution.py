@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from gattn.config.checks import (ATTENTION_IMPLS, DTYPES, GROUPED_MATMULS, MOE_IMPLS, REMAT_POLICIES, ConfigError,
+from gattn.config.checks import (ACCUMULATE, ATTENTION_IMPLS, DTYPES, GROUPED_MATMULS, MOE_IMPLS, REMAT_POLICIES, ConfigError,
                                  _bool, _choice, _integer)
 
 
@@ -55,6 +55,15 @@ class ExecConfig:
     gdn_chunk:        hybrid models: tokens per chunk of the Gated DeltaNet's chunked rule
                       (memory B x H x S x gdn_chunk per intermediate; the same function for any
                       value, docs/hybrid.md).
+    accumulate:       train.microbatches > 1 on an fsdp axis > 1: sharded (ZeRO-3, as MaxText)
+                      gathers each layer's weights and reduce-scatters its gradient in every
+                      microbatch: the least memory, bytes sent x microbatches; gathered (ZeRO-2)
+                      gathers the weights once per step and each fsdp shard sums its own rows'
+                      gradients over the microbatches, whole and in float32, reduce-scattered
+                      once after them: the bytes do not grow with the microbatches, at the cost
+                      of the whole parameters and a whole float32 gradient per chip. The same
+                      update either way. Not for a MoE (its global-batch LBL counts every
+                      shard's tokens). docs/training.md#microbatches.
     """
 
     dtype: str = "float32"
@@ -70,6 +79,7 @@ class ExecConfig:
     grouped_matmul: str = "ragged_dot"
     loss_chunk: int = 0
     gdn_chunk: int = 64
+    accumulate: str = "sharded"
 
     def __post_init__(self):
         _choice("dtype", self.dtype, DTYPES)
@@ -89,6 +99,7 @@ class ExecConfig:
         _integer("attention_query_chunk", self.attention_query_chunk, zero_ok=True)
         _integer("loss_chunk", self.loss_chunk, zero_ok=True)
         _integer("gdn_chunk", self.gdn_chunk)
+        _choice("accumulate", self.accumulate, ACCUMULATE)
         for name in ("flash_block_q", "flash_block_k"):
             _integer(name, getattr(self, name))
             if getattr(self, name) % 8:

@@ -185,13 +185,14 @@ def loss_and_grads(cfg: Config, graphdef, params, batch: dict, mesh=None):
         (_, (loss, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params, batch, None)
         return (loss, aux), grads
 
-    def accumulate(params, batch, data=None):
-        """The scan over the microbatches; with `data` (a manual mesh axis) each data shard sums its
-        own rows' gradients and they are reduced once, after the scan."""
+    def accumulate(params, batch, axes=(), reduce=None):
+        """The scan over the microbatches; with `axes` (manual mesh axes of a shard_map) each shard
+        sums its own rows' gradients and they are reduced once, after the scan (`reduce`: a
+        gradient's reduction over `axes`, by default an all-reduce)."""
         totals = []
         for weights in (target_weights, mtp_target_weights):
             total = jnp.sum(weights(batch["segment_ids"])).astype(jnp.float32)
-            totals.append(jnp.maximum(total if data is None else jax.lax.psum(total, data), 1))
+            totals.append(jnp.maximum(jax.lax.psum(total, axes) if axes else total, 1))
 
         def one(carry, b):
             grads_acc, loss_acc = carry
@@ -202,16 +203,20 @@ def loss_and_grads(cfg: Config, graphdef, params, batch: dict, mesh=None):
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         (grads, loss), aux_M = jax.lax.scan(one, (zeros, jnp.zeros((), jnp.float32)),
                                             split_microbatches(batch, m, mesh))
-        if data is not None:
-            grads, loss = jax.lax.psum((grads, loss), data)
+        if axes:
+            grads = (reduce or (lambda g: jax.lax.psum(g, axes)))(grads)
+            loss = jax.lax.psum(loss, axes)
             if "mtp_loss" in aux_M:
-                aux_M = {**aux_M, "mtp_loss": jax.lax.psum(aux_M["mtp_loss"], data)}
+                aux_M = {**aux_M, "mtp_loss": jax.lax.psum(aux_M["mtp_loss"], axes)}
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
         aux = {k: v.sum(0) if k in _SUMMED_AUX else v.mean(0) for k, v in aux_M.items()}
         return (loss, aux), grads
 
-    others = [a for a in mesh.axis_names if a != "data" and mesh.shape[a] > 1] if mesh is not None else []
-    if mesh is None or mesh.shape.get("data", 1) == 1 or cfg.model.moe is not None or len(others) > 1:
+    shape = dict(mesh.shape) if mesh is not None else {}
+    if cfg.exec.accumulate == "gathered" and shape.get("fsdp", 1) > 1:
+        return _gathered_on_each_shard(accumulate, params, batch, mesh)
+    others = [a for a in shape if a != "data" and shape[a] > 1]
+    if shape.get("data", 1) == 1 or cfg.model.moe is not None or len(others) > 1:
         return accumulate(params, batch)
     return _on_each_data_shard(accumulate, params, batch, mesh)
 
@@ -226,10 +231,46 @@ def _on_each_data_shard(accumulate, params, batch: dict, mesh):
     program (a check failure, on CPU), and the plain scan runs, reducing per microbatch. A MoE
     keeps the plain scan too: its global-batch LBL counts every data shard's tokens."""
     rows = jax.sharding.PartitionSpec("data")
-    fn = jax.shard_map(functools.partial(accumulate, data="data"), mesh=mesh, axis_names={"data"},
+    fn = jax.shard_map(functools.partial(accumulate, axes=("data",)), mesh=mesh, axis_names={"data"},
                        in_specs=(jax.sharding.PartitionSpec(), jax.tree.map(lambda _: rows, batch)),
                        out_specs=jax.sharding.PartitionSpec(), check_vma=False)
     return fn(params, batch)
+
+
+def _gathered_on_each_shard(accumulate, params, batch: dict, mesh):
+    """exec.accumulate = "gathered" (ZeRO-2): `accumulate` in a shard_map over fsdp (and data, if
+    > 1). The parameters cross its boundary whole over fsdp, so they are gathered once per step;
+    every shard sums float32 gradients of its own rows over the microbatches, whole, and after the
+    scan each gradient is all-reduced over data and reduce-scattered over fsdp to its parameter's
+    layout (all-reduced, if the rules leave it whole): one reduction per step,
+    the bytes independent of train.microbatches (tests/test_train_step.py). The other axes stay
+    automatic; XLA 0.10's partitioner aborts on a partly manual program with two of them > 1, so
+    such a mesh is refused."""
+    from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+    shape = dict(mesh.shape)
+    auto = [a for a in shape if a not in ("data", "fsdp") and shape[a] > 1]
+    if len(auto) > 1:
+        raise ConfigError("exec.accumulate", "gathered",
+                          f"a mesh with at most one of expert and model > 1 (here {shape}): XLA's partitioner "
+                          "aborts on the partly manual step otherwise; use 'sharded'")
+    manual = tuple(a for a in ("data", "fsdp") if shape[a] > 1)
+    summed = tuple(a for a in manual if a != "fsdp")
+
+    def unreduced(grads):  # each fsdp shard's own sums, stacked on a new leading axis split over fsdp
+        return jax.tree.map(lambda g: (jax.lax.psum(g, summed) if summed else g)[None], grads)
+
+    fn = jax.shard_map(functools.partial(accumulate, axes=manual, reduce=unreduced), mesh=mesh,
+                       axis_names=set(manual),
+                       in_specs=(P(), jax.tree.map(lambda _: P(manual), batch)),
+                       out_specs=(P(), P("fsdp")), check_vma=False)
+    (loss, aux), stacked = fn(params, batch)
+    # The sum over that axis, laid out as the parameters are. (libtpu 0.10 compiles most of these
+    # sums, as it did a psum_scatter inside the shard_map, as an all-reduce and a slice, not a
+    # reduce-scatter: twice the bytes; docs/training.md says what that costs.)
+    grads = jax.tree.map(lambda g, s: jax.lax.with_sharding_constraint(g.sum(0), s), stacked,
+                         sharding.param_shardings(params, mesh))
+    return (loss, aux), grads
 
 
 def make_train_step(cfg: Config, graphdef, shardings=None, mesh=None):

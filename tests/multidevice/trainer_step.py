@@ -50,15 +50,21 @@ def one_step(cfg: Config, mesh, batch: dict):
     return state, report
 
 
-def check_microbatches(mesh_shape, model=None, counts=(4,)) -> None:
+def check_microbatches(mesh_shape, model=None, counts=(4,), accumulate="sharded") -> None:
+    """With exec.accumulate = "gathered" the plain step it is compared with runs on one device."""
     mesh = sharding.make_mesh(MeshConfig(*mesh_shape))
     model = model or tiny_model(vocab_size=64, num_layers=1)
     base = Config(model=model, train=TrainConfig(batch_size=16, seq_len=16, steps=10, warmup_steps=2,
                                                  learning_rate=1e-2), mesh=MeshConfig(*mesh_shape))
     batch = packed_batch(16, 17, 64, seed=1)
-    ref_state, ref = one_step(base, mesh, batch)
+    if accumulate == "sharded":
+        ref_state, ref = one_step(base, mesh, batch)
+    else:
+        one = dataclasses.replace(base, mesh=MeshConfig(data=1))
+        ref_state, ref = one_step(one, sharding.make_mesh(one.mesh, jax.devices()[:1]), batch)
     for m in counts:
-        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, microbatches=m))
+        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, microbatches=m),
+                                  exec=dataclasses.replace(base.exec, accumulate=accumulate))
         state, report = one_step(cfg, mesh, batch)
         np.testing.assert_allclose(report["loss"], ref["loss"], rtol=1e-5)
         np.testing.assert_allclose(report["grad_norm"], ref["grad_norm"], rtol=1e-5)
@@ -66,7 +72,7 @@ def check_microbatches(mesh_shape, model=None, counts=(4,)) -> None:
             # (Adam divides by the gradient's own size: a near-zero gradient's rounding moves its first
             # update by up to ~1e-6 while a wrong gradient would move it by ~lr = 5e-3)
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
-        print("ok microbatches", m, mesh_shape, flush=True)
+        print("ok microbatches", m, mesh_shape, accumulate, flush=True)
 
 
 def check_validation() -> None:
@@ -107,9 +113,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mesh", type=shape, default=(2, 2, 2), help="data,expert,model[,fsdp] of the microbatch check")
     ap.add_argument("--fsdp-mesh", type=shape, default=None, help="also: the state's share per device on this mesh")
+    ap.add_argument("--gathered", type=shape, nargs="*", default=[],
+                    help="also: microbatches with exec.accumulate='gathered' on these meshes, against one device")
     args = ap.parse_args(argv)
     check_devices()
     check_microbatches(args.mesh)
+    for mesh_shape in args.gathered:  # (2 and 4 microbatches where the 16 rows split into them on every shard)
+        shards = sharding.batch_shards(sharding.make_mesh(MeshConfig(*mesh_shape)))
+        check_microbatches(mesh_shape, counts=tuple(m for m in (2, 4) if 16 % (shards * m) == 0),
+                           accumulate="gathered")
     if args.fsdp_mesh:
         check_fsdp_state(args.fsdp_mesh)
     check_validation()
