@@ -152,8 +152,9 @@ def test_the_gradient_is_reduced_over_data_once_whatever_the_microbatches(mesh):
     """The trainer's step compiled for v5p:2x2x1 (libtpu, no TPU): the bytes each chip sends per
     step over the data axis (gattn/experiments/traffic.py, from the HLO with loop trip counts) do
     not grow with the microbatches, 1 or 8 (before, the scanned layers' gradients were all-reduced
-    in every microbatch: 8 microbatches sent 3.9x, 41.7 MB against 10.7); with fsdp its per-microbatch gathers and reduce-scatters
-    stay (FSDP's price for not holding the whole model), on the fsdp axis."""
+    in every microbatch: 8 microbatches sent 3.9x, 41.7 MB against 10.7); with fsdp, under the
+    default exec.accumulate = "sharded", its per-microbatch gathers and reduce-scatters stay (ZeRO-3's
+    price for not holding the whole model), on the fsdp axis ("gathered": the test below)."""
     import importlib.util
     from pathlib import Path
 

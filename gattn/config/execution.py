@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from gattn.config.checks import (ACCUMULATE, ATTENTION_IMPLS, DTYPES, GROUPED_MATMULS, MOE_IMPLS, REMAT_POLICIES, ConfigError,
-                                 _bool, _choice, _integer)
+from gattn.config.checks import (ACCUMULATE, ATTENTION_IMPLS, DTYPES, GROUPED_MATMULS, MOE_IMPLS, REMAT_POLICIES,
+                                 ConfigError, _bool, _choice, _integer)
 
 
 @dataclass(frozen=True)
