@@ -247,3 +247,42 @@ def test_a_tokenizer_trained_on_little_text_for_its_pieces_warns(tmp_path, capsy
     assert "model.vocab_size" in lines[0] and str(small) in lines[0]
     train_tokenizer(str(large), 0, 300, tmp_path / "large.model")
     assert "warning" not in capsys.readouterr().err
+
+
+def test_processes_that_prepare_the_same_tokenizer_and_dataset_side_by_side_both_go_on(tmp_path, monkeypatch):
+    """A study's `--part K/N` processes share one tokenizer and one prepared dataset: when another
+    process finishes either one first, this one keeps the first and goes on (it raised
+    FileExistsError on the tokenizer, and TFDS's rename of its dataset failed)."""
+    from etils import epath
+
+    from gattn.data import tokenizer as tok
+
+    folder = _words_folder(tmp_path / "text", docs=40, words=400)
+    path = epath.Path(tmp_path / "tok" / "spm.model")
+    real_train = tok._train_spm
+
+    def other_process_first(lines, model, vocab_size):
+        real_train(lines, model, vocab_size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"the other process's model")
+
+    monkeypatch.setattr(tok, "_train_spm", other_process_first)
+    assert tok.train_tokenizer(str(folder), 0, 300, path) == path
+    assert path.read_bytes() == b"the other process's model"          # the first one stands
+    assert [p.name for p in path.parent.iterdir()] == ["spm.model"]  # and no temporary is left
+
+    data = DataConfig(source=str(folder), code_max_bytes=1000)
+    real_prepare, raced = tfds_text.GattnText._download_and_prepare, []
+
+    def other_process_prepares_meanwhile(self, *args, **kwargs):
+        if not raced:
+            raced.append(True)
+            tfds_text.prepare(data, epath.Path(tmp_path))  # the other process, start to end
+        return real_prepare(self, *args, **kwargs)
+
+    monkeypatch.setattr(tfds_text.GattnText, "_download_and_prepare", other_process_prepares_meanwhile)
+    name = tfds_text.prepare(data, epath.Path(tmp_path))
+    assert raced
+    source = tfds_text.data_source(data, epath.Path(tmp_path), "validation")
+    expected = [d for d in corpus.documents(str(folder), 0) if d.split == "validation"]
+    assert name == corpus.fingerprint(str(folder), 1000) and len(source) == len(expected) > 0

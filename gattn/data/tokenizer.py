@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import sys
+import uuid
 from typing import Protocol, runtime_checkable
 
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
@@ -113,9 +115,14 @@ def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Pat
               f"many pieces are rare, their embeddings barely trained; {smaller} or more text would "
               "fix it", file=sys.stderr, flush=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    # atomic: a killed run never leaves a half-written model behind; the name is this process's
+    # own, for processes that train the same tokenizer side by side (a study's --part K/N)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     tmp.write_bytes(model.getvalue())
-    tmp.rename(path)  # atomic: a killed run never leaves a half-written model behind
+    try:
+        tmp.rename(path)
+    except FileExistsError:  # another process trained it meanwhile: the first one stands
+        tmp.unlink()
     return path
 
 
