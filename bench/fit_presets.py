@@ -74,14 +74,17 @@ ROWS = {
     ],
     # The meshes and microbatches tried for dense_1p7b and moe_15a2b on their slice (4 numbers:
     # data, fsdp, expert, model); each preset takes the one with the shortest roofline step within
-    # HBM, then the fewest bytes sent (docs/presets.md).
+    # HBM, then the fewest bytes sent; dense_1p7b the one within MaxText's memory too (docs/presets.md).
     "candidates": [
-        ("dense_1p7b", "v5p:4x4x2", (8, 1, 1, 4), ("train.microbatches=4",)),  # before FSDP
-        ("dense_1p7b", "v5p:4x4x2", (32, 1, 1, 1), ("train.microbatches=4",)),
-        ("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=1",)),
-        ("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=2",)),
-        ("dense_1p7b", "v5p:4x4x2", (1, 16, 1, 2), ("train.microbatches=1",)),
-        ("dense_1p7b", "v5p:4x4x2", (1, 8, 1, 4), ("train.microbatches=1",)),
+        ("dense_1p7b", "v5p:4x4x2", (8, 1, 1, 4), ("train.microbatches=4", "exec.accumulate=sharded")),  # before FSDP
+        ("dense_1p7b", "v5p:4x4x2", (32, 1, 1, 1), ("train.microbatches=4", "exec.accumulate=sharded")),
+        ("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=1", "exec.accumulate=sharded")),
+        ("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=2", "exec.accumulate=sharded")),
+        ("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=8", "exec.accumulate=sharded")),
+        *[("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), (f"train.microbatches={m}", "exec.accumulate=gathered"))
+          for m in (2, 4, 8, 16)],  # (16: as configured)
+        ("dense_1p7b", "v5p:4x4x2", (1, 16, 1, 2), ("train.microbatches=1", "exec.accumulate=sharded")),
+        ("dense_1p7b", "v5p:4x4x2", (1, 8, 1, 4), ("train.microbatches=1", "exec.accumulate=sharded")),
         # moe_15a2b: expert parallelism with model 4 as before FSDP, then FSDP x expert
         ("moe_15a2b", "v5p:4x4x2", (1, 1, 8, 4), ("train.microbatches=8",)),
         ("moe_15a2b", "v5p:4x4x2", (1, 8, 4, 1), ("train.microbatches=8",)),

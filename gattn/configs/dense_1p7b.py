@@ -15,14 +15,19 @@ attention: a TPU config.
 Which slice it fits (`python bench/fit_presets.py --preset dense_1p7b --topology v5p:4x4x2`: the
 trainer's train and eval steps compiled by libtpu at the real batch of 1024 x 4096, docs/presets.md):
 as configured, on a v5p-64 slice (v5p:4x4x2, 32 chips; mesh fsdp 32: parameters, gradients and
-AdamW moments sharded over every chip) with the batch in one pass (32 rows per chip) and
-exec.loss_chunk=512, the train step takes 40.9 GiB per chip of 95 by memory_analysis (XLA's heap
-peak: 27.55) and sends 11.7 GiB per chip over ICI (before FSDP, on data 8 x model 4: 35.6 GiB and
-441 GiB); the eval step with the resident AdamW moments, 1.5 GiB. The smallest slices measured to fit, before FSDP: 4 chips, on v5e:2x2
+AdamW moments sharded over every chip) with the batch in 16 microbatches of 2 rows per chip,
+exec.accumulate="gathered" (the weights gathered once per step, each chip's float32 gradient sums
+reduced once after the microbatches) and exec.loss_chunk=512, the train step takes 25.6 GiB per
+chip of 95 by memory_analysis (XLA's heap peak: 18.1) and sends 15.5 GiB per chip over ICI,
+whatever the microbatch count (before FSDP, on data 8 x model 4: 35.6 GiB and 441 GiB; in one pass,
+--config.train.microbatches=1 --config.exec.accumulate=sharded: 40.9 GiB, heap peak 27.55, and
+11.7 GiB sent); the eval step with the resident AdamW moments, 1.5 GiB. The smallest slices measured to fit, before FSDP: 4 chips, on v5e:2x2
 (v5litepod-4, 16 GiB each) with --config.train.microbatches=256 (4 rows per microbatch), 13.0 GiB
 train / 2.8 GiB eval (6.0 with the moments), or on v5p:2x2x1 (v5p-8) with microbatches=32, 35.9
 GiB train / 2.9 GiB eval.
 """
+
+import dataclasses
 
 from gattn.config import Config, ExecConfig, MeshConfig, ModelConfig, TrainConfig
 
@@ -40,11 +45,13 @@ TPU = ExecConfig(dtype="bfloat16", scan_layers=True, remat="full", attention_imp
 
 
 def get_config() -> Config:
-    # FSDP over every chip (mesh data 1 x fsdp -1), the batch of 1024 in one pass: 32 rows per chip on
-    # 32 v5p chips (the docstring's fit; bench/fit_presets.py chose it, docs/presets.md).
+    # FSDP over every chip (mesh data 1 x fsdp -1), the batch of 1024 in 16 microbatches: 2 rows per
+    # chip each on 32 v5p chips, the weights gathered once per step (exec.accumulate="gathered"): the
+    # docstring's fit; bench/fit_presets.py measured it, docs/presets.md.
     train = TrainConfig(batch_size=1024, seq_len=4096, steps=100_000, lr_preset="dense_400b",
-                        grad_clip=0.0, eval_every=2000, checkpoint_every=1000, log_every=50, microbatches=1)
-    return Config(model=model(), train=train, mesh=MeshConfig(data=1, fsdp=-1), exec=TPU)
+                        grad_clip=0.0, eval_every=2000, checkpoint_every=1000, log_every=50, microbatches=16)
+    return Config(model=model(), train=train, mesh=MeshConfig(data=1, fsdp=-1),
+                  exec=dataclasses.replace(TPU, accumulate="gathered"))
 
 
 _QWEN = "ours: Qwen3-1.7B's shape (the paper gives only '1.7B' and 28 layers; Sec. 3.2.2 follows Qwen)"
@@ -71,9 +78,10 @@ PROVENANCE = {
     "train.learning_rate": "Table 2 rows 1-2 (max LR 4e-3), through train.lr_preset",
     "train.min_learning_rate": "ours: 1% of the peak (the paper gives a floor only for the MoE)",
     "train.warmup_steps": "ours: the MoE recipe's 1k steps (the paper gives none for dense models)",
-    "train.microbatches": "ours: execution; the batch of 1024 in one pass under FSDP on 32 v5p chips (a "
-                          "second microbatch would halve the memory and double the weight gathers: "
-                          "docs/presets.md, 'Which slice each preset fits')",
+    "train.microbatches": "ours: execution; the batch of 1024 in 16 microbatches under FSDP on 32 v5p chips "
+                          "with exec.accumulate='gathered' (the weights gathered once per step, so the bytes "
+                          "sent do not grow with the count while the memory falls: docs/presets.md, "
+                          "'Which slice each preset fits')",
     "train.grad_clip": "Sec. 3.1 ('other hyperparameters follow the default values of the AdamW "
                        "optimizer'): no clipping; --config.train.grad_clip=1.0 clips at 1.0, "
                        "the small presets' default",
