@@ -61,18 +61,15 @@ def prepare(data_cfg, workdir: Path) -> str:
     the builder (the corpus fingerprint, `corpus.fingerprint`)."""
     tfds.display_progress_bar(False)
     absl_logging.set_verbosity(absl_logging.ERROR)  # "Using custom data configuration ..." etc.
-    def builder():
-        return GattnText(source=data_cfg.source, code_max_bytes=data_cfg.code_max_bytes,
-                         decode_errors=data_cfg.decode_errors,
-                         data_dir=str(workdir / "tfds"), file_format="array_record")
-
-    this = builder()
+    builder = GattnText(source=data_cfg.source, code_max_bytes=data_cfg.code_max_bytes,
+                        decode_errors=data_cfg.decode_errors,
+                        data_dir=str(workdir / "tfds"), file_format="array_record")
     try:
-        this.download_and_prepare()
+        builder.download_and_prepare()
     except FileExistsError:  # another process (a study's --part K/N) prepared it meanwhile: keep
-        if not builder().is_prepared():  # the first one (TFDS renames a finished dataset into place)
+        if not builder.is_prepared():  # the first one (TFDS renames a finished dataset into place)
             raise
-    return this.builder_config.name
+    return builder.builder_config.name
 
 
 def data_source(data_cfg, workdir: Path, split: str):
