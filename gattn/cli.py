@@ -51,6 +51,15 @@ def _coerce(path: str, text: str, hint: Any) -> Any:
             return int(number) if hint is int and number.is_integer() else hint(text)
         except ValueError:
             raise ConfigError(path, text, f"expected {'an integer' if hint is int else 'a number'}") from None
+    if origin is tuple:  # a comma-separated list; NAME*K repeats an item K times
+        items = []
+        for item in (t.strip().strip("'\"") for t in text.strip("()[] ").split(",") if t.strip()):
+            name, star, times = item.rpartition("*") if "*" in item else (item, "", "1")
+            if not times.isdigit() or not name:
+                raise ConfigError(path, text, "a comma-separated list, each item VALUE or VALUE*COUNT "
+                                  "(e.g. linear_attention*3,full_attention)")
+            items += [_coerce(path, name.strip(), typing.get_args(hint)[0])] * int(times)
+        return tuple(items)
     if dataclasses.is_dataclass(hint):
         if text.lower() == "default":
             return hint()

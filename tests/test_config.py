@@ -138,6 +138,21 @@ def test_overrides_coerce_types_and_create_nested_gate():
     assert cli.apply_overrides(cfg, ["model.output_clip=100"]).model.output_clip == 100.0
 
 
+def test_a_hybrid_layer_pattern_is_given_on_the_command_line():
+    """model.layer_types (a tuple): a comma-separated list, NAME*K for K in a row, or the JSON
+    list; what configs/hybrid_tiny.py tells a user to pass with model.num_layers=8."""
+    pattern = C.hybrid_layer_types(8, 4)
+    for text in ("linear_attention*3,full_attention,linear_attention*3,full_attention",
+                 '["linear_attention", "linear_attention", "linear_attention", "full_attention", '
+                 '"linear_attention", "linear_attention", "linear_attention", "full_attention"]'):
+        cfg = cli.load("hybrid_tiny", ["model.num_layers=8", f"model.layer_types={text}"])
+        assert cfg.model.layer_types == pattern and cfg.model.layer_period == 4
+    for bad, value in (("linear_attention*three", "linear_attention*three"), ("mamba*8", "mamba")):
+        with pytest.raises(ConfigError) as e:
+            cli.load("hybrid_tiny", ["model.num_layers=8", f"model.layer_types={bad}"])
+        assert e.value.field == "model.layer_types" and e.value.value == value
+
+
 @pytest.mark.parametrize("override, field, value, allowed", [
     ("model.num_layers=two", "model.num_layers", "two", ""),
     ("model.q_heads=5", "model.q_heads", 5, ""),

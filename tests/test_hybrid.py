@@ -113,6 +113,11 @@ def test_cached_greedy_decoding_gives_transformers_tokens(converted):
     ours = decode.generate(rundir.load(tmp / "run").model, prompts, max_new_tokens=10, prefill_chunk=16,
                            max_len=96)  # (room for 5 whole pieces of 16: one prefill compile)
     assert ours == theirs
+    # The same checkpoint loaded with scanned layers (stacked groups of the 3:1 pattern) decodes
+    # layer by layer from its sliced groups, to the same tokens.
+    scanned = rundir.load(tmp / "run", overrides=["exec.scan_layers=true"]).model
+    assert scanned.grouped and scanned.blocks.layers[0].linear_attn.a_log.shape[0] == 1
+    assert decode.generate(scanned, prompts, max_new_tokens=10, prefill_chunk=16, max_len=96) == theirs
 
 
 def tiny_hybrid(**kw) -> ModelConfig:
@@ -149,6 +154,43 @@ def test_a_packed_row_equals_its_documents_run_separately():
     assert np.abs(logits[4, 11:16] - logits[0, 11:16]).max() > 1e-3
 
 
+def test_a_scanned_hybrid_runs_its_layer_pattern_as_one_scan_over_groups():
+    """exec.scan_layers on a hybrid stacks the layers in groups of the repeating pattern
+    (3 Gated DeltaNet + 1 attention: 8 layers are 2 groups of 4) and scans over the groups: the
+    logits, the MoE's per-layer aux values and every gradient are the layer loop's, remat or not;
+    the layouts convert both ways bit for bit, and the jaxpr holds one scan over 2 groups."""
+    from gattn.model.transformer import relayout, unscanned, with_exec  # noqa: PLC0415
+
+    cfg = tiny_hybrid(num_layers=8, layer_types=hybrid_layer_types(8),
+                      moe=MoESpec(num_experts=4, top_k=2, expert_width=16, shared_expert_width=8))
+    assert cfg.layer_period == 4 and tiny_hybrid(layer_types=("linear_attention",) * 4).layer_period == 1
+    loop = Transformer(cfg, ExecConfig(gdn_chunk=8, remat="full"), rngs=nnx.Rngs(3))
+    scan = with_exec(loop, ExecConfig(gdn_chunk=8, remat="full", scan_layers=True))
+    shapes = {p: v.shape for p, v in nnx.to_flat_state(nnx.state(scan.blocks))}
+    assert shapes[("layers", 0, "linear_attn", "a_log")][0] == 2 and ("layers", 3, "attn", "wq") in shapes
+    assert not any(p[:2] == ("layers", 3) and "linear_attn" in p for p in shapes)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 24)))
+
+    def loss(model):
+        logits, aux = model.forward(tokens)
+        return jnp.mean(jax.nn.logsumexp(logits, -1)) + jnp.sum(aux["lbl"]), (logits, aux)
+
+    (l_loop, (logits_loop, aux_loop)), g_loop = jax.value_and_grad(loss, has_aux=True)(loop)
+    (l_scan, (logits_scan, aux_scan)), g_scan = jax.value_and_grad(loss, has_aux=True)(scan)
+    np.testing.assert_allclose(logits_scan, logits_loop, atol=1e-5)
+    assert aux_scan["lbl"].shape == (8,)
+    np.testing.assert_allclose(aux_scan["lbl"], aux_loop["lbl"], rtol=1e-5)
+    g_back = relayout(nnx.state(g_scan, nnx.Param), nnx.state(g_loop, nnx.Param))
+    flat_loop = dict(nnx.to_flat_state(nnx.state(g_loop, nnx.Param)))
+    for path, v in nnx.to_flat_state(g_back):
+        np.testing.assert_allclose(v[...], flat_loop[path][...], atol=2e-5, err_msg=str(path))
+    back = unscanned(scan)
+    for (p, a), (q, b) in zip(nnx.to_flat_state(nnx.state(loop)), nnx.to_flat_state(nnx.state(back)), strict=True):
+        assert p == q and np.array_equal(a[...], b[...])
+    jaxpr = str(jax.make_jaxpr(lambda m: m(tokens))(scan))
+    assert "length=2" in jaxpr and "length=8" not in jaxpr
+
+
 def test_hybrid_configs_are_checked():
     with pytest.raises(ConfigError, match="'layer_types'.*num_layers \\(4\\)"):
         ModelConfig(num_layers=4, layer_types=hybrid_layer_types(3), linear_attention=LinearAttentionSpec())
@@ -158,8 +200,6 @@ def test_hybrid_configs_are_checked():
         ModelConfig(num_layers=4, layer_types=hybrid_layer_types(4))
     with pytest.raises(ConfigError, match="'num_v_heads' = 3"):
         LinearAttentionSpec(num_k_heads=2, num_v_heads=3)
-    with pytest.raises(ConfigError, match="'exec.scan_layers' = True"):
-        Config(model=tiny_hybrid(), exec=ExecConfig(scan_layers=True))
     assert hybrid_layer_types(8) == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 \
         + ("full_attention",)
     assert tiny_hybrid().full_attention_layers == (3,)
@@ -206,6 +246,15 @@ def test_the_tiny_hybrid_trains_and_resumes_bit_identically(tmp_path):
     assert [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.set_aside.jsonl").read_text().splitlines()] \
         == [3, 4]
     assert resumed["step"] == full["step"] == 4
+    # The same run resumed with its layers scanned (stacked groups of the pattern): the
+    # checkpoint's parameters and AdamW moments are restacked, and training goes on as before.
+    shutil.copytree(tmp_path / "full", tmp_path / "scanned")
+    trainer.train(cli.load("hybrid_tiny", small + ["exec.scan_layers=true"]), tmp_path / "scanned",
+                  progress=False, resume_step=2)
+    again = rows(tmp_path / "scanned")
+    assert [r["step"] for r in again] == [1, 2, 3, 4]
+    for ours, theirs in zip(again[2:], rows(tmp_path / "full")[2:]):
+        np.testing.assert_allclose(ours["loss"], theirs["loss"], rtol=1e-5)
 
 
 def test_measurements_on_a_hybrid_cover_attention_layers_and_m_act_everywhere(tmp_path):

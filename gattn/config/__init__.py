@@ -13,7 +13,7 @@ Where each part lives (every name is importable from `gattn.config` itself):
     execution.py  how and where it is computed: ExecConfig, MOVED_TO_EXEC, MeshConfig
     train.py      TrainConfig, LR_PRESETS, EXTEND
     data.py       DataConfig, BackcopySpec, BACKCOPY, SHARDS, TFDS
-    __init__.py   Config (the run: all of the above), check_layer_scan, and its dicts: from_dict, to_dict,
+    __init__.py   Config (the run: all of the above) and its dicts: from_dict, to_dict,
                   flat_fields, differences (a run's config.json)
 """
 
@@ -41,7 +41,7 @@ __all__ = [
     "REMAT_POLICIES", "SDPA_NONLINEARITIES", "SHARDS", "SHARINGS", "SWITCH_TARGETS", "TFDS",
     "BATCH_AXES", "BackcopySpec", "Config", "ConfigError", "DataConfig", "ExecConfig", "GateSpec", "LinearAttentionSpec", "MESH_AXES", "MeshConfig", "ModelConfig",
     "MoESpec", "SwitchHeadsSpec", "TrainConfig", "YarnSpec",
-    "check_layer_scan", "differences", "flat_fields", "from_dict", "hybrid_layer_types", "to_dict",
+    "differences", "flat_fields", "from_dict", "hybrid_layer_types", "to_dict",
 ]
 
 
@@ -87,7 +87,6 @@ class Config:
         if self.train.mtp_loss_weight and not self.model.mtp_layers:
             raise ConfigError("train.mtp_loss_weight", self.train.mtp_loss_weight,
                               "0 unless model.mtp_layers = 1 (there is no MTP layer to train)")
-        check_layer_scan(self.model, self.exec)
         impl = self.exec.moe_impl
         if impl in ("all_to_all", "ragged"):
             if impl == "all_to_all" and (moe is None or moe.capacity_factor is None):
@@ -100,15 +99,6 @@ class Config:
                 raise ConfigError("exec.moe_impl", impl, f"it splits the {moe.num_experts} experts over "
                                   f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them, "
                                   "or exec.moe_impl='partitioned' (runs on any mesh)")
-
-
-def check_layer_scan(model: ModelConfig, ex: ExecConfig) -> None:
-    """ConfigError for exec.scan_layers on a hybrid model (Config's check, and the model's own
-    when it is built from a ModelConfig and an ExecConfig alone)."""
-    if model.hybrid and ex.scan_layers:
-        raise ConfigError("exec.scan_layers", True, "False for a hybrid model (model.layer_types mixes "
-                          "Gated DeltaNet and attention layers, which one scan over identical blocks "
-                          "cannot hold)")
 
 
 # --------------------------------------------------------------------------- dicts (config.json)

@@ -17,7 +17,9 @@ class ExecConfig:
 
     dtype:            compute dtype of activations and matmul inputs (parameters keep model.param_dtype).
     scan_layers:      one jax.lax.scan over stacked blocks (fast compiles for deep models) instead
-                      of a Python loop; checkpoints convert between the two layouts on restore.
+                      of a Python loop; a hybrid scans over groups of its repeating layer pattern
+                      (model.layer_period layers each); checkpoints convert between the layouts
+                      on restore.
     remat:            rematerialisation of each block in the backward pass: none, full, dots,
                       dots_no_batch (which intermediates are saved).
     attention_impl:   xla (the plain jnp reference) or pallas (the fused flash kernel with the gate;

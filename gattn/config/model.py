@@ -347,6 +347,15 @@ class ModelConfig:
         return "full_attention" if self.layer_types is None else self.layer_types[i]
 
     @property
+    def layer_period(self) -> int:
+        """The length of the shortest pattern that layer_types repeats (1 without layer_types;
+        Qwen3-Next's 3 Gated DeltaNet + 1 attention: 4). A scanned hybrid stacks its layers in
+        groups of this many (gattn/model/transformer.py)."""
+        types = self.layer_types or ("full_attention",)
+        return next(p for p in range(1, len(types) + 1)
+                    if len(types) % p == 0 and types == types[:p] * (len(types) // p))
+
+    @property
     def full_attention_layers(self) -> tuple[int, ...]:
         """The layers with (gated) softmax attention, where the attention measures apply."""
         return tuple(i for i in range(self.num_layers) if self.layer_type(i) == "full_attention")

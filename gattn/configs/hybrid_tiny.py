@@ -6,7 +6,9 @@ d_model 128 as the main job's tiny model; sequences of 256, batch 16, on the emb
     python train.py --config configs/hybrid_tiny.py --workdir runs/hybrid
 
 The layer pattern is `hybrid_layer_types(num_layers, 4)`: with `model.num_layers=8` pass
-`model.layer_types` again (a tuple of num_layers names), or edit `LAYERS` here.
+`model.layer_types` again, a comma-separated list with NAME*K for K in a row
+(`--config.model.layer_types=linear_attention*3,full_attention,linear_attention*3,full_attention`),
+or edit `LAYERS` here.
 """
 
 from gattn.config import (Config, DataConfig, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec, TrainConfig,

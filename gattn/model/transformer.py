@@ -6,6 +6,10 @@ in place of attention in some blocks; everything else about the block is the sam
 The residual stream is 2-D, x_NxD with N = batch * sequence: every projection is then a plain
 [N, D] x [D, *] matmul and every weight gradient a single contraction (docs/performance.md).
 
+With exec.scan_layers the blocks are stacked and run by one scan: a dense model's blocks
+one by one, a hybrid's in groups of its repeating pattern (`LayerGroup`, model.layer_period
+layers: Qwen3-Next's 3 Gated DeltaNet + 1 attention), so a 48-layer hybrid compiles one group.
+
 `Transformer.decode` runs new tokens against a kv cache (gattn/eval/decode.py generates with it);
 `unscanned` turns a scan_layers model into the equivalent layer list. With model.mtp_layers = 1 the
 model also holds Qwen3-Next's multi-token-prediction layer (`mtp`, gattn/model/mtp.py).
@@ -19,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gattn.config import ExecConfig, ModelConfig, check_layer_scan
+from gattn.config import ExecConfig, ModelConfig
 from gattn.model.attention import Attention
 from gattn.model.capture import NOTHING, Capture
 from gattn.model.gdn import GatedDeltaNet, GDNSpec, GDNState
@@ -126,6 +130,15 @@ class Block(nnx.Module):
         return (x_NxD, state, tuple(each)) if stepwise else (x_NxD, state)
 
 
+class LayerGroup(nnx.Module):
+    """One period of a hybrid's layer pattern (`layers`, a Block per layer type): the unit a
+    scanned hybrid stacks, model.num_layers / model.layer_period times."""
+
+    def __init__(self, cfg: ModelConfig, ex: ExecConfig, *, rngs: nnx.Rngs):
+        self.layers = nnx.List([Block(cfg, ex, rngs=rngs, layer_type=cfg.layer_type(j))
+                                for j in range(cfg.layer_period)])
+
+
 class Transformer(nnx.Module):
     """The model `cfg` (its architecture), computed as `ex` says (dtype, kernel, scan, remat)."""
 
@@ -133,14 +146,15 @@ class Transformer(nnx.Module):
         self.cfg, self.ex = cfg, ex
         pd = DTYPES[cfg.param_dtype]
         self.dtype = DTYPES[ex.dtype]
-        check_layer_scan(cfg, ex)
         self.embed = param("weight", rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
                            std=cfg.init_std, dtype=pd)
-        if ex.scan_layers:
-            @nnx.split_rngs(splits=cfg.num_layers)
+        if ex.scan_layers:  # stacked [L, ...] blocks; a hybrid's stacked [L / period, ...] groups
+            grouped = cfg.hybrid
+
+            @nnx.split_rngs(splits=cfg.num_layers // cfg.layer_period if grouped else cfg.num_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make(rngs):
-                return Block(cfg, ex, rngs=rngs)
+                return LayerGroup(cfg, ex, rngs=rngs) if grouped else Block(cfg, ex, rngs=rngs)
 
             self.blocks = make(rngs)
         else:
@@ -195,8 +209,19 @@ class Transformer(nnx.Module):
             if capture.any:
                 raise ValueError("capturing intermediates needs exec.scan_layers=False: convert the "
                                  "model with gattn.model.transformer.unscanned(model)")
-            x_NxD, aux = nnx.scan(lambda x, blk: run(blk, x), in_axes=(nnx.Carry, 0),
-                                  out_axes=(nnx.Carry, 0))(x_NxD, self.blocks)
+            if self.grouped:
+                def body(x, group):  # the group's layers in order; aux [period, ...]
+                    per_layer = []
+                    for block in group.layers:
+                        x, layer_aux = run(block, x)
+                        per_layer.append(layer_aux)
+                    return x, jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+            else:
+                def body(x, block):
+                    return run(block, x)
+            x_NxD, aux = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x_NxD, self.blocks)
+            if self.grouped:  # [groups, period, ...] -> [L, ...], layer g * period + j
+                aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
         else:
             per_layer = []
             for block in self.blocks:
@@ -224,6 +249,22 @@ class Transformer(nnx.Module):
         y_NxD, aux = run(self.mtp, hidden_NxD, self._embed(next_tokens_BxS))
         return sharding.rows(y_NxD), aux
 
+    @property
+    def grouped(self) -> bool:
+        """Whether the blocks are stacked groups of the layer pattern (a scanned hybrid)."""
+        return self.ex.scan_layers and self.cfg.hybrid
+
+    def layers(self) -> list[Block]:
+        """The blocks as a list of L modules, layer by layer. A scanned model's are sliced from
+        its stacked parameters (copies, in a jitted function: the decoding loop of a scanned
+        hybrid uses them)."""
+        if not self.ex.scan_layers:
+            return list(self.blocks)
+        graphdef, state = nnx.split(self.blocks)
+        count = jax.tree.leaves(state)[0].shape[0]
+        units = [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(count)]
+        return [blk for unit in units for blk in unit.layers] if self.grouped else units
+
     def head_weight(self) -> jax.Array:
         """The LM head [D, V]: the tied embedding transposed, or lm_head."""
         return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
@@ -240,7 +281,8 @@ class Transformer(nnx.Module):
         A layer loop keeps a tuple of L per-layer arrays, each updated in place by a decode step;
         a scanned model keeps one stacked [L, B, Hk, T, K] array, which its scan slices and
         re-stacks every step (a copy of the whole cache: ~2x slower decoding at long lengths;
-        `unscanned(model)` decodes with the tuple).
+        `unscanned(model)` decodes with the tuple). A scanned hybrid keeps the tuples too and
+        decodes layer by layer, its blocks sliced from the stacked groups (`layers`).
 
         A hybrid model's Gated DeltaNet layers keep no kv slots (None in k and v) but a GDNState
         each in "gdn" (None for the attention layers): the conv's last inputs and the rule's
@@ -248,13 +290,14 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         shape = (batch, cfg.kv_heads, max_len, cfg.head_dim)
         full = [cfg.layer_type(i) == "full_attention" for i in range(cfg.num_layers)]
-        if self.ex.scan_layers:  # (two buffers: a decode step donates both)
+        if self.ex.scan_layers and not self.grouped:  # (two buffers: a decode step donates both)
             k, v = (jnp.zeros((cfg.num_layers, *shape), self.dtype) for _ in "kv")
         else:
             k, v = (tuple(jnp.zeros(shape, self.dtype) if f else None for f in full) for _ in "kv")
         cache = {"k": k, "v": v, "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
         if cfg.hybrid:
-            cache["gdn"] = tuple(None if f else blk.linear_attn.init_state(batch) for f, blk in zip(full, self.blocks))
+            blocks = self.layers() if self.grouped else self.blocks
+            cache["gdn"] = tuple(None if f else blk.linear_attn.init_state(batch) for f, blk in zip(full, blocks))
         return cache
 
     def decode(self, tokens_BxS: jax.Array, positions_BxS: jax.Array, cache: dict,
@@ -285,7 +328,7 @@ class Transformer(nnx.Module):
         def run(x, block, k, v):
             return block.decode(x, positions_N, k, v, mask_BxSxT, index)
 
-        if self.ex.scan_layers:
+        if self.ex.scan_layers and not self.grouped:
             def step(x, block, k, v):
                 x, k, v = run(x, block, k, v)
                 return x, (k, v)
@@ -294,8 +337,9 @@ class Transformer(nnx.Module):
             x_NxD, (k_L, v_L) = scan(x_NxD, self.blocks, cache["k"], cache["v"])
         else:
             ks, vs, states, each = [], [], [], []
-            for block, k, v, state in zip(self.blocks, cache["k"], cache["v"],
-                                          cache.get("gdn", (None,) * len(self.blocks)), strict=True):
+            blocks = self.layers() if self.grouped else self.blocks  # (a scanned hybrid: sliced)
+            for block, k, v, state in zip(blocks, cache["k"], cache["v"],
+                                          cache.get("gdn", (None,) * len(blocks)), strict=True):
                 after = None
                 if state is not None and stepwise:
                     x_NxD, state, after = block.decode_linear(x_NxD, state, valid_BxS, stepwise=True)
@@ -382,11 +426,12 @@ def off_mesh(ex: ExecConfig) -> ExecConfig:
 
 def relayout(tree, like: nnx.State):
     """Every nnx.State in `tree` (parameters, or optimizer moments shaped like them) in the block
-    layout of `like` (an abstract state of the same model): blocks stacked under "blocks" with
-    [L, ...] leaves (exec.scan_layers) or listed as ("blocks", i, ...). Values come from `tree`,
-    variable types and metadata (logical axes) from `like`."""
+    layout of `like` (an abstract state of the same model). The layouts (exec.scan_layers):
+    listed as ("blocks", i, ...); stacked under "blocks" with [L, ...] leaves; and a scanned
+    hybrid's groups, ("blocks", "layers", j, ...) with [L / period, ...] leaves, layer
+    g * period + j. Values come from `tree`, variable types and metadata (logical axes) from `like`."""
     target = list(nnx.to_flat_state(like))
-    to_scan = not any(isinstance(p[1], int) for p, _ in target if p[0] == "blocks" and len(p) > 1)
+    to_layout = _block_layout(p for p, _ in target)
 
     def convert(state):
         if not isinstance(state, nnx.State) or "blocks" not in state:
@@ -394,13 +439,47 @@ def relayout(tree, like: nnx.State):
         flat = {p: v[...] for p, v in nnx.to_flat_state(state)}
         if set(flat) == {p for p, _ in target}:
             return state  # already in this layout
+        layer = _layer_reader(flat)
 
         def value(path):
             if path[0] != "blocks":
                 return flat[path]
-            if to_scan:  # ("blocks", ...) <- stack of ("blocks", i, ...)
-                layers = sorted({p[1] for p in flat if p[0] == "blocks"})
-                return jnp.stack([flat[(path[0], i) + path[1:]] for i in layers])
-            return flat[(path[0],) + path[2:]][path[1]]  # ("blocks", i, ...) <- ("blocks", ...)[i]
+            kind, period = to_layout
+            if kind == "listed":  # ("blocks", i, ...)
+                return layer(path[1], path[2:])
+            if kind == "stacked":  # ("blocks", ...): [L, ...]
+                return jnp.stack([layer(i, path[1:]) for i in range(layer.num_layers)])
+            j = path[2]  # ("blocks", "layers", j, ...): [L / period, ...]
+            return jnp.stack([layer(g * period + j, path[3:]) for g in range(layer.num_layers // period)])
         return nnx.from_flat_state([(p, v.replace(value(p))) for p, v in target])
     return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, nnx.State))
+
+
+def _block_layout(paths) -> tuple[str, int]:
+    """(layout, period) of parameter paths: ("listed", 1), ("stacked", 1) or ("grouped", period)."""
+    blocks = [p for p in paths if p[0] == "blocks" and len(p) > 1]
+    if any(isinstance(p[1], int) for p in blocks):
+        return "listed", 1
+    if any(p[1] == "layers" and len(p) > 2 and isinstance(p[2], int) for p in blocks):
+        return "grouped", 1 + max(p[2] for p in blocks)
+    return "stacked", 1
+
+
+def _layer_reader(flat: dict):
+    """read(i, rest): layer i's parameter `rest` from a flat state in any block layout, with
+    read.num_layers."""
+    kind, period = _block_layout(flat)
+    blocks = {p: v for p, v in flat.items() if p[0] == "blocks"}
+    if kind == "listed":
+        def read(i, rest):
+            return flat[("blocks", i) + rest]
+        read.num_layers = 1 + max(p[1] for p in blocks)
+    elif kind == "stacked":
+        def read(i, rest):
+            return flat[("blocks",) + rest][i]
+        read.num_layers = next(iter(blocks.values())).shape[0]
+    else:
+        def read(i, rest):
+            return flat[("blocks", "layers", i % period) + rest][i // period]
+        read.num_layers = period * next(iter(blocks.values())).shape[0]
+    return read
