@@ -211,11 +211,7 @@ class Transformer(nnx.Module):
                                  "model with gattn.model.transformer.unscanned(model)")
             if self.grouped:
                 def body(x, group):  # the group's layers in order; aux [period, ...]
-                    per_layer = []
-                    for block in group.layers:
-                        x, layer_aux = run(block, x)
-                        per_layer.append(layer_aux)
-                    return x, jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+                    return _run_layers(run, group.layers, x)
             else:
                 def body(x, block):
                     return run(block, x)
@@ -223,11 +219,7 @@ class Transformer(nnx.Module):
             if self.grouped:  # [groups, period, ...] -> [L, ...], layer g * period + j
                 aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
         else:
-            per_layer = []
-            for block in self.blocks:
-                x_NxD, layer_aux = run(block, x_NxD)
-                per_layer.append(layer_aux)
-            aux = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+            x_NxD, aux = _run_layers(run, self.blocks, x_NxD)
         return self.final_norm(x_NxD), aux
 
     def mtp_hidden(self, hidden_NxD: jax.Array, next_tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None,
@@ -296,7 +288,7 @@ class Transformer(nnx.Module):
             k, v = (tuple(jnp.zeros(shape, self.dtype) if f else None for f in full) for _ in "kv")
         cache = {"k": k, "v": v, "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
         if cfg.hybrid:
-            blocks = self.layers() if self.grouped else self.blocks
+            blocks = self.layers()
             cache["gdn"] = tuple(None if f else blk.linear_attn.init_state(batch) for f, blk in zip(full, blocks))
         return cache
 
@@ -337,7 +329,7 @@ class Transformer(nnx.Module):
             x_NxD, (k_L, v_L) = scan(x_NxD, self.blocks, cache["k"], cache["v"])
         else:
             ks, vs, states, each = [], [], [], []
-            blocks = self.layers() if self.grouped else self.blocks  # (a scanned hybrid: sliced)
+            blocks = self.layers()  # (a scanned hybrid's: sliced from its groups)
             for block, k, v, state in zip(blocks, cache["k"], cache["v"],
                                           cache.get("gdn", (None,) * len(blocks)), strict=True):
                 after = None
@@ -380,6 +372,15 @@ class Transformer(nnx.Module):
         logits_NxV = head_logits(y_NxD, self.head_weight(), self.dtype)
         cache = {"k": k, "v": v, "valid": valid_BxT, "index": cache["index"] + s}
         return logits_NxV.reshape(b, s, self.cfg.vocab_size), cache
+
+
+def _run_layers(run, blocks, x_NxD) -> tuple[jax.Array, dict]:
+    """(x, aux stacked per layer [len(blocks), ...]): `run(block, x)` through the blocks in order."""
+    per_layer = []
+    for block in blocks:
+        x_NxD, layer_aux = run(block, x_NxD)
+        per_layer.append(layer_aux)
+    return x_NxD, jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
 
 
 def _decode_mask(cache: dict, valid_BxS: jax.Array) -> tuple[jax.Array, jax.Array]:
