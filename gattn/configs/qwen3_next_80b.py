@@ -11,8 +11,9 @@ from-hf` (which writes the converted model's own config.json), and for planning 
     python bench/fit_presets.py --preset qwen3_next_80b --topology v5p:4x4x4 --eval-only
 
 A TPU config: bf16, rematerialised layers, the fused Pallas attention, dropless expert
-parallelism (ragged, megablox). The layers are a Python loop (a hybrid cannot be one scan over
-identical blocks). The training settings are placeholders of the paper's MoE recipe; the
+parallelism (ragged, megablox). The layers are one scan over 12 groups of the 3:1 pattern
+(`exec.scan_layers`, docs/hybrid.md), so the compiler sees one group of 4 layers, not 48. The
+training settings are placeholders of the paper's MoE recipe; the
 Qwen team's are not published.
 """
 
@@ -30,7 +31,7 @@ def get_config() -> Config:
         moe=MoESpec(num_experts=512, top_k=10, expert_width=512, shared_expert_width=512, renormalize=True,
                     lbl_coef=1e-3),
         param_dtype="float32")
-    tpu = ExecConfig(dtype="bfloat16", scan_layers=False, remat="full", attention_impl="pallas",
+    tpu = ExecConfig(dtype="bfloat16", scan_layers=True, remat="full", attention_impl="pallas",
                      moe_impl="ragged", grouped_matmul="megablox", moe_buffer=1.25, loss_chunk=512)
     train = TrainConfig(batch_size=1024, seq_len=4096, steps=100_000, lr_preset="moe_15a2b", grad_clip=0.0,
                         eval_every=2000, checkpoint_every=1000, log_every=50, microbatches=8)
