@@ -8,7 +8,12 @@ gated shared expert of 512 in every layer, zero-centred norms, a vocabulary of 1
 For continued training or measurement of the released weights after `python -m gattn.convert
 from-hf` (which writes the converted model's own config.json), and for planning a slice:
 
-    python bench/fit_presets.py --preset qwen3_next_80b --topology v5p:4x4x4 --eval-only
+    python bench/fit_presets.py --preset qwen3_next_80b --topology v5p:4x4x4
+
+On v5p-128 (64 chips) the experts split over expert 32 and every weight's model dimension over
+fsdp 2, the batch of 1024 x 4096 in 8 microbatches: 76.2 GiB per chip, 959 GiB sent per chip per
+step, compute-bound (docs/presets.md, "How qwen3_next_80b's mesh was chosen"). A larger slice
+adds data-parallel replicas (data = -1).
 
 A TPU config: bf16, rematerialised layers, the fused Pallas attention, dropless expert
 parallelism (ragged, megablox). The layers are one scan over 12 groups of the 3:1 pattern
@@ -35,5 +40,5 @@ def get_config() -> Config:
                      moe_impl="ragged", grouped_matmul="megablox", moe_buffer=1.25, loss_chunk=512)
     train = TrainConfig(batch_size=1024, seq_len=4096, steps=100_000, lr_preset="moe_15a2b", grad_clip=0.0,
                         eval_every=2000, checkpoint_every=1000, log_every=50, microbatches=8)
-    return Config(model=model, train=train, mesh=MeshConfig(data=-1, expert=16, model=4), exec=tpu,
+    return Config(model=model, train=train, mesh=MeshConfig(data=-1, fsdp=2, expert=32), exec=tpu,
                   data=DataConfig(eval_batch_size=64), variant="sdpa_elementwise")
