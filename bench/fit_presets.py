@@ -71,6 +71,7 @@ ROWS = {
         ("extend_1p7b_32k", "v5p:4x4x2", None, ()),
         ("dense_1p7b_48l", "v5p:4x4x2", None, ()),
         ("qwen3_5_2b", "v5p:2x2x4", None, ()),
+        ("qwen3_next_80b", "v5p:4x4x4", None, ()),
     ],
     # The meshes and microbatches tried for dense_1p7b and moe_15a2b on their slice (4 numbers:
     # data, fsdp, expert, model); each preset takes the one with the shortest roofline step within
@@ -92,6 +93,10 @@ ROWS = {
         ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=8",)),
         ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=4",)),
         ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=2",)),
+        # qwen3_next_80b on v5p-128, scanned layers (as configured: 1, 2, 32, 1 with 8)
+        *[("qwen3_next_80b", "v5p:4x4x4", mesh, (f"train.microbatches={m}",))
+          for mesh, m in (((1, 4, 16, 1), 8), ((1, 4, 16, 1), 4), ((1, 8, 8, 1), 8), ((1, 2, 32, 1), 8),
+                          ((1, 1, 64, 1), 8))],
     ],
     "smallest": [
         ("dense_1p7b", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=32",)),
