@@ -73,9 +73,9 @@ ROWS = {
         ("qwen3_5_2b", "v5p:2x2x4", None, ()),
         ("qwen3_next_80b", "v5p:4x4x4", None, ()),
     ],
-    # The meshes and microbatches tried for dense_1p7b and moe_15a2b on their slice (4 numbers:
-    # data, fsdp, expert, model); each preset takes the one with the shortest roofline step within
-    # HBM, then the fewest bytes sent; dense_1p7b the one within MaxText's memory too (docs/presets.md).
+    # The meshes and microbatches tried for dense_1p7b, moe_15a2b and qwen3_next_80b on their slice
+    # (4 numbers: data, fsdp, expert, model); each preset takes the one with the shortest roofline
+    # step within HBM, then the fewest bytes sent; dense_1p7b the one within MaxText's memory too (docs/presets.md).
     "candidates": [
         ("dense_1p7b", "v5p:4x4x2", (8, 1, 1, 4), ("train.microbatches=4", "exec.accumulate=sharded")),  # before FSDP
         ("dense_1p7b", "v5p:4x4x2", (32, 1, 1, 1), ("train.microbatches=4", "exec.accumulate=sharded")),

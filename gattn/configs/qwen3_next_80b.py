@@ -18,8 +18,7 @@ adds data-parallel replicas (data = -1).
 A TPU config: bf16, rematerialised layers, the fused Pallas attention, dropless expert
 parallelism (ragged, megablox). The layers are one scan over 12 groups of the 3:1 pattern
 (`exec.scan_layers`, docs/hybrid.md), so the compiler sees one group of 4 layers, not 48. The
-training settings are placeholders of the paper's MoE recipe; the
-Qwen team's are not published.
+training settings are placeholders of the paper's MoE recipe; the Qwen team's are not published.
 """
 
 from gattn.config import (Config, DataConfig, ExecConfig, GateSpec, LinearAttentionSpec, MeshConfig, ModelConfig,
