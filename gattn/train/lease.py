@@ -6,10 +6,14 @@
 `hold(workdir)` takes the lease before the run writes anything and gives it back when the run
 ends, however it ends (a killed process leaves it behind, and it goes stale). A second
 `train.py` on the same directory is refused with one line naming the holder. A lease is stale,
-and is taken over, when it was not renewed for STALE_SECONDS (its holder renews it every beat:
-RENEW_SECONDS, or a quarter of a shorter STALE_SECONDS), or, on the holder's host, when its
-process is gone (the pid no longer runs, or is now another process: `started` differs, as after
-a container restart). With several processes only process 0 holds it, for the whole run.
+and is taken over, when its process is gone (seen on the holder's host: the pid no longer runs,
+or is now another process: `started` differs, as after a container restart), or when it was not
+renewed for STALE_SECONDS (its holder renews it every beat: RENEW_SECONDS, or a quarter of a
+shorter STALE_SECONDS) and its process cannot be seen (another host's, or a start /proc cannot
+tell). On its own host a process that is provably the holder keeps its lease, renewed or not.
+The renewal is a thread, so the run keeps long calls that hold the GIL out of its process (the
+tokenizer trains in a process of its own: gattn/data/tokenizer.py). With several processes only
+process 0 holds it, for the whole run.
 
 Every change of the lease is a compare-and-swap, so of runs starting, or taking over the same
 stale lease, at the same instant exactly one wins: on a local or NFS disk the read and the write
@@ -18,8 +22,10 @@ bucket each write names the generation it read (`if_generation_match`, 0 to crea
 
 A run that loses the lease stops before it writes again (`check()`, before each step and save,
 raises LeaseLost: one line, exit 1): a renewal found another holder, or the lease went unrenewed
-for STALE_SECONDS less a beat, after which another run may take it. A failed renewal (any error
-of the store: an HttpError, a RefreshError) is retried at the next beat.
+for STALE_SECONDS less a beat (on the monotonic clock: a step of the wall clock is no delay),
+after which another host's run may take it. A failed renewal (any error of the store: an
+HttpError, a RefreshError) is retried at the next beat. lock.json's `renewed` is wall-clock time,
+for the other hosts.
 
 What it does not cover: another remote filesystem (s3://, ...), or a mount without locks (NFS
 without lockd), has neither, so two runs starting at the same instant there may both win (the
@@ -83,13 +89,18 @@ def _alive(pid: int, started: str | None = None) -> bool:
 
 
 def stale(holder: dict, now: float | None = None) -> bool:
-    """Whether a lease `holder` (a lock.json dict) no longer holds: it was not renewed for
-    STALE_SECONDS, or its process is gone (on this host)."""
+    """Whether a lease `holder` (a lock.json dict) no longer holds. On the holder's host its
+    process decides: gone, stale; running and provably the holder (`started`, the same start of
+    the same pid), held, renewed or not. Else (another host, or a start /proc cannot tell): stale
+    once not renewed for STALE_SECONDS."""
     now = time.time() if now is None else now
-    if now - float(holder.get("renewed", 0)) > STALE_SECONDS:
-        return True
-    pid, here = holder.get("pid"), holder.get("host") == socket.gethostname()
-    return here and isinstance(pid, int) and not _alive(pid, holder.get("started"))
+    pid, started = holder.get("pid"), holder.get("started")
+    if holder.get("host") == socket.gethostname() and isinstance(pid, int):
+        if not _alive(pid, started):
+            return True
+        if started is not None and _started(pid) == started:
+            return False
+    return now - float(holder.get("renewed", 0)) > STALE_SECONDS
 
 
 def _parse(text: str | bytes) -> dict | None:
@@ -188,7 +199,7 @@ class Lease:
         self.path = Path(workdir) / LOCK
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _started(os.getpid()),
                    "token": uuid.uuid4().hex, "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        self.renewed = 0.0  # when the last renewal that went through began (time.time())
+        self.renewed = 0.0  # when the last renewal that went through began (time.monotonic())
         self.error = ""     # the last failed renewal's error
         self.lost: str | None = None  # why the lease is lost: set by the renewal thread or check()
         self.stopped = threading.Event()
@@ -198,7 +209,7 @@ class Lease:
         return (holder or {}).get("token") == self.me["token"]
 
     def acquire(self) -> None:
-        now = time.time()
+        now, began = time.time(), time.monotonic()
 
         def take(holder):
             if holder is not None and not self._mine(holder) and not stale(holder):
@@ -206,19 +217,19 @@ class Lease:
                 raise ConfigError("--workdir", str(self.path.parent),
                                   f"a run directory no other train.py is writing to: {_who(holder)} has held it "
                                   f"since {holder.get('since')} (renewed {ago:.0f} s ago). Stop that run, or wait: "
-                                  f"a lease whose process is gone, or that is not renewed for {STALE_SECONDS:.0f} s "
-                                  "(GATTN_LOCK_STALE_SECONDS), is taken over")
+                                  f"a lease whose process is gone, or (held from another host) not renewed for "
+                                  f"{STALE_SECONDS:.0f} s (GATTN_LOCK_STALE_SECONDS), is taken over")
             return {**self.me, "renewed": now}
 
         if "://" not in str(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
         _swap(self.path, take)
-        self.renewed = now
+        self.renewed = began
         self.thread.start()
 
     def renew(self) -> None:
         """Renews the lease once; raises _Taken if another run holds it now, or a store's error."""
-        now = time.time()
+        now, began = time.time(), time.monotonic()
 
         def keep(holder):
             if not self._mine(holder):
@@ -226,7 +237,7 @@ class Lease:
             return {**holder, "renewed": now}
 
         _swap(self.path, keep)
-        self.renewed, self.error = now, ""
+        self.renewed, self.error = began, ""
 
     def _renew(self) -> None:
         while not self.stopped.wait(_beat()) and self.lost is None:
@@ -244,7 +255,7 @@ class Lease:
     def check(self) -> None:
         """Raises LeaseLost if this run lost the lease: another run took it, or it went unrenewed for
         so long (STALE_SECONDS less a beat) that another run may take it before the next renewal."""
-        late = time.time() - self.renewed
+        late = time.monotonic() - self.renewed
         if self.lost is None and late > STALE_SECONDS - _beat():
             self.lost = (f"it could not be renewed for {late:.0f} s ({self.error or 'the store did not answer'}), "
                          f"and another run may take it over after {STALE_SECONDS:.0f} s")
