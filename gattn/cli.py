@@ -178,8 +178,6 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
     overrides."""
     path = resolve(path)
     if path.suffix == ".json":
-        import json  # noqa: PLC0415
-
         try:
             cfg = from_dict(Config, json.loads(path.read_text()))
         except json.JSONDecodeError as e:
@@ -199,34 +197,29 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
                           "the variant once" if variant is not None else "one variant (given twice with different "
                           "names): name the variant once")
     variant = named[-1].partition("=")[2].strip() if named else variant
-    # The variant's model and every override in one construction: the cross-field checks see the
-    # final config (a variant's model with an execution override it needs, an MTP loss weight with
-    # the model.mtp_layers set beside it), whatever the order.
-    base = cfg.model
-    variant_model = variants.apply(variant, base) if variant is not None else None
-    cfg = apply_overrides(cfg, list(overrides),
-                          None if variant is None else {"model": variant_model, "variant": variant})
-    if variant is not None:  # the variant's own fields changed by an override: recorded as what the model is
-        cfg = dataclasses.replace(cfg, variant=describe_variant(variant, base, variant_model, cfg.model))
+    # The variant is built on the config's baseline (its model without the variant fields, see
+    # variants.baseline_of: hybrid_tiny's gated model gives a gateless --variant baseline), and
+    # every override in the same construction: the cross-field checks see the final config (a
+    # variant's model with an execution override it needs, an MTP loss weight with the
+    # model.mtp_layers set beside it), whatever the order.
     check_variant(cfg)
-    return cfg
-
-
-def describe_variant(name: str, base, variant_model, model) -> str:
-    """`name`, or `name+field=value,...` where overrides changed fields that the variant sets (e.g.
-    `sdpa_elementwise+gate.position="value"`): the name alone would describe another model."""
-    from gattn.config import differences  # noqa: PLC0415
-
-    own = [k for k, _, _ in differences(Config(model=variant_model), Config(model=base), ("model.",))]
-    changed = [(k, now) for k, now, _ in differences(Config(model=model), Config(model=variant_model), ("model.",))
-               if any(k == f or k.startswith(f + ".") or f.startswith(k + ".") for f in own)]
-    if not changed:
-        return name
-    return name + "+" + ",".join(f"{k.removeprefix('model.')}={json.dumps(v)}" for k, v in changed)
+    recorded = cfg.variant
+    base = variants.baseline_of(cfg.model, recorded)
+    replace = None
+    if variant is not None:
+        if base is None and variant != recorded:
+            raise ConfigError("variant", variant, f"a variant of a baseline config; this config's model is "
+                              f"{recorded}, which scales its baseline's heads or experts, so that baseline is not "
+                              "known: start from the config file the run was made from")
+        replace = {"model": cfg.model if base is None else variants.apply(variant, base)}
+    cfg = apply_overrides(cfg, list(overrides), replace)
+    # The label names the final model: an override that changes what the variant is (a gate on
+    # the baseline, another gate position) is part of it (variants.label).
+    return dataclasses.replace(cfg, variant=variants.label(variant or recorded.partition("+")[0], cfg.model, base))
 
 
 def check_variant(cfg: Config) -> None:
-    """The recorded variant is a registered one (or one changed field by field: `describe_variant`)."""
+    """The recorded variant is a registered one (or one changed field by field: `variants.label`)."""
     if cfg.variant.partition("+")[0] not in variants.REGISTRY:
         raise ConfigError("variant", cfg.variant, f"expected one of {', '.join(map(repr, variants.REGISTRY))}")
 

@@ -2,6 +2,9 @@
 
 `python -m gattn.variants` lists them with their paper table and row. A variant is data: a
 function from the baseline config to the variant's config; adding one is adding an entry here.
+
+A run records a label (`label`): the variant's name when its model is that variant of its
+baseline, else the name and the fields in which it is not (`baseline+gate.granularity="headwise"`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
-from gattn.config import ConfigError, GateSpec, ModelConfig, SwitchHeadsSpec
+from gattn.config import ConfigError, GateSpec, ModelConfig, MoESpec, SwitchHeadsSpec, flat_fields
 
 
 @dataclass(frozen=True)
@@ -126,11 +129,81 @@ REGISTRY: dict[str, Variant] = {v.name: v for v in [
 ]}
 
 
+# The fields a variant sets outright; a baseline has each at its default (no gate, no Switch Heads,
+# no SDPA non-linearity, no sandwich norm, no clipping, no FFN matching). The other variants scale
+# head or expert counts of their baseline (more_kv_heads, more_q_heads, more_experts).
+AXES = ("gate", "switch_heads", "sdpa_nonlinearity", "sandwich_norm", "output_clip", "match_ffn_params")
+_BASELINE = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in AXES}
+_PROBE = ModelConfig(vocab_size=64, d_model=32, num_layers=1, q_heads=4, kv_heads=2, head_dim=8, d_ff=64)
+
+
 def apply(name: str, base: ModelConfig) -> ModelConfig:
     """The config of variant `name` built on `base` (a baseline: no gate, no switch heads)."""
+    return _registered(name).change(base)
+
+
+def _registered(name: str) -> Variant:
     if name not in REGISTRY:
         raise ConfigError("variant", name, f"expected one of {', '.join(REGISTRY)}")
-    return REGISTRY[name].change(base)
+    return REGISTRY[name]
+
+
+def baseline_of(model: ModelConfig, label: str = "baseline") -> ModelConfig | None:
+    """The baseline that `model`, recorded as `label`, is a variant of: `model` with the AXES at
+    their defaults. None where the label's variant scales heads or experts: that baseline's
+    counts are not in the model."""
+    return None if _scales(label.partition("+")[0]) else dataclasses.replace(model, **_BASELINE)
+
+
+def label(name: str, model: ModelConfig, base: ModelConfig | None = None) -> str:
+    """What a run of `model` is called: `name` when `model` is variant `name` of `base`, else
+    `name+field=value,...` listing where it is not, on the AXES and on the fields the variant
+    itself changes (kv_heads for more_kv_heads). Sizes and the other fields are the config's, not
+    the label's. `base` None (a recorded run, whose baseline is not known): the AXES only."""
+    if base is None:  # (a variant that scales counts sets no AXES: the baseline's are expected)
+        reset = dataclasses.replace(model, **_BASELINE)
+        want = reset if _scales(name) else apply(name, reset)
+    else:
+        want = apply(name, base)
+    own = [] if base is None else [k for k in _own(name, base) if k.partition(".")[0] not in AXES]
+    changes = [c for f in AXES for c in _changed(f, getattr(want, f), getattr(model, f))]
+    have, expected = flat_fields(model), flat_fields(want)
+    changes += [f"{k}={json.dumps(have.get(k))}" for k in own if have.get(k) != expected.get(k)]
+    return f"{name}+{','.join(changes)}" if changes else name
+
+
+def checked(recorded: str, model: ModelConfig) -> str:
+    """A recorded label checked against its model on the AXES: a bare variant name recorded for a
+    model that is not that variant (a run recorded before labels named their overrides) becomes
+    what `label` calls it; a label that names its changes is kept."""
+    name = recorded.partition("+")[0]
+    return label(name, model) if "+" not in recorded and name in REGISTRY else recorded
+
+
+def _scales(name: str) -> bool:
+    """Whether variant `name` changes fields beyond the AXES (head or expert counts), as it
+    does on a small probe model (on a model it does not build on, it would raise)."""
+    probe = dataclasses.replace(_PROBE, moe=MoESpec(num_experts=4, top_k=2, expert_width=16)) \
+        if _registered(name).needs_moe else _PROBE
+    return any(k.partition(".")[0] not in AXES for k in _own(name, probe))
+
+
+def _own(name: str, base: ModelConfig) -> list[str]:
+    """The dotted fields that variant `name` changes in `base` (`gate.position`, `kv_heads`, ...)."""
+    was, now = flat_fields(base), flat_fields(apply(name, base))
+    return sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+
+
+def _changed(field: str, want, have) -> list[str]:
+    """`field=value` items for a field whose value `have` is not the variant's `want`; a sub-config
+    as the fields where it differs (from `want`'s, or from its defaults where `want` is None)."""
+    if have == want:
+        return []
+    if not dataclasses.is_dataclass(have):
+        return [f"{field}={json.dumps(have)}"]
+    ref = flat_fields(want if dataclasses.is_dataclass(want) else type(have)())
+    return [f"{field}.{k}={json.dumps(v)}" for k, v in flat_fields(have).items() if ref.get(k) != v] \
+        or [f"{field}=default"]
 
 
 def applicable(base: ModelConfig) -> list[str]:

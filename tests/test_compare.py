@@ -171,3 +171,20 @@ def test_sink_head_lines_of_runs_that_coincide_both_stay_visible(monkeypatch, tm
     a, b = ax.lines
     assert a.get_marker() != b.get_marker() and a.get_linestyle() != b.get_linestyle()
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["baseline", "gated"]
+
+
+def test_a_run_that_trained_past_its_checkpoint_shows_the_training_rows_of_the_evaluated_step(
+        tmp_path, monkeypatch):
+    """Killed at step 30 with its newest usable checkpoint at step 20: the table shows step 20's
+    training loss, loss spikes and tokens/s beside step 20's measurements, and says where the log ends."""
+    monkeypatch.setattr(evaluate.checkpoint, "saved_steps", lambda w: [20])
+    monkeypatch.setattr(evaluate.plots, "per_layer", lambda *a, **k: None)
+    asked = evaluate.settings(CFG, 20, [], analysis.Options(), 4)
+    run, _ = _fake_run(tmp_path, "killed", asked, step=20)
+    lines = []
+    text = evaluate.compare([run], max_batches=4, out_dir=tmp_path / "cmp", log=lines.append, figures=False)
+    row = [c.strip() for c in text.splitlines()[2].strip("|").split("|")]
+    assert row[2] == "20" and row[-3:] == ["3.500", "1", "1,000"]
+    saved = json.loads((tmp_path / "cmp" / "results.json").read_text())["killed"]["training"]
+    assert (saved["final_loss"], saved["tokens_per_sec"], saved["logged_to"]) == (3.5, 1000.0, {"step": 30, "loss": 3.0})
+    assert any("step 20" in line and "step 30" in line and "3.000" in line for line in lines), lines

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from flax import nnx
 
+from gattn import variants
 from gattn.config import ConfigError
 from gattn.data import pipeline
 from gattn.data.tokenizer import load_tokenizer
@@ -63,7 +64,8 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     measurements = analysis.measure(model, _announced(chosen, f"{workdir.name}: measuring batch", say), options)
     say(f"{workdir.name}: sink metrics over the same {len(chosen)} batches")
     sink = sinks.measure(model, cfg, chosen)  # Gu et al.'s Sink_1^eps, T = 64 (docs/sinks.md)
-    results = {"workdir": str(workdir), "step": step, "variant": cfg.variant, "overrides": list(overrides),
+    results = {"workdir": str(workdir), "step": step, "variant": variants.checked(cfg.variant, cfg.model),
+               "overrides": list(overrides),
                "gate": dataclasses.asdict(cfg.model.gate) if cfg.model.gate else None,
                "perplexity": perplexity, "measurements": measurements, "sinks": sink,
                "measured_on": {"batches": len(chosen), "rows": sum(len(b["tokens"]) for b in chosen),
@@ -240,8 +242,15 @@ def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, ov
             res = evaluate(w, overrides=overrides, log=say, **eval_kwargs)
             say(f"{w.name}: wrote {w / 'eval' / 'results.json'}"
                 + (" (replacing the one measured with other settings)" if found[w] else ""))
-        name = _label(w, res, runs)
-        runs[name], dirs[name] = res | {"training": training(w, cfgs[w])}, w
+        rows = training(w, cfgs[w], res["step"])
+        if "logged_to" in rows:
+            last = rows["logged_to"]
+            say(f"{w.name}: measured at checkpoint step {res['step']}, the newest usable; its training log goes on "
+                f"to step {last['step']} (train loss {_fmt(last['loss'])} there): the table's training rows are "
+                f"step {res['step']}'s")
+        name = _label(w, res, runs)  # (the label checked against the model: the run's results.json may be older)
+        runs[name] = res | {"variant": variants.checked(cfgs[w].variant, cfgs[w].model), "training": rows}
+        dirs[name] = w
     out_dir = Path(out_dir) if out_dir else Path(os.path.commonpath([w.absolute() for w in workdirs])) / "compare"
     text = table(runs)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -323,18 +332,30 @@ def loss_curves(workdir: Path) -> dict:
     return {"train": train, "val": dict(sorted(val.items()))}
 
 
-def training(workdir: Path, cfg) -> dict:
-    """The main job's rows of a run: parameters (of the built model), the final training loss (the
-    last finite one logged), loss spikes (summary.json, else the last logged count) and tokens/s
-    (the last logged)."""
+def training(workdir: Path, cfg, step: int | None = None) -> dict:
+    """The main job's rows of a run at `step` (the evaluated checkpoint; None: the end of its
+    log): parameters (of the built model), the final training loss (the last finite one logged at
+    or before `step`), loss spikes and tokens/s (the last logged by then; at the end of the log,
+    summary.json's loss spikes). A log that goes past `step` (a run killed after its newest usable
+    checkpoint) adds "logged_to": its last step and loss."""
     from gattn.model.params import count_params  # noqa: PLC0415
 
     rows, summary = _metrics(workdir), _read_json(workdir / "summary.json") or {}
-    finite = [x for x in (_finite(r.get("loss")) for r in rows) if x is not None]
-    last = rows[-1] if rows else {}
-    return {"params": count_params(cfg.model), "final_loss": finite[-1] if finite else None,
-            "loss_spikes": summary.get("loss_spikes", last.get("loss_spikes")),
-            "tokens_per_sec": last.get("tokens_per_sec") or None}
+    past = bool(rows) and step is not None and rows[-1]["step"] > step
+    upto = [r for r in rows if r["step"] <= step] if past else rows
+    finite = [x for x in (_finite(r.get("loss")) for r in upto) if x is not None]
+    last = upto[-1] if upto else {}
+    out = {"params": count_params(cfg.model), "final_loss": finite[-1] if finite else None,
+           "loss_spikes": last.get("loss_spikes") if past else summary.get("loss_spikes", last.get("loss_spikes")),
+           "tokens_per_sec": last.get("tokens_per_sec") or None}
+    if past:
+        logged = [x for x in (_finite(r.get("loss")) for r in rows) if x is not None]
+        out["logged_to"] = {"step": rows[-1]["step"], "loss": logged[-1] if logged else None}
+    return out
+
+
+def _fmt(loss: float | None) -> str:
+    return "-" if loss is None else f"{loss:.3f}"
 
 
 def gate_shares(m: dict) -> dict:

@@ -186,7 +186,7 @@ def cell_row(study: Study, record: dict, root: Path) -> dict:
                 (record["variant"], record["lr"], record["seed"], record.get("clip", study.clips[0])))
     params = count_params(cell_config(study, cell).model)
     row = {"variant": cell.variant, "lr": cell.lr, "seed": cell.seed, "params": params,
-           "added_params": params - count_params(study.base.model)}
+           "added_params": params - count_params(study.baseline)}
     if record["diverged"]:
         return {**row, "diverged": record["diverged"], "final_loss": record["final_loss"]}
     finite = [x for x in record["losses"]["loss"] if x is not None]

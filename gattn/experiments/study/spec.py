@@ -46,9 +46,9 @@ class Study:
     claims: tuple[Claim, ...] = CLAIMS
     gated: str = ""
     reference: str = ""
-    # `--config.FIELD=VALUE` overrides applied to each cell after its variant, so that an override
-    # can tweak a variant (as train.py's `--variant X --config.model.gate...` does). A study file's
-    # command-line overrides apply to `base` instead (see `load`).
+    # `--config.FIELD=VALUE` overrides applied to each cell after its variant (sizes, anything that
+    # leaves each variant what it is; one that changes a variant is refused, see `cell_config`). A
+    # study file's command-line overrides apply to `base` instead (see `load`).
     overrides: tuple[str, ...] = ()
     # The sink verdict's rule (gattn/eval/verdict.py), fixed with the study before its runs: the
     # report then judges each gated variant against the reference by it (None: no such section).
@@ -105,6 +105,17 @@ class Study:
                               f"set `{unset}` to another variant")
 
     @property
+    def baseline(self):
+        """The model every cell's variant is built on: the base's without its variant's fields
+        (`variants.baseline_of`; a gated preset's model without its gate)."""
+        model = variants.baseline_of(self.base.model, self.base.variant)
+        if model is None:
+            raise ConfigError("base.variant", self.base.variant, "a baseline, or a variant that sets only the "
+                              f"fields {', '.join(variants.AXES)}: the study builds each variant on the base's "
+                              "baseline, and this one scales its heads or experts")
+        return model
+
+    @property
     def gated_variant(self) -> str:
         """What the role GATED stands for: `gated` if set; else sdpa_elementwise when the study
         runs it, else the study's only gated variant (other than the reference), else
@@ -148,7 +159,7 @@ def _default_role(study: Study, paper: str, *, gated: bool, other: str) -> str:
     if paper in study.variants and paper != other:
         return paper
     fits = [v for v in study.variants
-            if v != other and (variants.apply(v, study.base.model).gate is not None) == gated]
+            if v != other and (variants.apply(v, study.baseline).gate is not None) == gated]
     return fits[0] if len(fits) == 1 else paper
 
 
@@ -218,8 +229,18 @@ def cell_config(study: Study, cell: Cell) -> Config:
         warmup_steps=warmup, grad_clip=t.grad_clip if cell.clip is None else cell.clip,
         log_every=1, checkpoint_every=every, keep_checkpoints=study.sink_points + 6,  # (+ SIGTERM saves)
         eval_every=t.steps)  # (validated once at the end; the cell's measurements follow)
-    cfg = dataclasses.replace(base, model=variants.apply(cell.variant, base.model), train=train, variant=cell.variant)
-    return cli.apply_overrides(cfg, list(study.overrides)) if study.overrides else cfg
+    cfg = dataclasses.replace(base, model=variants.apply(cell.variant, study.baseline), train=train,
+                              variant=cell.variant)
+    cfg = cli.apply_overrides(cfg, list(study.overrides)) if study.overrides else cfg
+    # A study's rows are named for their variants: an override that makes a cell's model another
+    # one (a gate on the baseline, another gate position) is refused, not listed under the name.
+    made = variants.label(cell.variant, cfg.model, study.baseline)
+    if made != cell.variant:
+        raise ConfigError("overrides", study.overrides, f"overrides that keep each variant what it is: with them "
+                          f"the {cell.variant} cell would train {made} (a study's rows are named for their "
+                          f"variants); train that model alone (train.py --variant {cell.variant} with the "
+                          "overrides records it as such) or register it in gattn/variants.py")
+    return cfg
 
 
 def load(path: str | Path, overrides: list[str] = ()) -> Study:

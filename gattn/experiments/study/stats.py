@@ -61,7 +61,7 @@ def aggregate(study, records: list[dict]) -> list[dict]:
     column. Added parameters are counted against the study's base model (the baseline)."""
     from gattn.model.params import count_params  # noqa: PLC0415
 
-    base_params = count_params(study.base.model)
+    base_params = count_params(study.baseline)
     groups = []
     for clip, lr in ((c, lr) for c in study.clips for lr in study.lrs):
         for v in study.variants:
@@ -69,7 +69,7 @@ def aggregate(study, records: list[dict]) -> list[dict]:
             ok = [r for r in rs if not r["diverged"]]
             domains = sorted({d for r in ok for d in r["perplexity"]})
             g = {"variant": v, "lr": lr, "clip": clip, "seeds": len(rs), "diverged": sum(bool(r["diverged"]) for r in rs),
-                 "added_params": count_params(variants.apply(v, study.base.model)) - base_params,
+                 "added_params": count_params(variants.apply(v, study.baseline)) - base_params,
                  # (a diverged seed's last finite loss is no final loss; the per-seed list keeps it)
                  "final_loss": _stat(r["final_loss"] for r in ok),
                  "final_loss_per_seed": [r["final_loss"] for r in rs],
