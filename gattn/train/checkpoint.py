@@ -46,9 +46,17 @@ SET_ASIDE = "checkpoints_set_aside"
 READ_TRIES = 4  # a read that a transient storage error fails is tried this often, waiting 1, 2, 4 s between
 RETRY_SECONDS = 1.0
 BARRIER_PREFIX = "gattn"  # Orbax's barriers are named f"{BARRIER_PREFIX}_{name}" (`_restore` joins one)
-TRANSIENT = re.compile(r"\b(50[0234]|429|UNAVAILABLE|DEADLINE_EXCEEDED|ServiceUnavailable|TooManyRequests|"
-                       r"InternalServerError|BadGateway|GatewayTimeout|temporarily|timed out|Connection (?:reset|"
-                       r"aborted|refused)|RemoteDisconnected)\b", re.IGNORECASE)
+# A storage service's transient failure, in the words its clients use. A status code counts only
+# where it reads as one ("HTTP 503", "status code 500", "503 Service Unavailable", "429 GET ..."),
+# never a bare number: a read error names the step folder (checkpoints/500/...), an offset or a
+# shape, and step 500 is a preset's first save. Paths are removed before matching (`transient`).
+_STATUS = r"(?:50[0234]|429)"
+TRANSIENT = re.compile(
+    rf"\b(?:HTTP|status|code|response|error|HttpError)\b[\s:=]*(?:code[\s:=]*)?{_STATUS}\b"
+    rf"|(?<![\w.,(\[-]){_STATUS}\s+(?:GET|PUT|POST|HEAD|DELETE|PATCH|Service|Internal|Bad|Gateway|Too)\b"
+    r"|\b(?:UNAVAILABLE|DEADLINE_EXCEEDED|ServiceUnavailable|TooManyRequests|InternalServerError|BadGateway|"
+    r"GatewayTimeout|temporarily|timed out|Connection (?:reset|aborted|refused)|RemoteDisconnected)\b", re.IGNORECASE)
+_PATH = re.compile(r"\S*[/\\]\S*")  # a path or URL, one token
 
 
 class CheckpointFailure(cli.Failure):
@@ -153,8 +161,8 @@ def transient(e: BaseException) -> bool:
         chain.append(chain[-1].__cause__ or chain[-1].__context__)
         if len(chain) > 8:
             break
-    return any(isinstance(x, (TimeoutError, ConnectionError)) or TRANSIENT.search(f"{type(x).__name__} {x}")
-               for x in chain)
+    return any(isinstance(x, (TimeoutError, ConnectionError))
+               or TRANSIENT.search(_PATH.sub(" ", f"{type(x).__name__} {x}")) for x in chain)
 
 
 def _agreed(what: str, fn: Callable[[], tuple[str | None, object]]):
