@@ -12,14 +12,13 @@ import re
 import signal
 import subprocess
 import sys
-import traceback
 import uuid
 from typing import Protocol, runtime_checkable
 
 from etils.epath import Path  # local paths, and gs:// or other remote workdirs
 import sentencepiece as spm
 
-from gattn import cli, cluster
+from gattn import cli
 from gattn.config import BACKCOPY, SHARDS, TFDS, ConfigError
 from gattn.data import backcopy, corpus, record, shards
 
@@ -133,18 +132,16 @@ def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Pat
 
 def _train_spm(lines, model, vocab_size: int) -> None:
     """Trains gattn's SentencePiece model on `lines` (an iterator of str) and writes it to `model`
-    (a file object). The training runs in a child process fed through a pipe: SentencePiece holds
-    the GIL from start to end (a 5 s training starves every other thread for 5 s), and this
+    (a file object). The training runs in a child interpreter fed through a pipe: SentencePiece
+    holds the GIL from start to end (a 5 s training starves every other thread for 5 s), and this
     process's threads must keep running, the lease's renewal (gattn/train/lease.py) and the
-    watch's beats (gattn/cluster.py), or the run is taken over or declared lost. A new
-    interpreter, not a fork (which may hang in a process with JAX's threads) and not
-    multiprocessing's spawn (which runs the caller's __main__ again); it dies with this process."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (where gattn is)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(os.getpid()), str(vocab_size)], env=env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    watch's beats (gattn/cluster.py), or the run is taken over or declared lost. Not a fork (it may
+    hang in a process with JAX's threads), nor multiprocessing's spawn (it runs the caller's
+    __main__ again); the child imports SentencePiece alone and dies with this process."""
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(os.getpid())], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
     try:
-        outcome = _feed(child, lines)
+        outcome = _feed(child, {**SPM_OPTIONS, "vocab_size": vocab_size}, lines)
     except BaseException:  # the corpus's DataError, a Ctrl-C: the training is of no use any more
         child.kill()
         raise
@@ -164,13 +161,46 @@ def _train_spm(lines, model, vocab_size: int) -> None:
     model.write(outcome[1])
 
 
-_CHILD = "import sys; from gattn.data.tokenizer import _spm_child; _spm_child(int(sys.argv[1]), int(sys.argv[2]))"
+SPM_OPTIONS = dict(  # gattn's tokenizer: SentencePieceTrainer.train's options, but the vocabulary size
+    model_type="bpe", byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+    remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True, pad_id=PAD, bos_id=BOS,
+    eos_id=EOS, unk_id=UNK, input_sentence_size=2_000_000, shuffle_input_sentence=True, max_sentence_length=16384,
+    num_threads=2, minloglevel=2)
+
+# `_train_spm`'s child. Reads (from stdin) the options, then lists of lines, then None; writes (to
+# stdout) ("ok", the model's bytes) or ("raised", the error's text, its traceback).
+_CHILD = """
+import ctypes, io, os, pickle, sys, traceback
+import sentencepiece as spm
+if sys.platform.startswith("linux"):
+    ctypes.CDLL("libc.so.6").prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: it dies with its parent
+if os.getppid() != int(sys.argv[1]):  # the parent died before that took effect
+    os._exit(1)
+answer, options = os.fdopen(os.dup(1), "wb"), pickle.load(sys.stdin.buffer)
+os.dup2(2, 1)  # what else writes to stdout goes to stderr, not into the answer
+
+def received():
+    while (batch := pickle.load(sys.stdin.buffer)) is not None:
+        yield from batch
+
+lines, model = received(), io.BytesIO()
+try:
+    spm.SentencePieceTrainer.train(sentence_iterator=lines, model_writer=model, **options)
+    outcome = ("ok", model.getvalue())
+except Exception as e:
+    outcome = ("raised", str(e), traceback.format_exc())
+for _ in lines:  # what the training left unread: the parent sends all before it reads the answer
+    pass
+pickle.dump(outcome, answer)
+answer.close()
+"""
 
 
-def _feed(child: subprocess.Popen, lines):
-    """Sends `lines` to `_spm_child` and returns its answer, or None if it is gone (killed: out of
-    memory, or crashed). What reading `lines` raises is raised."""
+def _feed(child: subprocess.Popen, options: dict, lines):
+    """Sends the options and `lines` to `_CHILD` and returns its answer, or None if it is gone
+    (killed: out of memory, or crashed). What reading `lines` raises is raised."""
     try:
+        pickle.dump(options, child.stdin)
         for batch in _batches(lines):
             pickle.dump(batch, child.stdin)
         pickle.dump(None, child.stdin)
@@ -191,36 +221,6 @@ def _batches(lines, size: int = 1 << 20):
             batch, chars = [], 0
     if batch:
         yield batch
-
-
-def _spm_child(parent: int, vocab_size: int) -> None:
-    """`_train_spm`'s child: reads lists of lines, then None, from stdin; writes ("ok", the model's
-    bytes) or ("raised", the error's text, its traceback) to stdout."""
-    cluster.term_with_parent(signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-    answer = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # what else writes to stdout goes to stderr, not into the answer
-
-    def received():
-        while (batch := pickle.load(sys.stdin.buffer)) is not None:
-            yield from batch
-
-    lines, model = received(), io.BytesIO()
-    try:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=lines, model_writer=model, vocab_size=vocab_size, model_type="bpe",
-            byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
-            remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
-            pad_id=PAD, bos_id=BOS, eos_id=EOS, unk_id=UNK, input_sentence_size=2_000_000,
-            shuffle_input_sentence=True, max_sentence_length=16384, num_threads=2, minloglevel=2)
-        outcome = ("ok", model.getvalue())
-    except Exception as e:  # noqa: BLE001 (raised again in the parent)
-        outcome = ("raised", str(e), traceback.format_exc())
-    for _ in lines:  # what the training left unread: the parent sends all before it reads the answer
-        pass
-    pickle.dump(outcome, answer)
-    answer.close()
 
 
 def read_tokenizer(path: Path, field: str = "data.tokenizer") -> Tokenizer:
