@@ -332,3 +332,28 @@ def test_start_up_stages_are_announced_and_timed_and_the_compilation_cache_persi
     assert cli.compilation_cache_dir() == str(tmp_path / "mine")
     monkeypatch.setenv("GATTN_COMPILATION_CACHE", "0")
     assert cli.compilation_cache_dir() == ""
+
+
+def test_continued_training_passes_over_an_unsealed_newest_checkpoint(config_file, tmp_path, six_steps, capfd):
+    """Issue 57 item 6: the source's newest checkpoint is unsealed (preempted mid-seal, or the
+    source still training). Before: --init-from failed with "no checkpoint ... can be used" while
+    a sealed older step was there. Now: the newest usable step, with one warning naming both."""
+    from flax import nnx
+
+    import jax
+    from gattn import cli
+    from gattn.train import checkpoint, init_from, rundir, trainer
+
+    base, ext = tmp_path / "base", tmp_path / "ext"
+    shutil.copytree(six_steps, base)
+    trainer.train(cli.load(config_file, ["train.steps=8", "train.checkpoint_every=4"]), base, progress=False)
+    assert checkpoint.saved_steps(base) == [6, 8]
+    shutil.rmtree(base / "checkpoints" / "8" / checkpoint.CHECKSUMS)  # its seal never finished
+    capfd.readouterr()
+    cfg = cli.load(config_file, [f"train.init_from={base}", "train.steps=2", "train.warmup_steps=1"])
+    trainer.train(cfg, ext, progress=False)
+    err = capfd.readouterr().err
+    assert "checkpoint step 8" in err and "using step 6 instead" in err, err
+    _, state = trainer.init_state(cfg)
+    start = init_from.params(cfg, state["params"], init_from.check(cfg))
+    jax.tree.map(np.testing.assert_array_equal, start, nnx.state(rundir.load(base, 6).model, nnx.Param))

@@ -89,7 +89,10 @@ def check(cfg: Config) -> int:
 
 def params(cfg: Config, like, step: int):
     """The parameters of run `train.init_from` at `step` (see `check`), read by the run loader in
-    this run's block layout, then placed in the shardings of `like` (this run's parameters)."""
+    this run's block layout, then placed in the shardings of `like` (this run's parameters).
+    Without `train.init_step`, `step` is the source's newest: one that cannot be used (unsealed,
+    its seal unfinished because the source was preempted or is still training; damaged) gives
+    way to the newest that can, with a one-line warning, as a resume does."""
     src = dataclasses.replace(source_config(cfg), exec=cfg.exec, mesh=cfg.mesh)
-    model = rundir.load(cfg.train.init_from, step, cfg=src).model
+    model = rundir.load(cfg.train.init_from, step if cfg.train.init_step is not None else None, cfg=src).model
     return checkpoint.place(nnx.state(model, nnx.Param), checkpoint.abstract(like))
