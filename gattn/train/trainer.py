@@ -487,10 +487,13 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     plain rerun is refused: its newest checkpoint was saved in the trouble)."""
     hosts.check_same_run({**to_dict(cfg), "workdir": str(workdir), "resume_step": resume_step})  # or none trains
     rundir.check_workdir(workdir)
+    # A continued run's source is checked before anything is written, the lease included (and
+    # only until it has a checkpoint of its own: resuming never reads the source again).
+    source_step = init_from.check(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
     with lease.hold(workdir, primary=hosts.primary()):  # one train.py per run directory (WORKDIR/lock.json)
         if resume_step is None and not resume_anyway:
             check_not_diverged(Path(workdir))
-        return _train(cfg, Path(workdir), progress, resume_step, allow_corpus_change)
+        return _train(cfg, Path(workdir), progress, resume_step, allow_corpus_change, source_step)
 
 
 def abstract_batch(cfg: Config, batch_sharding) -> dict:
@@ -518,10 +521,8 @@ def check_not_diverged(workdir: Path) -> None:
             else "start again in a new --workdir") + f", or with --resume-anyway to go on from step {newest}")
 
 
-def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, allow_corpus_change: bool) -> dict:
-    # A continued run's source is checked before anything is written (and only until it has a
-    # checkpoint of its own: resuming never reads the source again).
-    source_step = init_from.check(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
+def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, allow_corpus_change: bool,
+           source_step: int | None) -> dict:
     t = cfg.train
     mesh = sharding.make_mesh(cfg.mesh)
     shards = sharding.batch_shards(mesh)
