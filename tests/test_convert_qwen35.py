@@ -405,13 +405,17 @@ def test_every_config_field_is_mapped_or_refused_in_one_line():
                 "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "router_aux_loss_coef": 0.001}
     moe = hf_config.model_config({**moe_text, "architectures": ["Qwen3_5MoeForCausalLM"]}, "qwen3_5").moe
     assert moe == MoESpec(num_experts=256, top_k=8, expert_width=512, renormalize=True, shared_expert_width=512)
+    # transformers' ConditionalGeneration model ties its head as the outer field says, whatever text_config says.
+    for outer_tie in (False, True):
+        mixed = {**QWEN35_27B, "tie_word_embeddings": outer_tie,
+                 "text_config": {**QWEN35_27B["text_config"], "tie_word_embeddings": not outer_tie}}
+        assert hf_config.model_config(mixed, "qwen3_5").tie_embeddings == outer_tie
     outer, inner = "config.json ", "config.json text_config."
     refused = [  # (where, field, value, what the line must say)
         (inner, "attn_output_gate", False, "always gates"), (inner, "hidden_act", "gelu", "'silu' or absent"),
         (inner, "attention_dropout", 0.1, "no attention dropout"), (inner, "mlp_only_layers", [1], r"\[\] or absent"),
         (inner, "norm_topk_prob", False, "always renormalises"), (inner, "num_experts", 8, "not one of the fields"),
         (inner, "quantization_config", {"bits": 4}, "not one of the fields"),
-        (inner, "tie_word_embeddings", True, "the outer tie_word_embeddings"),
         (inner, "layer_types", ["mamba"] * 64, "one of full_attention, linear_attention"),
         (outer, "quantization_config", {"bits": 4}, "not one of the fields of Qwen3.5's multimodal"),
         (outer, "text_config", None, "the language model's config")]

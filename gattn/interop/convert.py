@@ -9,7 +9,12 @@ that eval.py restores and `train.py --init-from` continues: config.json, an Orba
 the parameters (step 0) and the tokenizer under tokenizer/hf/. `to-hf` writes the reverse, with
 the run's tokenizer as files AutoTokenizer loads as they are; its --layout auto writes only a
 layout transformers loads as is (qwen3, llama, qwen3_next, qwen3_moe, qwen3_5) and refuses a run none of
-them holds, naming the explicit layouts that do.
+them holds, naming the explicit layouts that do. What a converted folder's config.json says but
+the model does not determine (max_position_embeddings, Qwen3.5's mrope_section) is kept in
+converted.json and written back as it was; a gattn-native run gets the length it was trained at
+(train.seq_len, or YaRN's original length x factor) and the default section. A tokenizer.json
+the tokenizers library does not load is refused, naming the file, both ways; a declared MTP
+layer whose mtp.* tensors the folder lacks is said in one warning line.
 
 Layouts (all Linear weights are [out, in]; gattn stores [in, out], so each is transposed):
 
@@ -32,7 +37,10 @@ Layouts (all Linear weights are [out, in]; gattn stores [in, out], so each is tr
                  reads it as model.zero_centered_norm and copies w as it is (a model without it
                  is written with w = scale - 1). Partial rotary embedding (rope_dim). The
                  multi-token-prediction layer (mtp.*) is model.mtp_layers = 1, read and written
-                 by gattn/interop/mtp.py (transformers skips it on load).
+                 by gattn/interop/mtp.py (transformers skips it on load). transformers applies
+                 hidden_act to the GDN's causal conv as well as to the FFN, and gattn's conv is
+                 SiLU: a model with GDN layers is read and written with hidden_act silu only.
+                 config.json is read as strictly as Qwen3.5's (gattn/interop/fields.py).
     qwen3_5      Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM (and, read only, the language model
                  of Qwen3_5ForConditionalGeneration / Qwen3_5MoeForConditionalGeneration, under
                  model.language_model. beside the skipped vision tower model.visual.): qwen3_next's
@@ -69,7 +77,8 @@ import numpy as np
 
 from gattn.config import Config, ConfigError, ModelConfig, TrainConfig
 from gattn.interop import mtp as hf_mtp, qwen3_5
-from gattn.interop.hf_config import LAYOUTS, detect_layout, export_layout, hf_config, model_config, text_fields
+from gattn.interop.hf_config import (LAYOUTS, detect_layout, export_layout, hf_config, kept_fields, model_config,
+                                     text_fields)
 from gattn.interop.weights import (IGNORED_SUFFIXES, ConversionError, TensorFiles, from_gattn, hf_shapes,
                                    read_json, to_gattn)
 
@@ -94,6 +103,9 @@ def read_hf(src: str | Path) -> tuple[dict, str, ModelConfig, dict[str, np.ndarr
     present = [n for n in files.names() if not n.endswith(IGNORED_SUFFIXES)]
     # Qwen3-Next's and Qwen3.5's multi-token-prediction layer (mtp.*): model.mtp_layers = 1, every tensor kept
     cfg = dataclasses.replace(cfg, mtp_layers=hf_mtp.mtp_layers(text_fields(hf), present))
+    absent = hf_mtp.absent_layer(text_fields(hf), present)
+    if absent:
+        print(f"warning: {src / 'config.json'} {absent}", file=sys.stderr)
     if cfg.tie_embeddings and "lm_head.weight" in present and _head_differs(files, src):
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     elif cfg.tie_embeddings and "lm_head.weight" in present:
@@ -138,6 +150,7 @@ def load_tokenizer_files(src: Path, hf: dict) -> dict[str, bytes]:
         raise ConversionError(f"{src}: no tokenizer.json (eval.py reads text with the model's own "
                               "tokenizer; save it with tokenizer.save_pretrained)")
     files = {n: (src / n).read_bytes() for n in HF_TOKENIZER_FILES if (src / n).is_file()}
+    check_tokenizer_json(src / "tokenizer.json", files["tokenizer.json"])
     tc = read_json(src / "tokenizer_config.json", files.get("tokenizer_config.json", b"{}"))
     eos = hf.get("eos_token_id") if hf.get("eos_token_id") is not None else text_fields(hf).get("eos_token_id")
     if "eos_token" not in tc and eos is not None:
@@ -146,15 +159,30 @@ def load_tokenizer_files(src: Path, hf: dict) -> dict[str, bytes]:
     return files
 
 
+def check_tokenizer_json(path: Path, data: bytes) -> None:
+    """Refuses, naming `path`, a tokenizer.json the tokenizers library does not load (as eval.py,
+    the trainer and AutoTokenizer would, later and without naming it)."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    try:
+        Tokenizer.from_str(data.decode())
+    except Exception as e:  # noqa: BLE001 (tokenizers raises plain Exception; a bad encoding UnicodeDecodeError)
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConversionError(f"{path}: the tokenizers library cannot load it ({why}); save the tokenizer "
+                              "again (tokenizer.save_pretrained)") from None
+
+
 class HFRun(NamedTuple):
     """What a Hugging Face model folder converts into, in memory: the run's config, its parameters
     (an nnx.State laid out as Transformer(cfg.model) builds it), the tokenizer files to copy and
-    the weight layout read."""
+    the weight layout read, and the config.json values to-hf writes back as they were
+    (hf_config.kept_fields)."""
 
     cfg: Config
     params: object
     tokenizer_files: dict[str, bytes]
     layout: str
+    kept: dict
 
 
 def read_run(src: str | Path) -> HFRun:
@@ -182,7 +210,7 @@ def read_run(src: str | Path) -> HFRun:
         flat.append((path, var.replace(jax.numpy.asarray(value, var.dtype))))
     if params:
         raise ConversionError(f"tensors without a gattn parameter: {sorted(params)[:5]}")
-    return HFRun(cfg, nnx.from_flat_state(flat), tokenizer_files, layout)
+    return HFRun(cfg, nnx.from_flat_state(flat), tokenizer_files, layout, kept_fields(hf, layout))
 
 
 def write_run(run: HFRun, src: str | Path, workdir: Path, *, checkpoint_too: bool = True) -> None:
@@ -209,7 +237,7 @@ def write_run(run: HFRun, src: str | Path, workdir: Path, *, checkpoint_too: boo
             mngr.close()
     rundir.write_config(workdir, run.cfg)
     n = int(sum(math.prod(x.shape) for x in jax.tree.leaves(run.params)))
-    converted = {"from": str(src.absolute()), "layout": run.layout, "params": n}
+    converted = {"from": str(src.absolute()), "layout": run.layout, "params": n, "kept": run.kept}
     (workdir / "converted.json").write_text(json.dumps(converted, indent=2))
 
 
@@ -265,7 +293,8 @@ def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layo
     workdir, out = Path(workdir), Path(out)
     _check_gattn_run(workdir)
     cfg = rundir.read_config(workdir)
-    layout = export_layout(cfg.model, layout, source=converted_layout(workdir, cfg))
+    record = converted_record(workdir, cfg)
+    layout = export_layout(cfg.model, layout, source=record.get("layout"))
     _check_new_folder(out, "--out")
     max_len = cfg.train.seq_len if cfg.model.yarn is None else int(cfg.model.yarn.original_len * cfg.model.yarn.factor)
     tokenizer_files = export_tokenizer(cfg, tokenizer_path(cfg, workdir), max_len)
@@ -273,7 +302,8 @@ def to_hf(workdir: str | Path, out: str | Path, *, step: int | None = None, layo
     model = rundir.load(workdir, step, ["exec.scan_layers=false"]).model
     params = {path: np.asarray(var[...], np.float32) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     tensors = {**from_gattn(params, model.cfg, layout), **hf_mtp.from_gattn(params, model.cfg, layout)}
-    config = {**hf_config(model.cfg, layout, max_len), **hf_mtp.hf_config_fields(model.cfg, layout), **special}
+    config = {**hf_config(model.cfg, layout, max_len, record.get("kept")), **hf_mtp.hf_config_fields(model.cfg, layout),
+              **special}
 
     shards, size = [[]], 0
     for name in tensors:
@@ -329,6 +359,7 @@ def export_tokenizer(cfg: Config, path: Path, max_len: int) -> dict[str, bytes]:
         files = {name: (path.parent / name).read_bytes() for name in HF_TOKENIZER_FILES[1:]
                  if (path.parent / name).is_file()}
         files["tokenizer.json"] = path.read_bytes()
+        check_tokenizer_json(path, files["tokenizer.json"])
         tc = read_json(path.parent / "tokenizer_config.json", files.get("tokenizer_config.json", b"{}"))
         if "tokenizer_class" not in tc:
             tc = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len, **tc}
@@ -420,13 +451,18 @@ def special_token_ids(files: dict[str, bytes]) -> dict[str, int | None]:
     return out
 
 
-def converted_layout(workdir: Path, cfg: Config) -> str | None:
-    """The layout run `workdir` was converted from (its converted.json), or that of the run it
-    continues (train.init_from), or None."""
+def converted_record(workdir: Path, cfg: Config) -> dict:
+    """The converted.json of run `workdir` (what from-hf wrote: the layout read, the config.json
+    values kept), or that of the run it continues (train.init_from), or {}."""
     for run in (workdir, Path(cfg.train.init_from) if cfg.train.init_from else None):
         if run is not None and (run / "converted.json").is_file():
-            return read_json(run / "converted.json").get("layout")
-    return None
+            return read_json(run / "converted.json")
+    return {}
+
+
+def converted_layout(workdir: Path, cfg: Config) -> str | None:
+    """The layout run `workdir` was converted from, or that of the run it continues, or None."""
+    return converted_record(workdir, cfg).get("layout")
 
 
 def _check_gattn_run(workdir: Path) -> None:

@@ -5,9 +5,10 @@ gattn/interop/convert.py; Qwen3.5's config is gattn/interop/qwen3_5.py."""
 
 from __future__ import annotations
 
-from gattn.config import (LAYER_TYPES, ConfigError, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec, YarnSpec,
-                          hybrid_layer_types)
+from gattn.config import ConfigError, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec, YarnSpec
 from gattn.interop import qwen3_5
+from gattn.interop.fields import (BOOKKEEPING, GDN_ACT, ROPE_FIELDS, check_gdn_act, fixed, known, layer_kinds,
+                                  rope_spec)
 
 LAYOUTS = ("qwen3", "llama", "release", "qwen3_next", "qwen3_moe", "qwen3_5")
 NATIVE = ("qwen3", "llama", "qwen3_next", "qwen3_moe", "qwen3_5")  # the layouts transformers loads as they are
@@ -22,6 +23,22 @@ RELEASE_FLAGS = ("headwise_attn_output_gate", "elementwise_attn_output_gate", "u
 # Hugging Face hidden_act -> gattn ffn_activation (jax.nn.gelu is the tanh approximation).
 ACTIVATIONS = {"silu": "silu", "relu": "relu", "gelu_pytorch_tanh": "gelu", "gelu_new": "gelu"}
 EXPORT_ACTIVATIONS = {"silu": "silu", "relu": "relu", "gelu": "gelu_pytorch_tanh"}
+# Qwen3-Next's config.json (transformers' Qwen3NextConfig), read as strictly as Qwen3.5's: the fields
+# mapped, those that change nothing on text, and those with one value gattn computes.
+NEXT_MAPPED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+               "tie_word_embeddings", "attention_bias", "layer_types", "full_attention_interval",
+               "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+               "linear_num_value_heads", "decoder_sparse_step", "mlp_only_layers", "num_experts",
+               "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
+               "router_aux_loss_coef")
+NEXT_NO_EFFECT = BOOKKEEPING + (
+    "output_router_logits", "mamba_ssm_dtype",
+    "sliding_window", "max_window_layers",  # (read only with use_sliding_window, which must be false)
+    "num_nextn_predict_layers", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings")  # (gattn/interop/mtp.py)
+NEXT_FIXED = {"attention_dropout": (0.0, "gattn has no attention dropout"),
+              "mlp_bias": (False, "gattn's SwiGLU has no biases"),
+              "use_sliding_window": (False, "gattn has no sliding-window attention")}
 
 
 def detect_layout(hf: dict) -> str:
@@ -89,6 +106,11 @@ def model_config(hf: dict, layout: str) -> ModelConfig:
     (sliding windows, linear-attention or MoE layers, exact GELU, MLP biases) are refused."""
     if layout == "qwen3_5":
         return qwen3_5.model_config(hf)
+    if layout == "qwen3_next":
+        known(hf, NEXT_MAPPED + NEXT_NO_EFFECT + ROPE_FIELDS + tuple(NEXT_FIXED), "config.json ",
+              "Qwen3-Next's config")
+        fixed(hf, NEXT_FIXED, "config.json ")
+        rope_spec(hf, "config.json ")
     d, heads = int(_field(hf, "hidden_size")), int(_field(hf, "num_attention_heads"))
     layers = int(_field(hf, "num_hidden_layers"))
     if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
@@ -118,7 +140,7 @@ def model_config(hf: dict, layout: str) -> ModelConfig:
     layer_types, linear, moe = None, None, None
     if layout == "qwen3_next":
         gate = GateSpec(granularity="elementwise")
-        layer_types, linear, moe = _qwen3_next(hf, layers)
+        layer_types, linear, moe = _qwen3_next(hf, layers, act)
     if layout == "qwen3_moe":
         moe = _moe(hf, layers)
     return ModelConfig(
@@ -131,16 +153,14 @@ def model_config(hf: dict, layout: str) -> ModelConfig:
         linear_attention=linear)
 
 
-def _qwen3_next(hf: dict, layers: int) -> tuple[tuple[str, ...] | None, LinearAttentionSpec | None, MoESpec | None]:
+def _qwen3_next(hf: dict, layers: int, act: str) -> tuple[tuple[str, ...] | None, LinearAttentionSpec | None,
+                                                         MoESpec | None]:
     """(layer_types, linear_attention, moe) of a Qwen3-Next config.json, with Qwen3NextConfig's
     defaults for absent fields (the 3:1 pattern from full_attention_interval, 512 experts): MoE
     layers with a shared expert everywhere or nowhere (gattn has no dense layers between MoE
-    layers)."""
-    kinds = hf.get("layer_types") or hybrid_layer_types(layers, int(hf.get("full_attention_interval", 4)))
-    for kind in kinds:
-        if kind not in LAYER_TYPES:
-            raise ConfigError("config.json layer_types", kind, f"one of {', '.join(LAYER_TYPES)} per layer")
-    kinds = tuple(kinds)
+    layers); Gated DeltaNet layers only with hidden_act `act` SiLU (their conv's)."""
+    kinds = layer_kinds(hf, layers, "config.json ")
+    check_gdn_act(act, kinds, "config.json ")
     linear = None
     if "linear_attention" in kinds:
         linear = LinearAttentionSpec(
@@ -184,10 +204,25 @@ def _moe(hf: dict, layers: int) -> MoESpec:
                    lbl_coef=float(hf.get("router_aux_loss_coef", 1e-3)))
 
 
-def hf_config(cfg: ModelConfig, layout: str, max_len: int) -> dict:
-    """The Hugging Face config.json of gattn model `cfg` in `layout` (see `export_layout`)."""
+def kept_fields(hf: dict, layout: str) -> dict:
+    """The values of a (checked) config.json that change nothing gattn computes and that to-hf
+    writes back as they were (from-hf keeps them in converted.json): max_position_embeddings, and
+    Qwen3.5's mrope_section."""
+    text = text_fields(hf)
+    kept = {} if text.get("max_position_embeddings") is None else \
+        {"max_position_embeddings": int(text["max_position_embeddings"])}
+    return {**kept, **(qwen3_5.kept_fields(hf) if layout == "qwen3_5" else {})}
+
+
+def hf_config(cfg: ModelConfig, layout: str, max_len: int, kept: dict | None = None) -> dict:
+    """The Hugging Face config.json of gattn model `cfg` in `layout` (see `export_layout`).
+    max_position_embeddings is the longest of `max_len` (the length the run was trained at) and
+    the converted folder's (`kept`, from `kept_fields`), which also gives Qwen3.5's mrope_section
+    back; a gattn-native run has the default section (qwen3_5.mrope_section)."""
+    kept = kept or {}
     if layout == "qwen3_5":
-        return qwen3_5.hf_config(cfg, hf_config(cfg, "qwen3_next", max_len))
+        return qwen3_5.hf_config(cfg, hf_config(cfg, "qwen3_next", max_len, kept), kept.get("mrope_section"))
+    max_len = max(max_len, int(kept.get("max_position_embeddings") or 0))
     rope = {"rope_theta": cfg.rope_base, "rope_type": "default"}
     if cfg.yarn is not None:
         y = cfg.yarn
@@ -343,6 +378,12 @@ def export_layout(cfg: ModelConfig, layout: str = "auto", source: str | None = N
             layout = "qwen3_5"
     if layout not in LAYOUTS:
         raise ConfigError("--layout", layout, f"expected auto or one of {', '.join(LAYOUTS)}")
+    if cfg.ffn_activation != "silu" and (layout == "qwen3_5" or (layout == "qwen3_next" and cfg.hybrid)):
+        instead = ("no Hugging Face layout holds this run" if cfg.hybrid else
+                   "from-hf reads Qwen3.5 with hidden_act 'silu' only; --layout qwen3_next holds this run")
+        raise ConfigError("model.ffn_activation", cfg.ffn_activation, f"'silu' for layout {layout}"
+                          f"{' with Gated DeltaNet layers' if cfg.hybrid else ''}: its one hidden_act is the FFN's "
+                          f"activation and the conv's ({GDN_ACT}); {instead}")
     if _next_only(cfg) and layout not in NEXT_FAMILY:
         field = "model.layer_types" if cfg.hybrid else "model.moe.shared_expert_width"
         raise ConfigError(field, cfg.layer_types if cfg.hybrid else cfg.moe.shared_expert_width,

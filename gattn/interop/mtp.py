@@ -70,6 +70,22 @@ def mtp_layers(hf_config: dict, names) -> int:
     return int(present)
 
 
+def absent_layer(hf_config: dict, names) -> str | None:
+    """What to tell the user of a folder whose config declares an MTP layer but which holds no
+    mtp.* tensors (transformers neither loads nor saves them: its save of a released model writes
+    such a folder), or None. The main model converts exactly; only the MTP layer is missing."""
+    if any(n.startswith(PREFIX) for n in names):
+        return None
+    for field in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        n = hf_config.get(field)
+        if n:
+            return (f"declares an MTP layer ({field} = {n}) but the folder holds no mtp.* tensors (transformers "
+                    "neither loads nor saves them): the run has no MTP layer (model.mtp_layers = 0); the main "
+                    "model converts exactly, and MTP training or speculative decoding need a folder with the "
+                    "released mtp.* tensors")
+    return None
+
+
 def hf_shapes(cfg: ModelConfig, layout: str = "qwen3_next") -> dict[str, tuple[int, ...]]:
     """Every mtp.* tensor name of `cfg` (model.mtp_layers = 1) in `layout`, with its shape."""
     if not cfg.mtp_layers:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 import sys
 
-from gattn.config import (LAYER_TYPES, ConfigError, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec,
-                          hybrid_layer_types)
+from gattn.config import ConfigError, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec
+from gattn.interop.fields import BOOKKEEPING, GDN_ACT, ROPE_FIELDS, ROPE_KEYS, fixed, known, layer_kinds, rope_spec
 
 TEXT_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 MULTIMODAL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
@@ -40,14 +40,6 @@ MOE_DEFAULTS = {**{k: v for k, v in DENSE_DEFAULTS.items() if k != "intermediate
                 "hidden_size": 2048, "num_hidden_layers": 40, "num_key_value_heads": 2, "num_experts": 256,
                 "num_experts_per_tok": 8, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
                 "router_aux_loss_coef": 1e-3}
-ROPE_FIELDS = ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor",
-               "original_max_position_embeddings")
-# Fields any transformers config.json may carry that change nothing gattn computes: names, dtypes,
-# the tokenizer's ids (the tokenizer files carry them), generation and output switches, init.
-BOOKKEEPING = ("architectures", "model_type", "transformers_version", "_name_or_path", "dtype", "torch_dtype",
-               "use_cache", "initializer_range", "output_hidden_states", "output_attentions", "return_dict",
-               "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id", "problem_type",
-               "tokenizer_class", "bos_token_id", "eos_token_id", "pad_token_id")
 TEXT_NO_EFFECT = BOOKKEEPING + (
     "mamba_ssm_dtype",  # (the dtype other engines keep the GDN state in: execution)
     "output_router_logits",
@@ -57,16 +49,14 @@ TEXT_NO_EFFECT = BOOKKEEPING + (
 FIXED = {
     "attn_output_gate": (True, "Qwen3.5's attention always gates its output"),
     "attention_dropout": (0.0, "gattn has no attention dropout"),
-    "hidden_act": ("silu", "the GDN conv's activation, SiLU in gattn, is hidden_act in transformers"),
+    "hidden_act": ("silu", GDN_ACT),
     "mlp_bias": (False, "gattn's SwiGLU has no biases"),
     "use_sliding_window": (False, "gattn has no sliding-window attention"),
     "decoder_sparse_step": (1, "transformers' Qwen3.5 ignores it: an MoE FFN in every layer"),
     "mlp_only_layers": ([], "transformers' Qwen3.5 ignores it: an MoE FFN in every layer"),
     "norm_topk_prob": (True, "Qwen3.5-MoE's router always renormalises its top-k; transformers ignores the field"),
 }
-ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved",
-             "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "truncate",
-             "mscale", "mscale_all_dim")
+QWEN3_5_ROPE_KEYS = ROPE_KEYS + ("mrope_section", "mrope_interleaved")
 # Fields of a multimodal config.json beside text_config: the vision tower's (skipped with it).
 OUTER = BOOKKEEPING + ("text_config", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
                        "vision_end_token_id", "language_model_only", "tie_word_embeddings")
@@ -78,20 +68,17 @@ def is_multimodal(hf: dict) -> bool:
 
 def text_config(hf: dict) -> tuple[dict, str]:
     """(the language model's config fields, how an error names them): a multimodal config's
-    text_config with the outer tie_word_embeddings, which transformers' ConditionalGeneration
-    model follows, or config.json itself."""
+    text_config with the outer tie_word_embeddings, or config.json itself. transformers'
+    ConditionalGeneration model ties its head as the outer field says, whatever text_config says
+    (its save_pretrained of a tied model writes true outside and the text config's default, false,
+    inside), so gattn does too."""
     if not is_multimodal(hf):
         return hf, "config.json "
-    _known(hf, OUTER, "config.json ", "Qwen3.5's multimodal config.json (beside text_config)")
+    known(hf, OUTER, "config.json ", "Qwen3.5's multimodal config.json (beside text_config)")
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError("config.json text_config", text, "the language model's config (an object)")
-    outer_tie = bool(hf.get("tie_word_embeddings", False))
-    if "tie_word_embeddings" in text and bool(text["tie_word_embeddings"]) != outer_tie:
-        raise ConfigError("config.json text_config.tie_word_embeddings", text["tie_word_embeddings"],
-                          f"{outer_tie} (the outer tie_word_embeddings, which transformers' "
-                          "ConditionalGeneration model follows) or absent")
-    return {**text, "tie_word_embeddings": outer_tie}, "config.json text_config."
+    return {**text, "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False))}, "config.json text_config."
 
 
 def is_moe(hf: dict) -> bool:
@@ -102,13 +89,6 @@ def is_moe(hf: dict) -> bool:
                      "qwen3_5_moe_text") for n in names)
 
 
-def _known(fields: dict, allowed: tuple[str, ...], where: str, what: str) -> None:
-    for key, value in fields.items():
-        if key not in allowed:
-            raise ConfigError(f"{where}{key}", value, f"absent: it is not one of the fields of {what} that gattn "
-                              "maps or knows to change nothing on text")
-
-
 def model_config(hf: dict) -> ModelConfig:
     """The gattn model of a Qwen3.5 config.json (text or multimodal, dense or MoE): each field
     mapped, or known to change nothing on text, or refused (module docstring)."""
@@ -117,33 +97,25 @@ def model_config(hf: dict) -> ModelConfig:
     text, where = text_config(hf)
     moe_model = is_moe(hf)
     defaults = MOE_DEFAULTS if moe_model else DENSE_DEFAULTS
-    _known(text, tuple(defaults) + ROPE_FIELDS + TEXT_NO_EFFECT + tuple(FIXED) + ("layer_types",), where,
-           f"{'Qwen3.5-MoE' if moe_model else 'Qwen3.5'}'s text config")
-    for key, (value, why) in FIXED.items():
-        if key in text and text[key] != value:
-            raise ConfigError(f"{where}{key}", text[key], f"{value!r} or absent ({why})")
+    known(text, tuple(defaults) + ROPE_FIELDS + TEXT_NO_EFFECT + tuple(FIXED) + ("layer_types",), where,
+          f"{'Qwen3.5-MoE' if moe_model else 'Qwen3.5'}'s text config")
+    fixed(text, FIXED, where)
 
     def get(key):
         return text[key] if text.get(key) is not None else defaults[key]
 
-    spec = text.get("rope_scaling") or text.get("rope_parameters") or {}
-    for key in spec:
-        if key not in ROPE_KEYS:
-            raise ConfigError(f"{where}rope_parameters.{key}", spec[key], f"one of {', '.join(ROPE_KEYS)}")
+    spec = rope_spec(text, where, QWEN3_5_ROPE_KEYS)
     if spec.get("mrope_interleaved", True) is not True:
         raise ConfigError(f"{where}rope_parameters.mrope_interleaved", spec["mrope_interleaved"],
                           "True or absent (transformers' Qwen3.5 interleaves the multimodal RoPE)")
     section = spec.get("mrope_section", [11, 11, 10])
-    if not (isinstance(section, list) and len(section) == 3 and all(isinstance(n, int) and n >= 0 for n in section)):
+    if not _is_section(section):
         raise ConfigError(f"{where}rope_parameters.mrope_section", section, "3 integers >= 0 (temporal, "
                           "height, width)")
     base, yarn, partial = _rope(text, 0.25)
     layers, head_dim = int(get("num_hidden_layers")), int(get("head_dim"))
     rope_dim = int(head_dim * partial)
-    kinds = tuple(text.get("layer_types") or hybrid_layer_types(layers, int(get("full_attention_interval"))))
-    for kind in kinds:
-        if kind not in LAYER_TYPES:
-            raise ConfigError(f"{where}layer_types", kind, f"one of {', '.join(LAYER_TYPES)} per layer")
+    kinds = layer_kinds(text, layers, where)
     linear = None
     if "linear_attention" in kinds:
         linear = LinearAttentionSpec(
@@ -174,14 +146,28 @@ def model_config(hf: dict) -> ModelConfig:
 def mrope_section(rope_dim: int) -> list[int]:
     """A multimodal RoPE section for `rope_dim` rotating dims (rope_dim / 2 frequencies: temporal,
     height, width), Qwen3.5's [11, 11, 10] for its 64. gattn computes text positions, where every
-    section gives plain RoPE, so the export writes this one."""
+    section gives plain RoPE, so the export writes this one for a gattn-native run (a converted
+    folder's own section goes back as it was: `kept_fields`)."""
     n = rope_dim // 2
     return [n - math.ceil(n / 3) - n // 3, math.ceil(n / 3), n // 3]
 
 
-def hf_config(cfg: ModelConfig, next_config: dict) -> dict:
+def _is_section(section) -> bool:
+    return isinstance(section, list) and len(section) == 3 and all(isinstance(n, int) and n >= 0 for n in section)
+
+
+def kept_fields(hf: dict) -> dict:
+    """What to-hf writes back as it was of a (checked) Qwen3.5 config.json: its mrope_section,
+    which changes nothing on text."""
+    text, where = text_config(hf)
+    spec = rope_spec(text, where, QWEN3_5_ROPE_KEYS)
+    return {"mrope_section": list(spec["mrope_section"])} if "mrope_section" in spec else {}
+
+
+def hf_config(cfg: ModelConfig, next_config: dict, section: list[int] | None = None) -> dict:
     """The config.json of gattn model `cfg` as a Qwen3.5 text model, from its Qwen3-Next one
-    (`next_config`): Qwen3_5ForCausalLM, or Qwen3_5MoeForCausalLM with an MoE."""
+    (`next_config`): Qwen3_5ForCausalLM, or Qwen3_5MoeForCausalLM with an MoE. The multimodal RoPE
+    section is `section` (a converted folder's, kept), else `mrope_section`'s."""
     dropped = {"decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "rope_theta", "rope_scaling",
                "partial_rotary_factor"} | ({"intermediate_size"} if cfg.moe is not None else {"num_experts"})
     out = {k: v for k, v in next_config.items() if k not in dropped}
@@ -189,8 +175,9 @@ def hf_config(cfg: ModelConfig, next_config: dict) -> dict:
                model_type="qwen3_5_moe_text" if cfg.moe is not None else "qwen3_5_text")
     if cfg.layer_types is None:
         out["layer_types"] = ["full_attention"] * cfg.num_layers
-    out["rope_parameters"] = {**out["rope_parameters"], "mrope_section": mrope_section(cfg.rope_dim or cfg.head_dim),
-                              "mrope_interleaved": True}
+    if not _is_section(section):
+        section = mrope_section(cfg.rope_dim or cfg.head_dim)
+    out["rope_parameters"] = {**out["rope_parameters"], "mrope_section": list(section), "mrope_interleaved": True}
     return out
 
 
