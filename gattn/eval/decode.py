@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from gattn.config import ConfigError
-from gattn.model.transformer import Transformer
+from gattn.model.transformer import Transformer, unscanned
 
 Stop = Callable[[list[int]], bool] | Sequence[Sequence[int]] | None
 
@@ -220,7 +220,9 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
     default max_len are rounded up to a multiple of `pad_multiple`, so that calls with similar
     lengths reuse the compiled prefill and step. `prefill_chunk` runs the prompts `prefill_chunk`
     tokens at a time (memory-bounded prefill for long prompts; the prompt length is then padded
-    to a multiple of it where the cache allows)."""
+    to a multiple of it where the cache allows). A scanned hybrid decodes as its layer loop, its
+    blocks sliced from the stacked groups once for the call: one more copy of the block weights
+    while it runs, instead of one written at every step."""
     _check(prompts, max_new_tokens, max_len)
     sampling = _sampling(len(prompts), temperature, top_p, key)
     s = max(len(p) for p in prompts)
@@ -234,6 +236,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
     for row, p in enumerate(prompts):
         tokens_BxS[row, s - len(p):] = p
         valid_BxS[row, s - len(p):] = True
+    if model.grouped:  # its blocks sliced from the stacked groups once, not at every step (Transformer.layers)
+        model = unscanned(model)
     graphdef, state = nnx.split(model)
     cache = init_cache(model, len(prompts), max_len)
     logits_BxV, cache = prefill(model, tokens_BxS, valid_BxS, cache, chunk=prefill_chunk, last_only=True)

@@ -77,6 +77,11 @@ class GDNSpec:
     def conv_dim(self) -> int:
         return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
 
+    def init_state(self, batch: int) -> GDNState:
+        """A fresh decoding state for `batch` rows: zeros, from the spec's shapes alone."""
+        return GDNState(jnp.zeros((batch, self.conv_kernel - 1, self.conv_dim), jnp.float32),
+                        jnp.zeros((batch, self.num_v_heads, self.head_k_dim, self.head_v_dim), jnp.float32))
+
     @classmethod
     def from_hf_config(cls, hf: dict) -> GDNSpec:
         """The spec of a transformers Qwen3NextConfig (as a dict of its fields)."""
@@ -309,9 +314,7 @@ class GatedDeltaNet(nnx.Module):
         self.wo = weight((hv, d), ("heads", "embed"))
 
     def init_state(self, batch: int) -> GDNState:
-        s = self.spec
-        return GDNState(jnp.zeros((batch, s.conv_kernel - 1, s.conv_dim), jnp.float32),
-                        jnp.zeros((batch, s.num_v_heads, s.head_k_dim, s.head_v_dim), jnp.float32))
+        return self.spec.init_state(batch)
 
     def __call__(self, x_BxSxD: jax.Array, segment_ids_BxS: jax.Array | None = None) -> jax.Array:
         """The training forward pass (chunked rule); segment ids as gattn's pipeline packs rows."""

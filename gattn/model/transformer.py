@@ -274,7 +274,8 @@ class Transformer(nnx.Module):
         a scanned model keeps one stacked [L, B, Hk, T, K] array, which its scan slices and
         re-stacks every step (a copy of the whole cache: ~2x slower decoding at long lengths;
         `unscanned(model)` decodes with the tuple). A scanned hybrid keeps the tuples too and
-        decodes layer by layer, its blocks sliced from the stacked groups (`layers`).
+        decodes layer by layer, its blocks sliced from the stacked groups (`layers`) in every
+        call (a copy of its block weights per step: decode.generate slices them once, `unscanned`).
 
         A hybrid model's Gated DeltaNet layers keep no kv slots (None in k and v) but a GDNState
         each in "gdn" (None for the attention layers): the conv's last inputs and the rule's
@@ -287,9 +288,9 @@ class Transformer(nnx.Module):
         else:
             k, v = (tuple(jnp.zeros(shape, self.dtype) if f else None for f in full) for _ in "kv")
         cache = {"k": k, "v": v, "valid": jnp.zeros((batch, max_len), bool), "index": jnp.zeros((), jnp.int32)}
-        if cfg.hybrid:
-            blocks = self.layers()
-            cache["gdn"] = tuple(None if f else blk.linear_attn.init_state(batch) for f, blk in zip(full, blocks))
+        if cfg.hybrid:  # (from the config's shapes: slicing a scanned hybrid's blocks would copy its weights)
+            spec = GDNSpec.of(cfg)
+            cache["gdn"] = tuple(None if f else spec.init_state(batch) for f in full)
         return cache
 
     def decode(self, tokens_BxS: jax.Array, positions_BxS: jax.Array, cache: dict,
