@@ -39,7 +39,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from gattn import cli
 from gattn.config import ConfigError
-from gattn.train import hosts
+from gattn.train import hosts, save_barrier
 from gattn.train.seal import CHECKSUMS, seal, sealed, unsealed, verify  # noqa: F401 (checkpoint.seal, ...)
 
 SET_ASIDE = "checkpoints_set_aside"
@@ -137,7 +137,9 @@ def manager(workdir: Path, keep: int, every: int, keep_also: set | None = None) 
                                              _KeepAlso(keep_also if keep_also is not None else set())])
     options = ocp.CheckpointManagerOptions(
         preservation_policy=policy, save_interval_steps=every, enable_async_checkpointing=True, create=True,
-        multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=BARRIER_PREFIX))
+        multiprocessing_options=ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=BARRIER_PREFIX),
+        # A save that fails on one process fails on all (a full disk never hangs a slice).
+        async_options=ocp.options.AsyncOptions(barrier_sync_fn=save_barrier.for_this_run()))
     return ocp.CheckpointManager(directory, options=options, item_names=("state", "data", "meta"))
 
 
