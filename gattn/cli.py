@@ -281,6 +281,12 @@ def run_cli(main, argv=None) -> int:
         os.environ["GATTN_DEBUG"] = "1"
     try:
         status = main(argv) or 0
+    except SystemExit as e:  # argparse's usage error (its lines printed): before the join, tell the others
+        if e.code not in (0, None) and (joining := _joining(argv)) is not None:
+            from gattn import cluster  # noqa: PLC0415
+
+            cluster.failed_before_joining(*joining, f"its command was refused (exit {e.code}): see its output")
+        raise
     except KeyboardInterrupt:  # Ctrl-C before training began (or a second one): no traceback
         if debugging():
             traceback.print_exc()
@@ -297,6 +303,11 @@ def run_cli(main, argv=None) -> int:
 
         if cluster.active():  # several processes: the others are told, this one exits at once
             cluster.stop(e, message, code)
+        elif not isinstance(e, cluster.JoinError) and (joining := _joining(argv)) is not None:
+            # before the join: the others hear it now, not after GATTN_JOIN_SECONDS
+            print(f"error{where()}: {message}", file=sys.stderr, flush=True)
+            cluster.failed_before_joining(*joining, message)
+            return code
         print(f"error{where()}: {message}", file=sys.stderr)
         return code
     from gattn import cluster  # noqa: PLC0415
@@ -412,6 +423,29 @@ def check_workdir(workdir: str) -> None:
         except ImportError:
             raise ConfigError("--workdir", workdir, "a gs:// path with google-cloud-storage installed, which "
                               f"TensorBoard needs to write there{extra}") from None
+
+
+def _joining(argv: list[str]) -> tuple[str, int, int] | None:
+    """(coordinator, processes, process) of a multi-process run this command was started as
+    (--coordinator/--num-processes/--process-id, or the JAX_* variables `gattn.launch` sets) while
+    it has not joined yet, else None."""
+    flags = {}
+    for i, a in enumerate(argv):
+        for flag in ("--coordinator", "--num-processes", "--process-id"):
+            if a == flag and i + 1 < len(argv):
+                flags[flag] = argv[i + 1]
+            elif a.startswith(flag + "="):
+                flags[flag] = a.split("=", 1)[1]
+    coordinator = flags.get("--coordinator") or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    num = flags.get("--num-processes") or os.environ.get("JAX_NUM_PROCESSES")
+    pid = flags.get("--process-id") or os.environ.get("JAX_PROCESS_ID")
+    if not coordinator or ":" not in coordinator or not str(num).isdigit() or not str(pid).isdigit():
+        return None
+    if int(num) < 2 or int(pid) >= int(num):
+        return None
+    from gattn import cluster  # noqa: PLC0415
+
+    return None if cluster.active() else (coordinator, int(num), int(pid))
 
 
 def where() -> str:

@@ -197,6 +197,7 @@ def join(coordinator: str, processes: int, process: int, timeout: float) -> None
 
 def _gather(port: int, processes: int, deadline: float, timeout: float) -> None:
     came: dict[int, socket.socket] = {}
+    failed: tuple[int, str] | None = None
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         server.bind(("", port))
@@ -209,7 +210,13 @@ def _gather(port: int, processes: int, deadline: float, timeout: float) -> None:
                 continue
             conn.settimeout(10)
             try:
-                index = int(conn.makefile().readline().strip())
+                line = conn.makefile().readline().strip()
+                if line.startswith("fail "):  # a process that failed before joining: its own line
+                    _, index, message = (line.split(" ", 2) + [""])[:3]
+                    conn.close()
+                    failed = (int(index), message)
+                    break
+                index = int(line)
             except (OSError, ValueError):
                 conn.close()
                 continue
@@ -220,15 +227,62 @@ def _gather(port: int, processes: int, deadline: float, timeout: float) -> None:
                 continue
             came[index] = conn
         missing = sorted(set(range(1, processes)) - set(came))
-        reply = "ok" if not missing else "error " + _missing(missing, timeout)
+        reply = ("ok" if not missing else "error " + _missing(missing, timeout)) if failed is None else \
+            f"error process {failed[0]} failed before joining: {failed[1]}"
         for conn in came.values():
             try:
                 conn.sendall(f"{reply}\n".encode())
             except OSError:
                 pass
             conn.close()
+    if failed is not None:
+        raise JoinError(f"process {failed[0]} failed before joining: {failed[1]}")
     if missing:
         raise JoinError(_missing(missing, timeout))
+
+
+def failed_before_joining(coordinator: str, processes: int, process: int, message: str,
+                          seconds: float = 10.0) -> None:
+    """This process failed before it joined (a usage error in its command, a bad config on its
+    host): the others hear it within seconds, not after GATTN_JOIN_SECONDS. Process K > 0 sends
+    its line to process 0, which stops quoting it; process 0 answers the others that come within
+    `seconds` with it. Best effort: a process that cannot be told is named by the join's timeout."""
+    if processes <= 1:
+        return
+    host, port = coordinator.rsplit(":", 1)
+    port = int(os.environ.get("GATTN_JOIN_PORT", int(port) + 1))
+    deadline = time.monotonic() + seconds
+    line = " ".join(message.split())[:1000]
+    if process > 0:
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection((host.strip("[]"), port), timeout=1) as conn:
+                    conn.sendall(f"fail {process} {line}\n".encode())
+                return
+            except OSError:
+                time.sleep(0.25)
+        return
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            server.bind(("", port))
+            server.listen(processes)
+            told: set = set()
+            while time.monotonic() < deadline and len(told) < processes - 1:
+                server.settimeout(max(0.01, min(0.5, deadline - time.monotonic())))
+                try:
+                    conn, _ = server.accept()
+                except socket.timeout:
+                    continue
+                with conn:
+                    conn.settimeout(2)
+                    try:
+                        told.add(conn.makefile().readline().strip())
+                        conn.sendall(f"error process 0 failed before joining: {line}\n".encode())
+                    except OSError:
+                        pass
+    except OSError:  # the port is taken: the others wait for the join's timeout
+        pass
 
 
 def _missing(missing: list[int], timeout: float) -> str:
