@@ -104,18 +104,21 @@ def log_path(workdir: str | None, process: int) -> Path:
 
 
 def send_native_log_to(path: Path) -> None:
-    """Points file descriptor 2 (what C++ writes to) at `path`; Python's sys.stderr keeps the
-    terminal."""
+    """Points file descriptors 1 and 2 (what C++ writes to: gloo's "connected to peer ranks"
+    lines go to 1, the coordination service's errors to 2) at `path`; Python's sys.stdout and
+    sys.stderr keep the terminal."""
     global _terminal, _log_path
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    terminal_fd = os.dup(2)
+    out_fd, terminal_fd = os.dup(1), os.dup(2)
     log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.write(log_fd, f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: native messages of "
                      f"this process\n".encode())
+    os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
     os.close(log_fd)
+    sys.stdout = os.fdopen(out_fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace")
     _terminal = os.fdopen(terminal_fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace")
     sys.stderr = _terminal
     _log_path = path

@@ -13,7 +13,8 @@ fails, the others stop by themselves with one line naming it (gattn.cluster); an
 after --grace seconds are killed. The launcher exits with the status of the worker that failed
 first: the first to print an `error (process N): ...` line or to die (a signal N as 128 + N, as a
 shell reports it). SIGTERM or SIGINT to the launcher is passed on to every worker (they save a
-checkpoint and exit 0); a launcher that dies takes its workers with it.
+checkpoint and exit 0); workers still running --stop-grace seconds later (300) are killed, and a
+second SIGTERM or SIGINT kills them at once; a launcher that dies takes its workers with it.
 """
 
 from __future__ import annotations
@@ -56,8 +57,11 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def launch(command: list[str], processes: int, local_devices: int, *, grace: float = 90.0) -> int:
-    """Runs `python COMMAND` as `processes` workers; their first non-zero status, else 0."""
+def launch(command: list[str], processes: int, local_devices: int, *, grace: float = 90.0,
+           stop_grace: float = 300.0) -> int:
+    """Runs `python COMMAND` as `processes` workers; their first non-zero status, else 0. After
+    SIGTERM or SIGINT (passed on: the workers save and exit), workers still running `stop_grace`
+    seconds later are killed, and so are all at a second signal."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, *command], env=worker_env(i, processes, local_devices, port),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
@@ -69,7 +73,16 @@ def launch(command: list[str], processes: int, local_devices: int, *, grace: flo
     for t in pumps:
         t.start()
 
+    signalled: list[float] = []  # when SIGTERM or SIGINT reached the launcher
+
     def forward(signum, frame):
+        if signalled:  # a second one: stop at once
+            print(f"[launch] {signal.Signals(signum).name} again: killing the workers", file=sys.stderr, flush=True)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            return
+        signalled.append(time.monotonic())
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -78,6 +91,13 @@ def launch(command: list[str], processes: int, local_devices: int, *, grace: flo
     stopping = False
     try:
         while any(p.poll() is None for p in procs):
+            if signalled and time.monotonic() - signalled[0] > stop_grace:  # a worker that cannot stop
+                print(f"[launch] workers still running {stop_grace:.0f} s after the signal: killing them",
+                      file=sys.stderr, flush=True)
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                signalled[0] = float("inf")
             failures.extend(i for i, p in enumerate(procs) if p.poll() not in (None, 0) and i not in failures)
             if failures and not stopping:
                 stopping = True
@@ -118,12 +138,15 @@ def main(argv=None) -> int:
     ap.add_argument("--local-devices", type=int, default=1, help="CPU devices per worker")
     ap.add_argument("--grace", type=float, default=90.0, help="seconds the others get to exit by themselves "
                     "after a worker failed, before they are killed")
+    ap.add_argument("--stop-grace", type=float, default=300.0, help="seconds the workers get to save and exit "
+                    "after SIGTERM or Ctrl-C, before they are killed (a second signal kills them at once)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="SCRIPT [ARGS...] or -m MODULE [ARGS...]")
     argv = list(sys.argv[1:] if argv is None else argv)
     # The command starts at the first argument that is not the launcher's (argparse's REMAINDER
     # does not take one that starts with "-", such as -m MODULE).
     i = 0
-    while i < len(argv) and argv[i].split("=")[0] in ("--processes", "--local-devices", "--grace", "-h", "--help"):
+    flags = ("--processes", "--local-devices", "--grace", "--stop-grace", "-h", "--help")
+    while i < len(argv) and argv[i].split("=")[0] in flags:
         i += 1 if "=" in argv[i] or argv[i] in ("-h", "--help") else 2
     args = ap.parse_args(argv[:i])
     args.command = argv[i:]
@@ -131,7 +154,7 @@ def main(argv=None) -> int:
         ap.error("--processes and --local-devices must be positive")
     if not args.command:
         ap.error("give the script to run, e.g. train.py --config tiny --workdir DIR")
-    return launch(args.command, args.processes, args.local_devices, grace=args.grace)
+    return launch(args.command, args.processes, args.local_devices, grace=args.grace, stop_grace=args.stop_grace)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,9 @@ def test_a_full_disk_during_a_save_stops_every_process_with_one_line_and_the_rel
     try:
         out, _ = launched(config, run, "--steps", "4")  # the dataset, the tokenizer, checkpoint 4
         assert out.returncode == 0, out.stdout[-3000:]
+        # gloo's native "connected to peer ranks" lines go to each host's log, not the terminal
+        # (item 10; before, they reached stdout through file descriptor 1)
+        assert "Gloo" not in out.stdout + out.stderr and "Gloo" in (run / "logs" / "process_0.log").read_text()
         if real_disk:
             fill(disk, leave=160_000)  # less than a checkpoint (~700 kB), room for the logs
             program, env = None, {}

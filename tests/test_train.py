@@ -357,3 +357,71 @@ def test_continued_training_passes_over_an_unsealed_newest_checkpoint(config_fil
     _, state = trainer.init_state(cfg)
     start = init_from.params(cfg, state["params"], init_from.check(cfg))
     jax.tree.map(np.testing.assert_array_equal, start, nnx.state(rundir.load(base, 6).model, nnx.Param))
+
+
+def test_ctrl_c_is_named_as_such_and_one_as_the_run_ends_lets_it_finish(config_file, tmp_path, six_steps, capsys,
+                                                                        monkeypatch):
+    """Issue 57 item 10. Before: a Ctrl-C during training was reported as "SIGTERM: saved step N",
+    and a Ctrl-C while a completed run finished its last save raised KeyboardInterrupt out of
+    train (tracebacks, exit 130 for a run that had completed)."""
+    import signal
+
+    from gattn import cli
+    from gattn.train import checkpoint, trainer
+
+    run = tmp_path / "run"
+    shutil.copytree(six_steps, run)
+    real_step = trainer.make_train_step
+
+    def make_train_step(*a, **kw):  # Ctrl-C during step 8
+        step = real_step(*a, **kw)
+
+        class Step:
+            lower = step.lower
+
+            def __call__(self, state, batch):
+                if int(state["step"]) == 7:
+                    os.kill(os.getpid(), signal.SIGINT)
+                return step(state, batch)
+        return Step()
+
+    monkeypatch.setattr(trainer, "make_train_step", make_train_step)
+    summary = trainer.train(cli.load(config_file, ["train.steps=12"]), run, progress=False)
+    out = capsys.readouterr()
+    assert "Ctrl-C (SIGINT): saved step 8" in out.out and "SIGTERM" not in out.out, out.out
+    assert summary["step"] == 8 and not summary["completed"]
+
+    monkeypatch.setattr(trainer, "make_train_step", real_step)
+    real_close = checkpoint.Saves.close
+
+    def close(self):  # Ctrl-C while the completed run waits for its last save
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_close(self)
+
+    monkeypatch.setattr(checkpoint.Saves, "close", close)
+    summary = trainer.train(cli.load(config_file, ["train.steps=10"]), run, progress=False)
+    assert summary["completed"] and summary["step"] == 10
+    assert "SIGINT as the run ends" in capsys.readouterr().err
+    assert checkpoint.saved_steps(run)[-1] == 10
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back when train returned
+
+
+def test_a_read_only_workdir_is_refused_naming_the_flag(config_file, tmp_path):
+    """Issue 57 item 10. Before: `error: OSError: [Errno 30] Read-only file system ...` (exit 1)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        folder.chmod(0o555)
+    try:
+        out = subprocess.run(train_cmd(config_file, folder / "run", "--steps", "4"), capture_output=True, text=True,
+                             timeout=120)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+        else:
+            folder.chmod(0o755)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'--workdir'" in lines[0] and "a folder this process can write" in lines[0], lines

@@ -149,6 +149,9 @@ def reason(e: BaseException) -> str:
     while e.__cause__ is not None and str(e.__cause__):
         e = e.__cause__
     text = cli.first_line(e)
+    disk = re.search(r"No space left on device|Disk quota exceeded|Read-only file system|Permission denied", str(e))
+    if disk and not text.startswith(disk.group(0)):  # what the user must fix first, before the long path
+        text = f"{disk.group(0)}: {text}"
     text = re.sub(r"\s*\[tensorstore_spec.*", "", text)
     text = re.sub(r"\.?\s*See full TensorStore details.*", "", text)
     text = re.sub(r'(Error opening "\w+" driver: )+', "", text)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from typing import NamedTuple
 
@@ -108,6 +109,22 @@ def check_workdir(workdir: str | Path) -> None:
         raise ConfigError("--workdir", str(workdir), f"{workdir} is a Hugging Face model folder, not a gattn "
                           "run: convert it first with "
                           f"`python -m gattn.convert from-hf {workdir} --workdir OUT`")
+
+
+def check_writable(workdir: str | Path) -> None:
+    """A run directory to train in must take files: a read-only one (a read-only mount, a folder
+    of another user) is a ConfigError naming --workdir before any work, not an OSError mid-start."""
+    if "://" in str(workdir):  # a bucket answers for itself on the first write
+        return
+    probe = Path(workdir) / f".gattn-write-check-{os.getpid()}"
+    try:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError("--workdir", str(workdir), f"a folder this process can write ({e.strerror}: "
+                          f"{e.filename or workdir}); evaluate a run there with eval.py, or train in another "
+                          "--workdir") from None
 
 
 def read_config(workdir: str | Path) -> Config:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
+import logging
 import math
 import os
 import signal
@@ -411,9 +413,54 @@ class Stopper:
             return multihost_utils.reached_preemption_sync_point(step)
         return self.signal is not None
 
+    def name(self) -> str:
+        """The signal that stopped the run, as the user sent it (several processes: JAX's
+        preemption notice is a SIGTERM, to this host or another; a Ctrl-C here is recorded)."""
+        return "Ctrl-C (SIGINT)" if self.signal == signal.SIGINT else "SIGTERM"
+
     def close(self):
+        """The loop is over: a signal from now on has nothing left to stop (the last step is saved,
+        or being saved), so it is noted in one line instead of breaking the run's end with a
+        KeyboardInterrupt (a second Ctrl-C still stops at once). `restore` puts the previous
+        handlers back when `train` returns."""
+        for s in self.previous:
+            signal.signal(s, self._late)
+
+    def _late(self, signum, frame):
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = signum
+        if hosts.primary():
+            print(f"\nnote: {signal.Signals(signum).name} as the run ends: it finishes its last save and exits",
+                  file=sys.stderr, flush=True)
+
+    def restore(self):
         for s, h in self.previous.items():
             signal.signal(s, h)
+
+
+class RunFilesFailure(cli.Failure):
+    """The run's own files (metrics, TensorBoard, the lease) could not be written: one line."""
+
+
+WRITE_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM)
+
+
+def _close_all(closers) -> None:
+    """Calls each closer in turn; the first error is raised after all ran, unless an error is
+    already on its way out (then theirs are dropped: GATTN_DEBUG=1 logs them)."""
+    ending, first = sys.exc_info()[1], None
+    for close in closers:
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception as e:  # noqa: BLE001
+            if ending is not None and cli.debugging():
+                logging.getLogger("gattn").exception("while stopping after %s", ending)
+            first = first or e
+    if first is not None and ending is None:
+        raise first
 
 
 def data_source(cfg: Config):
@@ -490,6 +537,8 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     # A continued run's source is checked before anything is written, the lease included (and
     # only until it has a checkpoint of its own: resuming never reads the source again).
     source_step = init_from.check(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
+    if hosts.primary():
+        rundir.check_writable(workdir)
     with lease.hold(workdir, primary=hosts.primary()):  # one train.py per run directory (WORKDIR/lock.json)
         if resume_step is None and not resume_anyway:
             check_not_diverged(Path(workdir))
@@ -608,7 +657,7 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
             if stopping:
                 saves.check(wait=True)
                 if hosts.primary():
-                    print(f"\nSIGTERM: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
+                    print(f"\n{stop.name()}: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
                 break
         reports.read_previous()
     except TrainingStopped as e:  # a divergence: summary.json says so, and a plain rerun is refused
@@ -618,16 +667,32 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
                 "reason": e.reason, "skipped_steps": reports.skipped,
                 "collapsed_steps": reports.collapsed_steps}, indent=2))
         raise
+    except OSError as e:  # a full disk or a lost mount under the run's own files: one line, no progress lost
+        if e.errno not in WRITE_ERRORS:
+            raise
+        good = (f"the last good checkpoint is step {saves.good} in {mngr.directory}" if saves.good is not None
+                else "there is no good checkpoint yet")
+        raise RunFilesFailure(f"writing the run's files failed at step {step} ({e.strerror}: "
+                              f"{e.filename or workdir}); stopping: {good}") from None
     finally:
-        if batches is not None:
-            batches.close()
-        reports.close()
-        stop.close()
-        saves.close()  # waits for the last save; a failure raises CheckpointFailure
-    val = reports.val or validate(eval_step, state["params"], val_batches, mesh)  # (a finished run rerun)
-    summary = {"step": int(state["step"]), "completed": int(state["step"]) >= t.steps,
-               "final_loss": reports.loss, "skipped_steps": reports.skipped, "loss_spikes": reports.spikes.count,
-               "collapsed_steps": reports.collapsed_steps, **val}
-    if hosts.primary():
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+        # Closing must not hide the error that stopped the loop (a full disk fails the
+        # TensorBoard flush too): each closer runs, and its own error is raised only if the loop
+        # ended without one.
+        try:
+            _close_all([batches.close if batches is not None else None, reports.close, stop.close,
+                        saves.close])  # saves.close waits for the last save; a failure raises CheckpointFailure
+        except BaseException:
+            stop.restore()
+            raise
+        if sys.exc_info()[1] is not None:
+            stop.restore()
+    try:
+        val = reports.val or validate(eval_step, state["params"], val_batches, mesh)  # (a finished run rerun)
+        summary = {"step": int(state["step"]), "completed": int(state["step"]) >= t.steps,
+                   "final_loss": reports.loss, "skipped_steps": reports.skipped,
+                   "loss_spikes": reports.spikes.count, "collapsed_steps": reports.collapsed_steps, **val}
+        if hosts.primary():
+            (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+    finally:
+        stop.restore()
