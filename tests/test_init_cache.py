@@ -73,3 +73,20 @@ def test_a_scanned_model_generates_the_loops_tokens_slicing_a_hybrids_groups_onc
     assert decode.generate(scanned, PROMPTS, max_new_tokens=3, max_len=16) == want
     want_paths = {p for p, _ in nnx.to_flat_state(nnx.state(loop if scanned.grouped else scanned))}
     assert len(states) == 2 and {p for p, _ in nnx.to_flat_state(states[0])} == want_paths
+
+
+def test_speculative_decoding_of_a_scanned_hybrid_slices_its_groups_once(monkeypatch):
+    """speculative.generate reads a scanned hybrid's weights per layer too (before: its steps
+    sliced every stacked group at every token, as decode.generate did), and drafts the loop's tokens."""
+    import dataclasses
+
+    from gattn.eval import speculative
+
+    loop = Transformer(dataclasses.replace(HYBRID, mtp_layers=1), ExecConfig(gdn_chunk=4), rngs=nnx.Rngs(0))
+    scanned = with_exec(loop, ExecConfig(gdn_chunk=4, scan_layers=True))
+    want = speculative.generate(loop, PROMPTS, max_new_tokens=4)
+    states, prefill = [], speculative._prefill
+    monkeypatch.setattr(speculative, "_prefill", lambda graphdef, state, *a: states.append(state)
+                        or prefill(graphdef, state, *a))
+    assert speculative.generate(scanned, PROMPTS, max_new_tokens=4) == want
+    assert {p for p, _ in nnx.to_flat_state(states[0])} == {p for p, _ in nnx.to_flat_state(nnx.state(loop))}

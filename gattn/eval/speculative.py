@@ -29,7 +29,7 @@ from flax import nnx
 
 from gattn.config import ConfigError
 from gattn.eval.decode import Stop, _check, _positions, _stopped, init_cache, round_up, to_device, to_host
-from gattn.model.transformer import Transformer, head_logits
+from gattn.model.transformer import Transformer, head_logits, unscanned
 
 
 class Stats(NamedTuple):
@@ -123,6 +123,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
     for row, p in enumerate(prompts):
         tokens_BxS[row, s - len(p):] = p
         valid_BxS[row, s - len(p):] = True
+    if model.grouped:  # a scanned hybrid: its blocks sliced out of the groups once, not at every step
+        model = unscanned(model)
     graphdef, state = nnx.split(model)
     cache, mtp_cache = init_cache(model, len(prompts), max_len), model.init_mtp_cache(len(prompts), max_len)
     pending_B, draft_B, cache, mtp_cache = _prefill(graphdef, state, to_device(tokens_BxS), to_device(valid_BxS),
