@@ -11,7 +11,10 @@ each run through the real train.py / eval.py on a tiny model, and judged on thre
     python bench/faults.py [--only round1,trust] [--keep DIR]
 
 Prints one JSON object per case, then a JSON summary (the counts above). Takes ~15 minutes on 2
-CPU cores (about 40 short runs of train.py / eval.py); `--only trust` runs issue 43's cases alone.
+CPU cores (about 40 short runs of train.py / eval.py) for round1 and trust; `--only trust` runs
+issue 43's cases alone. Issue 57's groups: round3 (a full disk under 2 processes, a damaged
+checkpoint at step 500, --init-from an unsealed checkpoint, a usage error before the join, Ctrl-C,
+a read-only workdir), labels, convert (needs gattn[test]), cache, liveness.
 """
 
 from __future__ import annotations
@@ -398,6 +401,359 @@ def trust_cases(b: Bench):
            "characters": [len(d.text) for d in corpus.documents(str(source.parent), 0)]}
 
 
+def round3_cases(b: Bench):
+    """Issue 57's faults of the run itself: a full disk under 2 processes, a damaged checkpoint at
+    step 500, --init-from an unsealed newest checkpoint, a usage error before the join, a Ctrl-C,
+    a read-only workdir."""
+    # A full disk while 2 processes save step 8: process 1's share cannot be written (the case
+    # that hung: process 0's write succeeds and it waits for process 1 at Orbax's write barrier).
+    work = b.root / "full_disk"
+    out = subprocess.run([sys.executable, "-m", "gattn.launch", "--processes", "2", str(ROOT / "train.py"),
+                          "--config", str(b.config), "--workdir", str(work), "--quiet", "--steps", "4"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    start = time.monotonic()
+    try:
+        full = subprocess.run([sys.executable, "-m", "gattn.launch", "--processes", "2",
+                               str(ROOT / "tests" / "programs" / "full_disk_train.py"), "--config", str(b.config),
+                               "--workdir", str(work), "--quiet", "--steps", "12"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "GATTN_TEST_FULL_PROCESS": "1",
+                                                           "GATTN_TEST_FULL_AT": "8"})
+        seconds, hung = round(time.monotonic() - start, 1), False
+    except subprocess.TimeoutExpired:
+        full, seconds, hung = None, None, True
+    lines = [] if hung else [line for line in full.stdout.splitlines() if "] error" in line]
+    named = (len(lines) == 2 and {x[1] for x in lines} == {"0", "1"}
+             and all("checkpoint step 8 failed" in x and "the last good checkpoint is step 6" in x for x in lines))
+    again = subprocess.run([sys.executable, "-m", "gattn.launch", "--processes", "2", str(ROOT / "train.py"),
+                            "--config", str(b.config), "--workdir", str(work), "--quiet", "--steps", "12"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    yield {"case": "2 processes: process 1's disk is full while step 8 is saved", "exit": None if hung else
+           full.returncode, "expected_failure": True, "silent_wrong": hung or again.returncode != 0,
+           "good_checkpoints_lost": [] if (work / "checkpoints" / "4").is_dir() or again.returncode == 0 else [4],
+           "one_line": named, "error": lines[0][:200] if lines else None, "stopped_after_s": seconds,
+           "hung": hung, "relaunch_exit": again.returncode}
+
+    # A damaged checkpoint at step 500 (a preset's first save): the read error names .../500/...
+    work = b.copy("damaged_500")
+    for old, new in (("6", "500"), ("4", "400")):
+        (work / "checkpoints" / old).rename(work / "checkpoints" / new)
+    for stale in ("2",):
+        shutil.rmtree(work / "checkpoints" / stale, ignore_errors=True)
+    big = largest(work / "checkpoints" / "500")
+    big.write_bytes(big.read_bytes()[:big.stat().st_size // 2])
+    shutil.rmtree(work / "checkpoints" / "500" / "checksums")
+    shutil.rmtree(work / "checkpoints" / "400" / "checksums")  # both unsealed: only the read can tell
+    out = run("eval.py", "--workdir", work, "--no-figures", "--max-batches", "1")
+    used = json.loads((work / "eval" / "results.json").read_text()).get("step") if out.returncode == 0 else None
+    yield verdict("eval.py: the newest checkpoint, step 500, cut in half", out, expect_fail=False,
+                  wrong=out.returncode == 0 and used != 400, good_before=set(), work=None, evaluated_step=used)
+
+    # --init-from a run whose newest checkpoint is unsealed (preempted mid-seal, or still training).
+    src = b.copy("init_from_source")
+    shutil.rmtree(src / "checkpoints" / "6" / "checksums")
+    out = b.train(b.root / "init_from_unsealed", "--init-from", src, "--steps", "2",
+                  "--config.train.warmup_steps=1")
+    yield verdict("train.py --init-from a run whose newest checkpoint is unsealed", out, expect_fail=False,
+                  wrong=out.returncode == 0 and "using step 4 instead" not in out.stderr, good_before=set(),
+                  work=None)
+
+    # A usage error on process 1 before the join: process 0 quotes it within seconds.
+    port = launch.free_port()
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", str(b.config), "--workdir",
+                               str(b.root / "before_join"), "--quiet", *(["--config.train.steps=many"] if i else [])],
+                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=launch.worker_env(i, 2, 1, port)) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+        seconds = round(time.monotonic() - start, 1)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        outs, seconds = [p.communicate() for p in procs], None
+    errors = [[line for line in err.splitlines() if line.startswith("error")] for _, err in outs]
+    yield {"case": "2 processes: a usage error on process 1 before the join", "exit": procs[0].returncode,
+           "expected_failure": True, "silent_wrong": seconds is None or seconds > 15, "good_checkpoints_lost": [],
+           "one_line": [len(e) for e in errors] == [1, 1] and "process 1 failed before joining" in errors[0][0],
+           "error": errors[0][0][:200] if errors[0] else None, "process_0_stopped_after_s": seconds}
+
+    # Ctrl-C during training is named as such; a read-only workdir names --workdir.
+    work = b.copy("ctrl_c")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--config", str(b.config), "--workdir",
+                             str(work), "--quiet", "--steps", "4000"], text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    while proc.poll() is None and (work / "metrics.jsonl").read_text().count("\n") < 9:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    yield verdict("train.py: Ctrl-C during training", out, expect_fail=False,
+                  wrong=out.returncode != 0 or "Ctrl-C (SIGINT): saved step" not in stdout, good_before={6}, work=work)
+    folder = b.root / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs",
+                                                    str(folder)], capture_output=True).returncode == 0
+    try:
+        out = b.train(folder / "run", "--steps", "4")
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+        folder.chmod(0o755)
+    yield verdict("train.py: a read-only --workdir", out, expect_fail=True,
+                  wrong=out.returncode == 0 or "'--workdir'" not in out.stderr, good_before=set(), work=None)
+
+
+def label_cases(b: Bench):
+    """Issue 57: a run's variant label is the model it trained, through train.py, gattn.params,
+    the main job and eval.py --compare; --compare's training rows are those of the checkpoint it
+    measured."""
+    # A baseline given a gate by an override: recorded, and listed by --compare, as what it is.
+    work = b.root / "label_gated_baseline"
+    out = b.train(work, "--steps", "2", "--variant", "baseline", "--config.model.gate.granularity=headwise",
+                  "--config.data.tokenizer=" + str(next((b.base / "tokenizer").glob("*.model"))))
+    recorded = json.loads((work / "config.json").read_text())["variant"] if out.returncode == 0 else None
+    honest = 'baseline+gate.granularity="headwise"'
+    yield verdict("train: --variant baseline --config.model.gate.granularity=headwise", out, expect_fail=False,
+                  wrong=recorded != honest, good_before=set(), work=None, recorded=recorded)
+    plain = b.copy("label_plain")  # (a copy: --compare writes its eval/results.json)
+    cmp = run("eval.py", "--compare", plain, work, "--no-figures", "--max-batches", "1", "--out", b.root / "label_cmp")
+    rows = {c[0]: c[1] for c in ([x.strip() for x in line.strip("|").split("|")]
+                                 for line in cmp.stdout.splitlines()[2:]) if len(c) > 1}
+    yield verdict("eval: --compare a plain run and a baseline given a gate", cmp, expect_fail=False,
+                  wrong=rows.get(work.name) != honest or rows.get(plain.name) != "baseline", good_before=set(),
+                  work=None, listed=rows)
+    # Without --variant, and a gate on a variant that has none (gattn.params prints the label, no training).
+    for args, want in ((["--config.model.gate.granularity=headwise"], 'baseline+gate.granularity="headwise"'),
+                       (["--variant", "sdpa_rmsnorm", "--config.model.gate.position=value"],
+                        'sdpa_rmsnorm+gate.position="value"')):
+        out = subprocess.run([sys.executable, "-m", "gattn.params", "--config", str(b.config), *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        got = out.stdout.partition("(")[2].partition(")")[0] if out.returncode == 0 else None
+        yield verdict(f"params: {' '.join(args)}", out, expect_fail=False, wrong=got != want, good_before=set(),
+                      work=None, recorded=got)
+    # The main job (a study) with the same override: its baseline cell would be gated: refused.
+    out = subprocess.run([sys.executable, "-m", "gattn.main_job", "--config", str(b.config), "--workdir",
+                          str(b.root / "label_main"), "--steps", "2", "--config.model.gate.granularity=headwise"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    yield verdict("main_job: --config.model.gate.granularity=headwise (a gated 'baseline' cell)", out,
+                  expect_fail=True, wrong=out.returncode == 0, good_before=set(), work=None)
+    # A run whose newest checkpoints (4 and 6) are unreadable: --compare measures step 2, and its
+    # training rows (train loss, spikes, tokens/s) are step 2's, not step 6's.
+    work = b.copy("label_killed")
+    shutil.rmtree(work / "eval", ignore_errors=True)
+    for step in ("4", "6"):
+        CORRUPT["flip"](work / "checkpoints" / step)
+    cmp = run("eval.py", "--compare", work, "--no-figures", "--max-batches", "1", "--out", b.root / "label_cmp2")
+    cells = next(([x.strip() for x in line.strip("|").split("|")] for line in cmp.stdout.splitlines()[2:]), [])
+    metrics = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    at = {r["step"]: r["loss"] for r in metrics if "loss" in r}
+    shown = float(cells[-3]) if len(cells) > 3 and cells[-3] != "-" else None
+    yield verdict("eval: --compare a run whose checkpoints 4 and 6 are unreadable", cmp, expect_fail=False,
+                  wrong=cells[2:3] != ["2"] or shown is None or abs(shown - at[2]) > 5e-4, good_before={2},
+                  work=work, measured_step=cells[2] if len(cells) > 2 else None, train_loss_shown=shown,
+                  train_loss_at={k: round(v, 3) for k, v in at.items()})
+
+
+def convert_cases(b):
+    """Issue 57's conversion faults (items 3 and 9), each through `python -m gattn.convert` on a
+    tiny random transformers model saved here: what must be refused in one line, and what must
+    convert and keep what it was."""
+    import numpy as np  # noqa: PLC0415
+    import transformers  # noqa: PLC0415 (gattn[test])
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: PLC0415
+
+    from gattn.config import Config  # noqa: PLC0415
+    from gattn.train import rundir  # noqa: PLC0415
+    from test_convert import gattn_logits, hf_logits, randomize, save  # noqa: PLC0415
+    from test_convert_qwen35 import TEXT, VISION  # noqa: PLC0415
+    from test_convert_strict import qwen3_next_model, with_remembering_gdn  # noqa: PLC0415
+    from test_hybrid import tiny_hybrid  # noqa: PLC0415
+
+    root = b.root / "convert"
+    root.mkdir()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(root / "tokenizer.json"))
+
+    def convert(*args):
+        return subprocess.run([sys.executable, "-m", "gattn.convert", *map(str, args)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+
+    def edited(src, name, change):
+        """A copy of folder `src` whose config.json has `change` applied."""
+        dst = root / name
+        shutil.copytree(src, dst)
+        cfg = json.loads((dst / "config.json").read_text())
+        change(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+        return dst
+
+    # Item 3: a GDN whose conv transformers runs with hidden_act relu / gelu.
+    for act in ("relu", "gelu_pytorch_tanh"):
+        src = save(with_remembering_gdn(qwen3_next_model(act, ["linear_attention", "full_attention"])),
+                   root / f"next_{act}", root / "tokenizer.json")
+        out = convert("from-hf", src, "--workdir", root / f"next_{act}_run")
+        yield verdict(f"from-hf: Qwen3-Next with Gated DeltaNet layers, hidden_act {act}", out, expect_fail=True,
+                      wrong=out.returncode == 0, good_before=set(), work=None)
+    hybrid_relu = root / "hybrid_relu_run"
+    hybrid_relu.mkdir()
+    rundir.write_config(hybrid_relu, Config(model=tiny_hybrid(ffn_activation="relu")))
+    out = convert("to-hf", hybrid_relu, "--out", root / "hybrid_relu_hf")
+    yield verdict("to-hf: a hybrid gattn run with ffn_activation relu", out, expect_fail=True,
+                  wrong=out.returncode == 0, good_before=set(), work=None)
+    # Item 3: Qwen3-Next's config.json as strict as Qwen3.5's; item 9 (d): full_attention_interval 0.
+    silu = save(qwen3_next_model("silu", ["linear_attention", "full_attention"]), root / "next_silu",
+                root / "tokenizer.json")
+    changes = {"quantization_config": lambda c: c.update(quantization_config={"bits": 4}),
+               "rope_parameters.foo": lambda c: c["rope_parameters"].update(foo=1),
+               "attention_dropout 0.1": lambda c: c.update(attention_dropout=0.1),
+               "full_attention_interval 0": lambda c: (c.pop("layer_types"), c.update(full_attention_interval=0))}
+    for i, (name, change) in enumerate(changes.items()):
+        out = convert("from-hf", edited(silu, f"next_bad_{i}", change), "--workdir", root / f"next_bad_{i}_run")
+        yield verdict(f"from-hf: Qwen3-Next config.json with {name}", out, expect_fail=True,
+                      wrong=out.returncode == 0, good_before=set(), work=None)
+
+    # Item 9 (a): a tied Qwen3_5ForConditionalGeneration as save_pretrained writes it.
+    vl = with_remembering_gdn(randomize(transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=TEXT, vision_config=VISION, tie_word_embeddings=True)), norm_center=0.0))
+    out = convert("from-hf", save(vl, root / "vl_tied", root / "tokenizer.json"), "--workdir", root / "vl_tied_run")
+    diff = float(np.abs(gattn_logits(root / "vl_tied_run") - hf_logits(vl)).max()) if out.returncode == 0 else None
+    yield verdict("from-hf: tied Qwen3_5ForConditionalGeneration (outer true, text_config false)", out,
+                  expect_fail=False, wrong=out.returncode == 0 and not diff < 1e-3, good_before=set(), work=None,
+                  max_logit_difference=diff)
+
+    # Item 9 (b, c): a folder as transformers saves a released one (262,144 positions, its own
+    # mrope_section, an MTP layer declared, no mtp.* tensors), then back.
+    text = {**TEXT, "max_position_embeddings": 262_144,
+            "rope_parameters": {**TEXT["rope_parameters"], "mrope_section": [4, 2, 2]}}
+    dense = randomize(transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text)), norm_center=0.0)
+    released = save(dense, root / "released", root / "tokenizer.json", {"mtp_num_hidden_layers": 1})
+    out = convert("from-hf", released, "--workdir", root / "released_run")
+    warned = [line for line in out.stderr.splitlines() if line.startswith("warning:") and "mtp.*" in line]
+    yield verdict("from-hf: MTP layer declared, no mtp.* tensors", out, expect_fail=False,
+                  wrong=out.returncode != 0 or len(warned) != 1, good_before=set(), work=None, warning=warned[:1])
+    out = convert("to-hf", root / "released_run", "--out", root / "released_back")
+    back = json.loads((root / "released_back" / "config.json").read_text()) if out.returncode == 0 else {}
+    kept = (back.get("max_position_embeddings"), back.get("rope_parameters", {}).get("mrope_section"))
+    yield verdict("to-hf: round trip of max_position_embeddings 262144 and mrope_section [4, 2, 2]", out,
+                  expect_fail=False, wrong=kept != (262_144, [4, 2, 2]), good_before=set(), work=None,
+                  written=list(kept))
+
+    # Item 9 (e): a tokenizer.json the tokenizers library cannot load.
+    broken = root / "broken_tokenizer"
+    shutil.copytree(released, broken)
+    (broken / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"}}')
+    out = convert("from-hf", broken, "--workdir", root / "broken_tokenizer_run")
+    yield verdict("from-hf: a tokenizer.json that does not load", out, expect_fail=True,
+                  wrong=out.returncode == 0 or str(broken / "tokenizer.json") not in out.stderr, good_before=set(),
+                  work=None)
+
+
+def cache_cases(b):
+    """Issue 57 item 8: a scanned hybrid's empty cache and its decoding copy no weights."""
+    import jax  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from gattn.config import (ExecConfig, GateSpec, LinearAttentionSpec, ModelConfig,  # noqa: PLC0415
+                              hybrid_layer_types)
+    from gattn.eval import decode  # noqa: PLC0415
+    from gattn.model.transformer import Transformer, with_exec  # noqa: PLC0415
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=8, q_heads=4, kv_heads=2, head_dim=8, d_ff=64,
+                      gate=GateSpec(), layer_types=hybrid_layer_types(8),
+                      linear_attention=LinearAttentionSpec(2, 4, 8, 8, 4))
+    loop = Transformer(cfg, ExecConfig(gdn_chunk=4), rngs=nnx.Rngs(0))
+    scanned = with_exec(loop, ExecConfig(gdn_chunk=4, scan_layers=True))
+    jaxpr = jax.make_jaxpr(lambda: scanned.init_cache(2, 16))()
+    made = sum(v.aval.size * v.aval.dtype.itemsize for e in jaxpr.eqns for v in e.outvars)
+    shapes = jax.tree.leaves(jax.eval_shape(lambda: scanned.init_cache(2, 16)))
+    cache = sum(a.size * a.dtype.itemsize for a in shapes)
+    yield {"case": "init_cache of a scanned 8-layer hybrid (2 groups of 3 GDN + 1 attention)", "exit": 0,
+           "expected_failure": False, "silent_wrong": bool(jaxpr.consts) or made > cache,
+           "good_checkpoints_lost": [], "one_line": True, "error": None, "weights_read": len(jaxpr.consts),
+           "bytes_made": made, "cache_bytes": cache}
+    prompts = [[5, 17, 3, 40, 2, 9], [12, 1, 44]]
+    states, step = [], decode._step
+    decode._step = lambda graphdef, state, *a: states.append(state) or step(graphdef, state, *a)
+    try:
+        got = decode.generate(scanned, prompts, max_new_tokens=3, max_len=16)
+    finally:
+        decode._step = step
+    stacked = any(p[:2] == ("blocks", "layers") for p, _ in nnx.to_flat_state(states[0]))
+    want = decode.generate(loop, prompts, max_new_tokens=3, max_len=16)
+    yield {"case": "generate on a scanned hybrid: the step reads per-layer weights, the loop's tokens", "exit": 0,
+           "expected_failure": False, "silent_wrong": stacked or got != want,
+           "good_checkpoints_lost": [], "one_line": True, "error": None, "step_slices_stacked_groups": stacked}
+
+
+SLOW_CORPUS = """
+import random, sys
+from pathlib import Path
+rng, folder = random.Random(0), Path(sys.argv[1])
+folder.mkdir(parents=True, exist_ok=True)
+for i in range(int(sys.argv[2])):  # random letters and spaces: many distinct words, a slow BPE
+    (folder / f"{i}.txt").write_text("".join(rng.choices("abcdefghij     \\n", k=50_000)))
+"""
+
+
+def liveness_cases(b: Bench):
+    """Issue 57 item 5: a live run keeps its lease, and process 0 of several stays alive, while
+    gattn trains a SentencePiece tokenizer (which holds the GIL throughout) for longer than the
+    stale window; a step of the wall clock stops no run."""
+    corpus = b.root / "slow_corpus"
+    subprocess.run([sys.executable, "-c", SLOW_CORPUS, str(corpus), "60"], check=True)  # ~8 s at 8000 pieces
+    # One host: a second train.py, started while the first trains its tokenizer, with a 2 s stale window.
+    work, env = b.root / "lease_tokenizer", {**os.environ, "GATTN_LOCK_STALE_SECONDS": "2"}
+    args = [sys.executable, str(ROOT / "train.py"), "--config", str(b.config), "--workdir", str(work), "--quiet",
+            "--steps", "2", f"--config.data.source={corpus}", "--config.model.vocab_size=8000"]
+    first = subprocess.Popen(args, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while first.poll() is None and not (work / "lock.json").exists():
+        time.sleep(0.1)
+    time.sleep(3)  # into the tokenizer's training, past the stale window
+    trained_before = any((work / "tokenizer").glob("*.model"))
+    second = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    still_training = not any((work / "tokenizer").glob("*.model"))
+    out = subprocess.CompletedProcess(first.args, first.wait(timeout=600), *first.communicate())
+    refused = second.returncode == 2 and f"pid {first.pid} has held it" in second.stderr
+    yield verdict("train: a second train.py while the first trains its tokenizer past the stale window", out,
+                  expect_fail=False, wrong=out.returncode != 0 or not refused, good_before=set(), work=work,
+                  second_exit=second.returncode, second_error=second.stderr.strip().splitlines()[-1:],
+                  second_started_during_training=not trained_before, refused_during_training=still_training)
+    # Two processes: process 0 trains the tokenizer for longer than GATTN_PEER_SECONDS.
+    port = launch.free_port()
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "programs" / "tokenizer_peer.py"), str(corpus),
+                               str(b.root / "peer_spm.model")], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**launch.worker_env(i, 2, 1, port),
+                                                           "GATTN_LOG_DIR": str(b.root / "peer_logs"),
+                                                           "GATTN_PEER_SECONDS": "4"}) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    trained = next((line.split()[2] for line in outs[0][0].splitlines() if line.startswith("trained in ")), None)
+    errors = [line for _, err in outs for line in err.splitlines() if "error" in line]
+    yield {"case": "2 processes: process 0 trains its tokenizer past GATTN_PEER_SECONDS=4", "exit":
+           max(p.returncode for p in procs), "expected_failure": False,
+           "silent_wrong": False, "good_checkpoints_lost": [], "one_line": len(errors) <= len(procs),
+           "error": errors[0][:200] if errors else None, "trained_s": trained}
+    # The wall clock steps 100 s forward under a run that holds its lease.
+    with lease.hold(b.root / "clock_step") as held:
+        real = time.time
+        try:
+            time.time = lambda: real() + 100
+            lease.check()
+            held.renew()
+            lease.check()
+            lost = None
+        except lease.LeaseLost as e:
+            lost = str(e)
+        finally:
+            time.time = real
+    yield {"case": "lease: the wall clock steps 100 s forward under a run that holds its lease",
+           "exit": 0 if lost is None else 1, "expected_failure": False,
+           "silent_wrong": False, "good_checkpoints_lost": [], "one_line": True, "error": lost}
+
+
 def warnings_before(err: str, scenario: str) -> int:
     """The warning lines a host printed for `scenario` (after the previous scenario's end line)."""
     count = 0
@@ -412,7 +768,8 @@ def good_of(work: Path) -> set[int]:
     return {6} if (work / "checkpoints" / "6").is_dir() else set()
 
 
-GROUPS = {"round1": cases, "trust": trust_cases}
+GROUPS = {"round1": cases, "trust": trust_cases, "round3": round3_cases, "labels": label_cases,
+          "convert": convert_cases, "cache": cache_cases, "liveness": liveness_cases}
 
 
 def main(argv=None):

@@ -179,7 +179,7 @@ def test_the_launcher_runs_a_module_as_its_docstring_says(monkeypatch):
     from gattn import launch
 
     seen = {}
-    monkeypatch.setattr(launch, "launch", lambda command, p, d, grace: seen.update(command=command, p=p, d=d) or 0)
+    monkeypatch.setattr(launch, "launch", lambda command, p, d, grace, stop_grace: seen.update(command=command, p=p, d=d) or 0)
     assert launch.main(["--processes", "2", "--local-devices=3", "-m", "gattn.lm_eval", "--tasks", "x"]) == 0
     assert seen == {"command": ["-m", "gattn.lm_eval", "--tasks", "x"], "p": 2, "d": 3}
     assert launch.main(["--processes", "1", "train.py", "--processes", "9"]) == 0

@@ -354,6 +354,18 @@ def test_roofline_terms_and_mfu():
     assert (gib["bound"], gib["mfu"]) == ("compute", 1.0)
 
 
+def test_the_step_model_counts_recompute_and_hbm_traffic():
+    """Issue 58: the compute term is what the compiled step runs (full remat: ~8 N per token where
+    the model needs 6 N), the HBM term its memory traffic; MFU stays the model's FLOPs over the
+    modelled step, so recompute lowers it."""
+    # v5p: 2765 GB/s of HBM. 6 N T = 459e12 FLOPs (1 s); counted 8/6 of that; 4147.5e9 bytes read/written.
+    r = traffic.roofline(459e12, {"ici": 0.0, "dcn": 0.0}, "v5p", counted_flops=459e12 * 8 / 6,
+                         hbm_bytes=2765e9 * 1.5)
+    assert (r["compute_s"], r["hbm_s"], r["step_s"], r["bound"]) == (1.3333, 1.5, 1.5, "hbm")
+    assert r["mfu"] == round(1 / 1.5, 4) and r["no_overlap_step_s"] == 2.8333 and r["compute_counts"] == "counted"
+    assert traffic.roofline(459e12, {"ici": 0.0, "dcn": 0.0}, "v5p")["compute_counts"] == "model"
+
+
 def test_fit_presets_takes_a_mesh_of_three_or_all_axes():
     path = Path(__file__).resolve().parents[1] / "bench" / "fit_presets.py"
     spec = importlib.util.spec_from_file_location("fit_presets", path)

@@ -24,8 +24,10 @@ program over several slices (`slice_of`, or the devices' `slice_index`), a group
 than one slice is DCN traffic, all of its bytes (simple and conservative: a hierarchical
 all-reduce would send only part of them across slices).
 
-`roofline` turns the count into a step-time bound: max(FLOPs at the chip's bf16 peak, ICI bytes at
-its ICI bandwidth, DCN bytes at its DCN bandwidth), the MFU that implies, and the no-overlap sum.
+`roofline` is the step model: max(FLOPs at the chip's bf16 peak, HBM bytes at its HBM bandwidth,
+ICI bytes at its ICI bandwidth, DCN bytes at its DCN bandwidth), the no-overlap sum, and MFU as
+the model's FLOPs over the modelled step; with `counted_flops` / `hbm_bytes` from
+gattn.experiments.flops the compute term is what the compiled step runs (recompute included).
 """
 
 from __future__ import annotations
@@ -57,14 +59,17 @@ _OPCODES = {k: k for k in KINDS} | {f"{k}-start": k for k in KINDS}  # -done / -
 CHIPS = {
     # cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16, 95 GiB HBM, "Interchip Interconnect BW 4800 Gbps"
     # (the newer table: "Bidirectional ICI bandwidth per chip 1200 GBps"), "DCN bandwidth per chip 50 Gbps".
-    "v5p": {"bf16_tflops": 459, "hbm_gib": 95, "ici_gbps": 4800, "dcn_gbps": 50},
+    # HBM: "HBM bandwidth 2765 GBps" (the same page), in GB/s (hbm_gbps is bytes, not bits).
+    "v5p": {"bf16_tflops": 459, "hbm_gib": 95, "hbm_gbps": 2765, "ici_gbps": 4800, "dcn_gbps": 50},
     # cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16, 16 GB HBM, ICI 1600 Gbps ("400 GBps bidirectional");
     # DCN: "Per-host NIC configuration 2 x 100 Gbps" for 8 chips a host (= 6.4 Tbps per 256-chip Pod): 25 Gbps.
-    "v5e": {"bf16_tflops": 197, "hbm_gib": 16, "ici_gbps": 1600, "dcn_gbps": 25},
+    # HBM: "HBM2 ... 819 GBps".
+    "v5e": {"bf16_tflops": 197, "hbm_gib": 16, "hbm_gbps": 819, "ici_gbps": 1600, "dcn_gbps": 25},
     # cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16, 32 GB HBM, "Bidirectional ICI bandwidth (per chip)
     # 800 GBps" (= 3200 Gbps one way; an older page said 3584 Gbps). DCN: not in the table read here;
     # ASSUMED 100 Gbps per chip (4 x 200 Gbps NICs for 8 chips a host); pass dcn_gbps= to roofline.
-    "v6e": {"bf16_tflops": 918, "hbm_gib": 32, "ici_gbps": 3200, "dcn_gbps": 100},
+    # HBM: "HBM bandwidth 1640 GBps".
+    "v6e": {"bf16_tflops": 918, "hbm_gib": 32, "hbm_gbps": 1640, "ici_gbps": 3200, "dcn_gbps": 100},
 }
 DEVICE_KINDS = {"TPU v5": "v5p", "TPU v5p": "v5p", "TPU v5 lite": "v5e", "TPU v5e": "v5e",
                 "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
@@ -298,21 +303,34 @@ def count(hlo_text: str | os.PathLike, devices=None, slice_of=None) -> dict:
             "unknown_trip_counts": b["unknown_trip_counts"]}
 
 
-def roofline(model_flops_per_chip: float, traffic: dict, chip: str, *, ici_gbps=None, dcn_gbps=None) -> dict:
-    """A step-time bound from FLOPs and network bytes per chip: each term at the chip's peak
-    (bf16 FLOPs, ICI and DCN bytes sent; CHIPS), the step = their max (perfect overlap: a lower
-    bound), the MFU it implies (FLOPs time / step), and the no-overlap sum with its MFU.
+def roofline(model_flops_per_chip: float, traffic: dict, chip: str, *, ici_gbps=None, dcn_gbps=None,
+             counted_flops=None, hbm_bytes=None) -> dict:
+    """The step model: a step-time bound from what each chip computes, reads and sends per step,
+    each term at the chip's peak (CHIPS): FLOPs at the bf16 peak, HBM bytes at the HBM bandwidth,
+    ICI and DCN bytes sent at theirs. The step is their max (perfect overlap: a lower bound), the
+    no-overlap sum beside it; MFU is the model's FLOPs (6 N T + attention, no recompute) at the
+    peak over the modelled step, so recomputation and memory traffic lower it.
+    `counted_flops`: the FLOPs the compiled step runs per chip (gattn.experiments.flops: every dot
+    and convolution, loop bodies times their trips, recompute included); without it the compute
+    term is the model's FLOPs, blind to rematerialisation. `hbm_bytes`: the bytes the step reads
+    and writes in HBM (the same counter); without it no memory term.
     `traffic`: `count`'s or `count_bytes`' dict; `chip`: "v5p" or a device_kind ("TPU v5")."""
     key = DEVICE_KINDS.get(chip, chip)
     spec = CHIPS[key]
     ici = traffic["ici_gib"] * GIB if "ici_gib" in traffic else traffic["ici"]
     dcn = traffic["dcn_gib"] * GIB if "dcn_gib" in traffic else traffic["dcn"]
-    terms = {"compute_s": model_flops_per_chip / (spec["bf16_tflops"] * 1e12),
-             "ici_s": ici / ((ici_gbps or spec["ici_gbps"]) * 1e9 / 8),
-             "dcn_s": dcn / ((dcn_gbps or spec["dcn_gbps"]) * 1e9 / 8)}
+    peak = spec["bf16_tflops"] * 1e12
+    flops = model_flops_per_chip if counted_flops is None else counted_flops
+    terms = {"compute_s": flops / peak}
+    if hbm_bytes is not None:
+        terms["hbm_s"] = hbm_bytes / (spec["hbm_gbps"] * 1e9)
+    terms.update({"ici_s": ici / ((ici_gbps or spec["ici_gbps"]) * 1e9 / 8),
+                  "dcn_s": dcn / ((dcn_gbps or spec["dcn_gbps"]) * 1e9 / 8)})
     step, serial = max(terms.values()), sum(terms.values())
+    model_s = model_flops_per_chip / peak
     return {"chip": key, **{k: round(v, 4) for k, v in terms.items()},
             "step_s": round(step, 4), "bound": max(terms, key=terms.get)[:-2],
-            "mfu": round(terms["compute_s"] / step, 4) if step else None,
+            "mfu": round(model_s / step, 4) if step else None,
             "no_overlap_step_s": round(serial, 4),
-            "no_overlap_mfu": round(terms["compute_s"] / serial, 4) if serial else None}
+            "no_overlap_mfu": round(model_s / serial, 4) if serial else None,
+            "compute_counts": "counted" if counted_flops is not None else "model"}
