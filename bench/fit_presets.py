@@ -12,8 +12,10 @@ cost_analysis: a scan's body counts once, so with scanned layers or microbatches
 bound; `model_tflops_per_chip` is the 6 N T + attention count), and compile seconds. The train
 step's network (`train.network`, gattn/experiments/traffic.py): the bytes each chip sends per step,
 counted from the compiled HLO with ring costs and loop trip counts, by collective and by the mesh
-axes it runs over, ICI and DCN apart; and `train.roofline`: the step time those bytes and the model
-FLOPs bound at the chip's peaks (FLOPs, ICI, DCN: their max, and the MFU it implies).
+axes it runs over, ICI and DCN apart; `train.hbm_gib_per_step`, the bytes the step reads and
+writes in HBM (the same counter); and `train.roofline`, the step model: the counted FLOPs at the
+bf16 peak, the HBM bytes at the HBM bandwidth, ICI and DCN bytes at theirs; the step is their
+max (the no-overlap sum beside it), MFU the model's FLOPs over that step.
 
 The eval step is `trainer.make_eval_step` under the mesh, on data.eval_batch_size rows padded to a
 multiple of the batch shards, data x fsdp x expert (as `trainer.validate` pads them). During
@@ -49,7 +51,7 @@ from jax.experimental import topologies
 
 from gattn import cli
 from gattn.config import ConfigError, MeshConfig
-from gattn.experiments import traffic
+from gattn.experiments import flops as flop_count, traffic
 from gattn.model import params as param_counts
 from gattn.model import sharding
 from gattn.train import trainer
@@ -163,6 +165,24 @@ def model_tflops(cfg, chips: int) -> float:
     return round((6 * n + attn) * tokens / chips / 1e12, 2)
 
 
+def implied_tflops(cfg, chips: int) -> float | None:
+    """The model's FLOPs plus the recompute its settings imply, per chip per step: `exec.remat`
+    `full` runs each block's forward again in the backward pass (2 x the blocks' activated
+    parameters x tokens, and causal attention's forward); `none` and `dots` (dots saved: only
+    element-wise work is recomputed) add no matmul FLOPs; the chunked loss (`exec.loss_chunk`)
+    recomputes each chunk's logits in the backward pass (2 x V x d per token). None for the named
+    policies (what they recompute depends on the activations they save)."""
+    m, t = cfg.model, cfg.train
+    if cfg.exec.remat not in ("none", "dots", "full"):
+        return None
+    tokens = t.batch_size * t.seq_len
+    extra = 2 * m.vocab_size * m.d_model * tokens if cfg.exec.loss_chunk else 0
+    if cfg.exec.remat == "full":
+        blocks = param_counts.activated_params(m) - m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+        extra += (2 * blocks + 2 * 2 * m.num_layers * m.q_heads * m.head_dim * t.seq_len / 2) * tokens
+    return round(model_tflops(cfg, chips) + extra / chips / 1e12, 2)
+
+
 def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_step: bool = True,
         slices: int = 1) -> dict:
     """Compiles the train step (and the eval step) of `cfg` at its global batch on `topology`
@@ -206,9 +226,21 @@ def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_st
         compile_s = round(time.perf_counter() - t0, 1)
         hlo = compiled.as_text()
         network = traffic.count(hlo, mesh)
+        counted = flop_count.count_flops(hlo)
+        mxu = sum(counted["by_kind"].get(k, 0) for k in ("dot", "convolution", "custom_call"))
         out["train"] = {**memory(compiled, kind), "compile_s": compile_s,
                         "ragged_all_to_all": hlo.count("ragged-all-to-all("), "network": network,
-                        "roofline": traffic.roofline(out["model_tflops_per_chip"] * 1e12, network, kind)
+                        # what the compiled step runs per chip, recompute included: the matrix
+                        # units' FLOPs (dots, convolutions, priced kernels) and the rest apart
+                        "counted_tflops_per_chip": round(mxu / 1e12, 2),
+                        "counted_other_tflops_per_chip": round((counted["flops"] - mxu) / 1e12, 2),
+                        "implied_tflops_per_chip": implied_tflops(cfg, len(devices)),
+                        "hbm_gib_per_step": round(counted["hbm_bytes"] / GIB, 1),
+                        "unknown_trip_counts": counted["unknown_trip_counts"],
+                        "unpriced_kernels": sorted({c["target"] for c in counted["custom_calls"]
+                                                    if c["priced_by"] == "unpriced" and c["runs"]}),
+                        "roofline": traffic.roofline(out["model_tflops_per_chip"] * 1e12, network, kind,
+                                                     counted_flops=mxu, hbm_bytes=counted["hbm_bytes"])
                         if traffic.DEVICE_KINDS.get(kind) else None}
         del compiled, hlo
     if eval_step:

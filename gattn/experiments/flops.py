@@ -38,7 +38,9 @@ operands and writes its output, except
                     which holds the operand and the result
     slices          dynamic-slice / slice / gather read and write the slice only (gather: plus
                     its indices); dynamic-update-slice and scatter touch the update only (in place)
-    fusions         a fusion operand used only by (dynamic-)slices / gathers reads those slices;
+    fusions         a fusion operand used only by (dynamic-)slices / gathers reads those slices,
+                    looking into nested fusions (a loop fusion that slices one layer out of a
+                    stacked [L, ...] operand reads that layer, not the stack);
                     one only updated in place (dynamic-update-slice) reads nothing; a root
                     dynamic-update-slice writes its update, not the whole buffer
     custom calls    the estimate's bytes_accessed when priced from one
@@ -71,6 +73,7 @@ _NO_DATA = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "w
             "call", "async-start", "after-all", "add-dependency", "opt-barrier", "partition-id",
             "replica-id", "domain"}
 _SLICES = {"dynamic-slice", "slice", "gather"}
+_ALLOCATIONS = {"AllocateBuffer"}  # TPU custom calls that only reserve a buffer
 _LAYOUT = re.compile(_ARRAY.pattern + r"(\{[^}]*\})?")
 
 
@@ -153,6 +156,29 @@ def _users(fused: Comp, name: str) -> list[tuple[Instr, int]]:
     return out
 
 
+def _read(comps: dict, fused: Comp, name: str, full: float, depth: int = 0) -> float:
+    """The bytes a fusion reads of its parameter `name` (`full` bytes): the slices its
+    (dynamic-)slices and gathers take, nothing where it is only updated in place, looking into
+    nested fusions (a loop fusion that slices one layer out of a stacked [L, ...] operand reads
+    that layer, not the stack); `full` for any other use."""
+    users = _users(fused, name)
+    if not users or depth > 8:
+        return full
+    total = 0.0
+    for user, k in users:
+        if user.opcode in _SLICES and k == 0:
+            total += shape_bytes(user.shape)
+        elif user.opcode == "dynamic-update-slice" and k == 0:
+            continue
+        elif user.opcode == "fusion" and comps.get((_attr(user.attrs, "calls") or "").lstrip("%")):
+            inner = comps[(_attr(user.attrs, "calls") or "").lstrip("%")]
+            inner_params = {int(p.operands[0]): p.name for p in inner.instrs.values() if p.opcode == "parameter"}
+            total += _read(comps, inner, inner_params.get(k, ""), full, depth + 1)
+        else:
+            return full
+    return min(full, total)
+
+
 def _fusion_bytes(comps: dict, comp: Comp, ins: Instr) -> float:
     fused = comps.get((_attr(ins.attrs, "calls") or "").lstrip("%"))
     if fused is None:
@@ -160,16 +186,15 @@ def _fusion_bytes(comps: dict, comp: Comp, ins: Instr) -> float:
     params = {int(p.operands[0]): p.name for p in fused.instrs.values() if p.opcode == "parameter"}
     total = 0.0
     for i, op in enumerate(ins.operands):
-        full, users = _hbm(_shape(comp, op)), _users(fused, params.get(i, ""))
-        if users and all(u.opcode in _SLICES and k == 0 for u, k in users):
-            total += min(full, sum(shape_bytes(u.shape) for u, _ in users)) if full else 0
-        elif not (users and all(u.opcode == "dynamic-update-slice" and k == 0 for u, k in users)):
-            total += full
+        full = _hbm(_shape(comp, op))
+        total += _read(comps, fused, params.get(i, ""), full) if full else 0
     root = fused.root
     roots = [_ref(fused, op) for op in root.operands] if root is not None and root.opcode == "tuple" else [root]
-    if all(r is not None and r.opcode == "dynamic-update-slice" for r in roots):
-        return total + sum(shape_bytes(_shape(fused, r.operands[1])) for r in roots) if _hbm(ins.shape) else total
-    return total + _hbm(ins.shape)
+    if any(r is None for r in roots) or not _hbm(ins.shape):
+        return total + _hbm(ins.shape)
+    # each output written: a dynamic-update-slice root its update (in place), any other its shape
+    return total + sum(shape_bytes(_shape(fused, r.operands[1])) if r.opcode == "dynamic-update-slice"
+                       else _hbm(r.shape) for r in roots)
 
 
 def _instr_bytes(comps: dict, comp: Comp, ins: Instr) -> float:
@@ -219,6 +244,8 @@ def _custom_call(comp: Comp, ins: Instr, formulas: dict, tally: _Tally):
     name = re.sub(r"\.\d+$", "", ins.name)  # a Pallas kernel's name (pallas_call(name=...))
     est, formula = _cost_estimate(ins.attrs), formulas.get(name, formulas.get(target))
     nbytes = sum(_hbm(_shape(comp, o)) for o in ins.operands) + _hbm(ins.shape)
+    if target in _ALLOCATIONS:  # reserves its output's memory; moves no data
+        nbytes = 0.0
     if est is not None:
         flops, nbytes, priced_by = est.get("flops", 0.0), est.get("bytes_accessed", nbytes), "cost_estimate"
         tally.transcendentals += est.get("transcendentals", 0.0)
