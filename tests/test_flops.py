@@ -259,3 +259,49 @@ def test_gattn_flash_kernels_carry_their_cost_estimates():
     # per chip 2 heads; causal 512 x 512 blocks: 3 of the 4 (query, key) block pairs computed;
     # the forward's 4 FLOPs per score per head dim (QK^T and PV)
     assert calls["gated_flash_fwd"]["flops"] == 4 * 2 * 3 * 512 * 512 * 128
+
+
+NESTED = """HloModule nested, num_partitions=1
+
+%inner_slice (s0: f32[7,64,32], s1: s32[]) -> f32[64,32] {
+  %s0 = f32[7,64,32]{2,1,0} parameter(0)
+  %s1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,64,32]{2,1,0} dynamic-slice(%s0, %s1, %z, %z), dynamic_slice_sizes={1,64,32}
+  ROOT %b = f32[64,32]{1,0} bitcast(%ds)
+}
+
+%outer (o0: f32[7,64,32], o1: s32[], o2: f32[32,32], o3: f32[7,64,32]) -> (f32[7,64,32], f32[64,32]) {
+  %o0 = f32[7,64,32]{2,1,0} parameter(0)
+  %o1 = s32[] parameter(1)
+  %o2 = f32[32,32]{1,0} parameter(2)
+  %o3 = f32[7,64,32]{2,1,0} parameter(3)
+  %x = f32[64,32]{1,0} fusion(%o0, %o1), kind=kLoop, calls=%inner_slice
+  %d = f32[64,32]{1,0} dot(%x, %o2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %z = s32[] constant(0)
+  %bc = f32[1,64,32]{2,1,0} bitcast(%d)
+  %u = f32[7,64,32]{2,1,0} dynamic-update-slice(%o3, %bc, %o1, %z, %z)
+  ROOT %t = (f32[7,64,32]{2,1,0}, f32[64,32]{1,0}) tuple(%u, %d)
+}
+
+ENTRY %main (a: f32[7,64,32], i: s32[], w: f32[32,32], buf: f32[7,64,32]) -> (f32[7,64,32], f32[64,32]) {
+  %a = f32[7,64,32]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %w = f32[32,32]{1,0} parameter(2)
+  %buf = f32[7,64,32]{2,1,0} parameter(3)
+  ROOT %f = (f32[7,64,32]{2,1,0}, f32[64,32]{1,0}) fusion(%a, %i, %w, %buf), kind=kOutput, calls=%outer
+}
+"""
+
+
+def test_a_layer_sliced_in_a_nested_fusion_and_a_tuple_roots_update_count_their_slices():
+    """What a scanned layer stack's backward pass does on TPU: a fusion slices one layer out of a
+    stacked [L, ...] activation through a nested loop fusion, and writes a tuple of an in-place
+    update of another stack and a plain output. Before: the whole stack was read (57,344 bytes)
+    and the whole tuple written (65,536): dense_1p7b's remat=none step counted 16,458 GiB of HBM
+    traffic per chip, 5,663 after."""
+    out = flops.count_flops(NESTED)
+    # reads: a's layer (8192), the index (4), w (4096), nothing of buf (updated in place);
+    # writes: the update (8192) and the dot's output (8192)
+    assert out["hbm_bytes"] == 8192 + 4 + 4096 + 8192 + 8192
+    assert out["by_kind"] == {"dot": 2 * 64 * 32 * 32}
