@@ -165,21 +165,39 @@ def model_tflops(cfg, chips: int) -> float:
     return round((6 * n + attn) * tokens / chips / 1e12, 2)
 
 
+def flash_pairs(cfg) -> int:
+    """The (query block, key block) pairs the causal Pallas kernel computes per head and row: the
+    blocks on the diagonal are computed whole (gattn/kernels/flash_blocks.py `cost`)."""
+    s, bq, bk = cfg.train.seq_len, cfg.exec.flash_block_q, cfg.exec.flash_block_k
+    nq, nk = -(-s // bq), -(-s // bk)
+    return sum(min((i * bq + bq - 1) // bk, nk - 1) + 1 for i in range(nq))
+
+
 def implied_tflops(cfg, chips: int) -> float | None:
-    """The model's FLOPs plus the recompute its settings imply, per chip per step: `exec.remat`
-    `full` runs each block's forward again in the backward pass (2 x the blocks' activated
-    parameters x tokens, and causal attention's forward); `none` and `dots` (dots saved: only
-    element-wise work is recomputed) add no matmul FLOPs; the chunked loss (`exec.loss_chunk`)
-    recomputes each chunk's logits in the backward pass (2 x V x d per token). None for the named
-    policies (what they recompute depends on the activations they save)."""
+    """The model's FLOPs plus the recompute its settings imply, per chip per step:
+    - `exec.remat` `full` runs each block's forward again in the backward pass (2 x the blocks'
+      activated parameters x tokens, and attention's forward); `none` and `dots` (dots saved:
+      only element-wise work is recomputed) add no matmul FLOPs;
+    - the chunked loss (`exec.loss_chunk`) recomputes each chunk's logits (2 x V x d per token);
+    - the Pallas flash kernel computes whole blocks on the causal diagonal and recomputes the
+      scores in both backward kernels: 4 (forward) + 6 (dq) + 8 (dkv) x d per score it computes,
+      where the model counts 12 x d per causal score.
+    None for the named policies (what they recompute depends on the activations they save)."""
     m, t = cfg.model, cfg.train
     if cfg.exec.remat not in ("none", "dots", "full"):
         return None
     tokens = t.batch_size * t.seq_len
-    extra = 2 * m.vocab_size * m.d_model * tokens if cfg.exec.loss_chunk else 0
+    per_row = m.num_layers * m.q_heads * m.head_dim  # x d per score, summed over layers and heads
+    ideal = t.seq_len * t.seq_len / 2  # the causal scores of one row of one head
+    scores = (flash_pairs(cfg) * cfg.exec.flash_block_q * cfg.exec.flash_block_k
+              if cfg.exec.attention_impl == "pallas" else ideal)
+    attn = (18 if cfg.exec.attention_impl == "pallas" else 12) * scores * per_row * t.batch_size
+    extra = attn - 12 * ideal * per_row * t.batch_size
+    if cfg.exec.loss_chunk:
+        extra += 2 * m.vocab_size * m.d_model * tokens
     if cfg.exec.remat == "full":
         blocks = param_counts.activated_params(m) - m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
-        extra += (2 * blocks + 2 * 2 * m.num_layers * m.q_heads * m.head_dim * t.seq_len / 2) * tokens
+        extra += 2 * blocks * tokens + 4 * scores * per_row * t.batch_size
     return round(model_tflops(cfg, chips) + extra / chips / 1e12, 2)
 
 
