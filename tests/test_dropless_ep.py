@@ -19,7 +19,8 @@ from gattn.model.dropless_ep import buffer_rows, emulated_ragged_all_to_all
 
 from conftest import tiny_model
 
-MESHES = ["1,4,2", "2,2,2", "1,8,1"]  # (data, expert, model)
+# (data, expert, model); 1,8,1,1 is (data, fsdp, expert, model): pure FSDP, the experts gathered
+MESHES = ["1,4,2", "2,2,2", "1,8,1", "1,8,1,1"]
 
 
 def test_dropless_expert_parallel_moe_equals_one_device():
@@ -52,6 +53,8 @@ def test_ragged_needs_a_dropless_moe_and_an_expert_axis():
         Config(model=capped, mesh=MeshConfig(1, 4, 2), exec=ExecConfig(moe_impl="ragged"))
     with pytest.raises(ConfigError, match="mesh.expert"):
         Config(model=dropless, mesh=MeshConfig(1, 3, 1), exec=ExecConfig(moe_impl="ragged"))
+    # expert 1 (pure FSDP, as MaxText runs its FSDP MoE configs): every expert on every device
+    Config(model=dropless, mesh=MeshConfig(1, 1, 1, fsdp=8), exec=ExecConfig(moe_impl="ragged"))
     with pytest.raises(ConfigError, match="moe_buffer"):
         ExecConfig(moe_impl="ragged", moe_buffer=0.5)
 

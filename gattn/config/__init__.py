@@ -95,10 +95,12 @@ class Config:
             if impl == "ragged" and (moe is None or moe.capacity_factor is not None):
                 raise ConfigError("exec.moe_impl", impl, "dropless expert parallelism needs a MoE model "
                                   "with model.moe.capacity_factor None; use 'all_to_all' with a capacity")
-            if self.mesh.expert < 2 or moe.num_experts % self.mesh.expert:
+            if (self.mesh.expert < 2 and not (impl == "ragged" and self.mesh.expert == 1)) or \
+                    moe.num_experts % max(self.mesh.expert, 1):
                 raise ConfigError("exec.moe_impl", impl, f"it splits the {moe.num_experts} experts over "
-                                  f"mesh.expert (now {self.mesh.expert}): set mesh.expert > 1 dividing them, "
-                                  "or exec.moe_impl='partitioned' (runs on any mesh)")
+                                  f"mesh.expert (now {self.mesh.expert}): set mesh.expert dividing them (> 1 for "
+                                  "all_to_all; 1 runs ragged with every expert on every device, gathered by "
+                                  "FSDP), or exec.moe_impl='partitioned' (runs on any mesh)")
 
 
 # --------------------------------------------------------------------------- dicts (config.json)

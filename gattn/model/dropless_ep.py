@@ -1,5 +1,9 @@
 """Dropless expert parallelism (exec.moe_impl = "ragged"): only the routed rows cross the mesh.
 
+With an expert axis of 1 (pure FSDP, as MaxText's FSDP MoE configs run) nothing is exchanged:
+every device gathers every expert's weights (their FSDP shards, as any weight) and runs its own
+tokens through them with the grouped matmul, dropless.
+
 Each device holds the tokens of its (data, expert) shard and the E / n experts of its expert
 shard (each expert's width split over `model`). Per device, with M = N_local * k routed rows:
 
@@ -73,14 +77,14 @@ def ragged_all_to_all(platform: str, *args, axis_name):
 
 
 def context_mesh(spec):
-    """The mesh set with `jax.set_mesh`, checked for this path: an expert axis > 1 dividing the
-    experts, and a dropless MoE."""
+    """The mesh set with `jax.set_mesh`, checked for this path: an expert axis dividing the
+    experts (1: every device holds every expert, gathered by FSDP; no exchange), and a dropless MoE."""
     mesh = jax.sharding.get_abstract_mesh()
     n = 0 if mesh.empty or "expert" not in mesh.axis_names else mesh.shape["expert"]
-    if n < 2 or spec.num_experts % n or spec.capacity_factor is not None:
+    if n < 1 or spec.num_experts % n or spec.capacity_factor is not None:
         raise ValueError(f"exec.moe_impl='ragged' runs under a mesh (jax.set_mesh) whose expert axis "
-                         f"(here {n or 'none'}) is > 1 and divides the {spec.num_experts} experts, for a "
-                         "dropless MoE (capacity_factor None); use exec.moe_impl='partitioned' otherwise")
+                         f"(here {n or 'none'}) divides the {spec.num_experts} experts, for a dropless MoE "
+                         "(capacity_factor None); use exec.moe_impl='partitioned' otherwise")
     return mesh
 
 
@@ -134,12 +138,29 @@ def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh, moe_buf
     batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)  # includes "expert"
     groups_per_shard = micro_groups_per_shard(spec, math.prod(mesh.shape[a] for a in batch))
     mlp_ok = model is not None and spec.expert_width % mesh.shape["model"] == 0
-    w13_spec = P("expert", None, "model" if mlp_ok else None)
-    w2_spec = P("expert", "model" if mlp_ok else None, None)
+    experts_over = "expert" if n_exp > 1 else None  # (a size-1 axis would make the output vary over it)
+    w13_spec = P(experts_over, None, "model" if mlp_ok else None)
+    w2_spec = P(experts_over, "model" if mlp_ok else None, None)
     dot = grouped_dot(grouped_matmul, platform)
     megablox = grouped_matmul == "megablox"
 
+    def local(x, router, w1, w3, w2):  # expert axis 1: every expert here, nothing exchanged
+        logits = router_logits(x, router)
+        weights, experts, probs = route(logits, spec)
+        rows_MxD, order, sizes_E = permute(x.astype(dtype), experts, spec.num_experts)
+        m = rows_MxD.shape[0]
+        b = padded_rows(m) if megablox else m
+        y_BxD = grouped_swiglu(act, dtype, jnp.pad(rows_MxD, ((0, b - m), (0, 0))), w1, w3, w2, sizes_E, dot)
+        if mlp_ok:
+            y_BxD = jax.lax.psum(y_BxD, "model")
+        out = unpermute(y_BxD[:m], order, weights)
+        dropped = m - jnp.sum(sizes_E)  # 0: every routed row has its expert here (varying, as psum wants)
+        return out, shard_aux(spec, logits, probs, experts, sizes_E, dropped, batch,
+                              groups_per_shard)
+
     def body(x, router, w1, w3, w2):
+        if n_exp == 1:
+            return local(x, router, w1, w3, w2)
         e = spec.num_experts
         logits = router_logits(x, router)
         weights, experts, probs = route(logits, spec)

@@ -8,7 +8,9 @@ overflow exactly (on the first mesh). On CPU the ragged_all_to_all is the emulat
 none); the real collective is checked by the TPU AOT compiles (tests/test_dropless_ep.py,
 tests/test_aot.py).
 
-    python -m multidevice.dropless_ep_step [--meshes 1,4,2 2,2,2 1,8,1] [--grouped-matmul megablox]
+    python -m multidevice.dropless_ep_step [--meshes 1,4,2 2,2,2 1,8,1 1,8,1,1] [--grouped-matmul megablox]
+
+(a 4-number mesh is data, fsdp, expert, model: 1,8,1,1 is pure FSDP, the experts gathered.)
 
 With --grouped-matmul megablox the local experts run the megablox kernel (interpret mode on CPU)
 in a shard_map without check_vma, and the same equalities must hold.
@@ -102,8 +104,12 @@ def main(argv=None):
     step = step_fn(cfg, graph(cfg, ragged))
     skewed_moe = nnx.merge(graphdef, cases["skewed"]).blocks[0].ffn
     for mesh_shape in meshes:
-        Config(model=cfg, mesh=MeshConfig(*mesh_shape), exec=ragged)  # a valid run config
-        mesh = sharding.make_mesh(MeshConfig(*mesh_shape))
+        # (data, expert, model), or (data, fsdp, expert, model): expert 1 is pure FSDP, every
+        # expert on every device (gathered), nothing exchanged
+        mesh_cfg = (MeshConfig(*mesh_shape) if len(mesh_shape) == 3 else
+                    MeshConfig(**dict(zip(("data", "fsdp", "expert", "model"), mesh_shape))))
+        Config(model=cfg, mesh=mesh_cfg, exec=ragged)  # a valid run config
+        mesh = sharding.make_mesh(mesh_cfg)
         t = jax.device_put(tokens, sharding.batch_sharding(mesh))
         with jax.set_mesh(mesh):
             for name, p in cases.items():
