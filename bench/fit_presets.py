@@ -86,6 +86,13 @@ ROWS = {
         ("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=8", "exec.accumulate=sharded")),
         *[("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), (f"train.microbatches={m}", "exec.accumulate=gathered"))
           for m in (2, 4, 8, 16)],  # (16: as configured)
+        # rematerialisation and the loss chunk as a fit dimension (issue 58; the step model's clock
+        # is the counted FLOPs): as configured is remat none with the loss in one piece
+        *[("dense_1p7b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=16", "exec.accumulate=gathered",
+                                                      f"exec.remat={r}", f"exec.loss_chunk={c}", *blocks))
+          for r, c, blocks in (("full", 512, ()), ("full", 512, ("exec.flash_block_q=256", "exec.flash_block_k=256")),
+                               ("none", 512, ()), ("dots", 0, ()), ("none", 0, ()),
+                               ("none", 0, ("exec.flash_block_q=256", "exec.flash_block_k=256")))],
         ("dense_1p7b", "v5p:4x4x2", (1, 16, 1, 2), ("train.microbatches=1", "exec.accumulate=sharded")),
         ("dense_1p7b", "v5p:4x4x2", (1, 8, 1, 4), ("train.microbatches=1", "exec.accumulate=sharded")),
         # moe_15a2b: expert parallelism with model 4 as before FSDP, then FSDP x expert

@@ -17,11 +17,13 @@ trainer's train and eval steps compiled by libtpu at the real batch of 1024 x 40
 as configured, on a v5p-64 slice (v5p:4x4x2, 32 chips; mesh fsdp 32: parameters, gradients and
 AdamW moments sharded over every chip) with the batch in 16 microbatches of 2 rows per chip,
 exec.accumulate="gathered" (the weights gathered once per step, each chip's float32 gradient sums
-reduced once after the microbatches) and exec.loss_chunk=512, the train step takes 25.6 GiB per
-chip of 95 by memory_analysis (XLA's heap peak: 18.1) and sends 15.5 GiB per chip over ICI,
-whatever the microbatch count (before FSDP, on data 8 x model 4: 35.6 GiB and 441 GiB; in one pass,
+reduced once after the microbatches), no rematerialisation (exec.remat="none") and the loss in one
+piece (exec.loss_chunk=0), the train step takes 64.9 GiB per chip of 95 by memory_analysis (XLA's
+heap peak: 52.6), runs 1,711 TFLOPs per chip per step (counted from its HLO: 3.73 s at the bf16
+peak, the step model's bound; with full remat and the chunked loss, as before: 2,139 TFLOPs,
+4.66 s, at 25.6 GiB) and sends 15.5 GiB per chip over ICI, whatever the microbatch count (before FSDP, on data 8 x model 4: 35.6 GiB and 441 GiB; in one pass,
 --config.train.microbatches=1 --config.exec.accumulate=sharded: 40.9 GiB, heap peak 27.55, and
-11.7 GiB sent); the eval step with the resident AdamW moments, 1.5 GiB. The smallest slices measured to fit, before FSDP: 4 chips, on v5e:2x2
+11.7 GiB sent); the eval step with the resident AdamW moments, 7.8 GiB. The smallest slices measured to fit, before FSDP: 4 chips, on v5e:2x2
 (v5litepod-4, 16 GiB each) with --config.train.microbatches=256 (4 rows per microbatch), 13.0 GiB
 train / 2.8 GiB eval (6.0 with the moments), or on v5p:2x2x1 (v5p-8) with microbatches=32, 35.9
 GiB train / 2.9 GiB eval.
@@ -50,8 +52,11 @@ def get_config() -> Config:
     # docstring's fit; bench/fit_presets.py measured it, docs/presets.md.
     train = TrainConfig(batch_size=1024, seq_len=4096, steps=100_000, lr_preset="dense_400b",
                         grad_clip=0.0, eval_every=2000, checkpoint_every=1000, log_every=50, microbatches=16)
+    # No rematerialisation and the loss in one piece (issue 58's step model): the step runs the
+    # model's FLOPs once, 3.73 s modelled against 4.66 s with full remat and the chunked loss
+    # (both compute-bound), at 64.9 GiB per chip; docs/presets.md "Rematerialisation".
     return Config(model=model(), train=train, mesh=MeshConfig(data=1, fsdp=-1),
-                  exec=dataclasses.replace(TPU, accumulate="gathered"))
+                  exec=dataclasses.replace(TPU, accumulate="gathered", remat="none", loss_chunk=0))
 
 
 _QWEN = "ours: Qwen3-1.7B's shape (the paper gives only '1.7B' and 28 layers; Sec. 3.2.2 follows Qwen)"

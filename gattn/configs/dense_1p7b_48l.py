@@ -27,7 +27,8 @@ def get_config() -> Config:
     # the batch in one pass, as measured (docs/presets.md); dense_1p7b's 16 gathered microbatches
     # would hold less and send more (not measured at 48 layers)
     return Config(model=_base.model(num_layers=48, d_ff=2720), train=dataclasses.replace(cfg.train, microbatches=1),
-                  mesh=cfg.mesh, exec=dataclasses.replace(cfg.exec, accumulate="sharded"))
+                  mesh=cfg.mesh, exec=dataclasses.replace(cfg.exec, accumulate="sharded", remat="full",
+                                                          loss_chunk=512))  # as measured (not refit)
 
 
 PROVENANCE = {

@@ -45,7 +45,8 @@ def get_config():
                                 learning_rate=1e-4, min_learning_rate=1e-5, warmup_steps=500,
                                 eval_every=1000, checkpoint_every=500, microbatches=1)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_base=1_000_000.0), train=train,
-                               exec=dataclasses.replace(cfg.exec, loss_chunk=1024, accumulate="sharded"))
+                               exec=dataclasses.replace(cfg.exec, loss_chunk=1024, accumulate="sharded",
+                                                        remat="full"))
 
 
 _spec = importlib.util.spec_from_file_location(CONTINUES, Path(__file__).with_name(f"{CONTINUES}.py"))
