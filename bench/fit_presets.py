@@ -96,12 +96,15 @@ ROWS = {
         ("dense_1p7b", "v5p:4x4x2", (1, 16, 1, 2), ("train.microbatches=1", "exec.accumulate=sharded")),
         ("dense_1p7b", "v5p:4x4x2", (1, 8, 1, 4), ("train.microbatches=1", "exec.accumulate=sharded")),
         # moe_15a2b: expert parallelism with model 4 as before FSDP, then FSDP x expert
-        ("moe_15a2b", "v5p:4x4x2", (1, 1, 8, 4), ("train.microbatches=8",)),
-        ("moe_15a2b", "v5p:4x4x2", (1, 8, 4, 1), ("train.microbatches=8",)),
-        ("moe_15a2b", "v5p:4x4x2", (1, 2, 16, 1), ("train.microbatches=8",)),
-        ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=8",)),
-        ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=4",)),
-        ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=2",)),
+        ("moe_15a2b", "v5p:4x4x2", (1, 1, 8, 4), ("train.microbatches=8", "exec.moe_buffer=1.25")),
+        ("moe_15a2b", "v5p:4x4x2", (1, 8, 4, 1), ("train.microbatches=8", "exec.moe_buffer=1.25")),
+        ("moe_15a2b", "v5p:4x4x2", (1, 2, 16, 1), ("train.microbatches=8", "exec.moe_buffer=1.25")),
+        ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=8", "exec.moe_buffer=1.25")),
+        ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=4", "exec.moe_buffer=1.25")),
+        ("moe_15a2b", "v5p:4x4x2", (1, 4, 8, 1), ("train.microbatches=2", "exec.moe_buffer=1.25")),
+        # pure FSDP (issue 58): the experts gathered, nothing exchanged (as configured: 1 microbatch)
+        ("moe_15a2b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=2",)),
+        ("moe_15a2b", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=1",)),
         # qwen3_next_80b on v5p-128, scanned layers (as configured: 1, 2, 32, 1 with 8)
         *[("qwen3_next_80b", "v5p:4x4x4", mesh, (f"train.microbatches={m}",))
           for mesh, m in (((1, 4, 16, 1), 8), ((1, 4, 16, 1), 4), ((1, 8, 8, 1), 8), ((1, 2, 32, 1), 8),
@@ -109,7 +112,7 @@ ROWS = {
     ],
     "smallest": [
         ("dense_1p7b", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=32",)),
-        ("moe_15a2b", "v5p:2x2x2", (1, 2, 4), ("train.microbatches=32",)),
+        ("moe_15a2b", "v5p:2x2x2", (1, 2, 4), ("train.microbatches=32", "exec.moe_buffer=1.25")),
         ("extend_1p7b_32k", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=16",)),
         ("dense_1p7b_48l", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=32",)),
         ("dense_1p7b", "v5e:2x2", (1, 1, 4), ("train.microbatches=256",)),

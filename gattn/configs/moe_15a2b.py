@@ -18,13 +18,15 @@ bf16 compute, scanned and rematerialised layers, the fused Pallas attention: a T
 
 Which slice it fits (`python bench/fit_presets.py --preset moe_15a2b --topology v5p:4x4x2`: the
 trainer's train and eval steps compiled by libtpu at the real batch of 1024 x 4096, docs/presets.md):
-a v5p-64 slice (v5p:4x4x2, 32 chips) with the experts split 8 ways (mesh.expert=8) and every
-weight's model dimension over fsdp=4 (FSDP: parameters, gradients and AdamW moments sharded),
-dropless ragged expert parallelism with megablox and moe_buffer=1.25, train.microbatches=2 and
-exec.loss_chunk=512: the mesh and microbatches with the shortest roofline step within HBM, then
-the fewest bytes sent, of those bench/fit_presets.py tried (docs/presets.md, 'How moe_15a2b's mesh
-was chosen'). With microbatches the global-batch load-balancing loss counts expert loads over each
-microbatch (512 rows, 2.1M tokens), not the whole batch of 1024 rows.
+a v5p-64 slice (v5p:4x4x2, 32 chips) on pure FSDP (mesh fsdp 32, expert 1: every weight, the
+experts' included, sharded over every chip and gathered layer by layer, as MaxText's FSDP configs
+run a MoE), the dropless MoE with megablox on each chip's own tokens (exec.moe_impl="ragged" with
+no expert axis: nothing exchanged), the batch in one pass and exec.loss_chunk=512: 73.6 GiB per
+chip, 104 GiB sent per chip per step (before, on fsdp 4 x expert 8 in 2 microbatches: 53.6 GiB and
+606 GiB sent), and the shortest modelled step of those bench/fit_presets.py tried (issue 58's step
+model: counted FLOPs, HBM bytes and network; docs/presets.md, 'How moe_15a2b's mesh was chosen').
+In one pass the global-batch load-balancing loss counts expert loads over the whole batch of
+1024 rows, as the paper's global-batch LBL does.
 """
 
 from gattn.config import Config, ExecConfig, MeshConfig, ModelConfig, MoESpec, TrainConfig
@@ -36,18 +38,17 @@ def get_config() -> Config:
                         moe=MoESpec(num_experts=128, top_k=8, expert_width=704, lbl_coef=1e-3,
                                     lbl_scope="global", z_loss_coef=1e-3),
                         param_dtype="float32")
-    # Dropless expert parallelism (only the routed rows cross the expert axis) with jax's Pallas
-    # grouped matmul, buffers of 1.25x the routed rows (rows past them are dropped and counted in
-    # moe/dropped): 1.0x the FLOPs of capacity routing on v5p (docs/moe-and-mesh.md), where the
-    # partitioned path costs 17-33x.
+    # The dropless MoE with jax's Pallas grouped matmul (megablox): 1.0x the FLOPs of capacity
+    # routing on v5p (docs/moe-and-mesh.md), where the partitioned path costs 17-33x. On pure FSDP
+    # (expert axis 1) the ragged path exchanges nothing: each chip runs its own routed rows through
+    # every expert (gathered), dropless; moe_buffer has nothing to bound.
     tpu = ExecConfig(dtype="bfloat16", scan_layers=True, remat="full", attention_impl="pallas",
-                     moe_impl="ragged", grouped_matmul="megablox", moe_buffer=1.25,
-                     loss_chunk=512)
-    # microbatches=2: 16 rows per chip each on 32 v5p chips (the docstring's fit); the global-batch
-    # LBL then counts expert loads over each microbatch's 512 rows (2.1M tokens).
+                     moe_impl="ragged", grouped_matmul="megablox", loss_chunk=512)
+    # The batch in one pass: 32 rows per chip on 32 v5p chips (the docstring's fit); the
+    # global-batch LBL counts expert loads over all 1024 rows.
     train = TrainConfig(batch_size=1024, seq_len=4096, steps=100_000, lr_preset="moe_15a2b",
-                        grad_clip=0.0, eval_every=2000, checkpoint_every=1000, log_every=50, microbatches=2)
-    return Config(model=model, train=train, mesh=MeshConfig(data=-1, fsdp=4, expert=8), exec=tpu)
+                        grad_clip=0.0, eval_every=2000, checkpoint_every=1000, log_every=50, microbatches=1)
+    return Config(model=model, train=train, mesh=MeshConfig(data=1, fsdp=-1, expert=1), exec=tpu)
 
 
 _FIT = "ours: fitted so the model has 15.0B parameters, 2.54B activated (the paper prints neither)"
@@ -84,10 +85,9 @@ PROVENANCE = {
     "train.learning_rate": "Sec. 3.2.1 (max LR 2e-3), through train.lr_preset",
     "train.min_learning_rate": "Sec. 3.2.1 (cosine to 3e-5), through train.lr_preset",
     "train.warmup_steps": "Sec. 3.2.1 (1k steps), through train.lr_preset",
-    "train.microbatches": "ours: execution; the batch of 1024 accumulated in 2 microbatches on 32 v5p chips, "
-                          "the fewest bytes sent within HBM (docs/presets.md, 'How moe_15a2b's mesh was "
-                          "chosen'); the same update, except that the global-batch LBL counts loads per "
-                          "microbatch (512 rows)",
+    "train.microbatches": "ours: execution; the batch of 1024 in one pass on pure FSDP over 32 v5p chips, "
+                          "the shortest modelled step within HBM (docs/presets.md, 'How moe_15a2b's mesh "
+                          "was chosen'); the global-batch LBL counts loads over all 1024 rows",
     "train.grad_clip": "Sec. 3.1 ('other hyperparameters follow the default values of the AdamW "
                        "optimizer'): no clipping; --config.train.grad_clip=1.0 clips at 1.0, "
                        "the small presets' default",
