@@ -95,6 +95,12 @@ ROWS = {
                                ("none", 0, ("exec.flash_block_q=256", "exec.flash_block_k=256")))],
         ("dense_1p7b", "v5p:4x4x2", (1, 16, 1, 2), ("train.microbatches=1", "exec.accumulate=sharded")),
         ("dense_1p7b", "v5p:4x4x2", (1, 8, 1, 4), ("train.microbatches=1", "exec.accumulate=sharded")),
+        # dense_1p7b_48l and extend_1p7b_32k by the step model (issue 58; 48l as configured: none, 0)
+        *[("dense_1p7b_48l", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=16", "exec.accumulate=gathered",
+                                                          f"exec.remat={r}", "exec.loss_chunk=0")) for r in ("none", "dots")],
+        ("dense_1p7b_48l", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=1", "exec.accumulate=sharded",
+                                                       "exec.remat=full", "exec.loss_chunk=512")),  # before
+        ("extend_1p7b_32k", "v5p:4x4x2", (1, 32, 1, 1), ("exec.remat=none",)),  # does not fit: 270 GiB
         # moe_15a2b: expert parallelism with model 4 as before FSDP, then FSDP x expert
         ("moe_15a2b", "v5p:4x4x2", (1, 1, 8, 4), ("train.microbatches=8", "exec.moe_buffer=1.25")),
         ("moe_15a2b", "v5p:4x4x2", (1, 8, 4, 1), ("train.microbatches=8", "exec.moe_buffer=1.25")),
