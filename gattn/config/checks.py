@@ -16,7 +16,9 @@ SDPA_NONLINEARITIES = ("none", "rmsnorm", "silu")
 SWITCH_TARGETS = ("v", "kv")
 FFN_ACTIVATIONS = ("silu", "gelu", "relu")
 DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# exec.remat (gattn/model/transformer.py builds them; docs/performance.md, "Rematerialisation")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "qkv_proj", "save_attn_out", "minimal",
+                  "qkv_proj_offloaded", "minimal_offloaded")
 # plain jnp reference / fused Pallas flash kernel (TPU) / its GPU (Triton) twin / cuDNN + gate /
 # per backend (gattn/kernels/__init__.py, docs/gpu.md)
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_gpu", "cudnn", "auto")

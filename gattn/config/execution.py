@@ -20,8 +20,16 @@ class ExecConfig:
                       of a Python loop; a hybrid scans over groups of its repeating layer pattern
                       (model.layer_period layers each); checkpoints convert between the layouts
                       on restore.
-    remat:            rematerialisation of each block in the backward pass: none, full, dots,
-                      dots_no_batch (which intermediates are saved).
+    remat:            what each block's forward pass keeps for the backward pass; the rest is
+                      recomputed there (docs/performance.md, "Rematerialisation"). none:
+                      everything; full: only the block's input; dots / dots_no_batch: every
+                      matmul's output (with or without batch dimensions); named activations
+                      (MaxText's remat_policy, gattn/model/transformer.py SAVED_NAMES):
+                      qkv_proj: the q, k, v and gate projections; save_attn_out: the attention's
+                      output and the projections' inputs (attn_in, attn_out, out_proj, mlp_in);
+                      minimal: all but the SDPA's internals and the FFN's hidden (qkv_proj +
+                      attn_out, out_proj, mlp_in, mlpwo); qkv_proj_offloaded, minimal_offloaded:
+                      the same saved in the host's pinned memory instead of HBM.
     attention_impl:   xla (the plain jnp reference) or pallas (the fused flash kernel with the gate;
                       compiled by Mosaic on TPU, interpret mode elsewhere, ~100x slower);
                       pallas_gpu (the fused kernel for GPUs, Triton; interpret mode elsewhere);

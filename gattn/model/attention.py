@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from gattn import kernels
 from gattn.config import ExecConfig, ModelConfig
@@ -103,6 +104,8 @@ class Attention(nnx.Module):
             v = self.v_experts(x_NxD, weights)
             k = (self.k_experts(x_NxD, weights) if cfg.switch_heads.targets == "kv"
                   else dense(x_NxD, self.wk, self.dtype).reshape(n, hk, hd))
+        # (names for exec.remat's policies: gattn/model/transformer.py, SAVED_NAMES)
+        q, k, v = (checkpoint_name(t, name) for t, name in ((q, "query_proj"), (k, "key_proj"), (v, "value_proj")))
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.norm_eps, cfg.zero_centered_norm)
             k = rms_norm(k, self.k_norm[...], cfg.norm_eps, cfg.zero_centered_norm)
@@ -124,7 +127,7 @@ class Attention(nnx.Module):
                               cfg.norm_eps)
         if sdpa_gate:
             y = self._gate_at("sdpa", y, x_NxD, capture)
-        o_NxD = self._project(y.reshape(n, -1), "o")
+        o_NxD = checkpoint_name(self._project(checkpoint_name(y.reshape(n, -1), "attn_out"), "o"), "out_proj")
         return self._gate_at("dense", o_NxD[:, None, :], x_NxD, capture)[:, 0, :]
 
     def __call__(self, x_NxD, positions_N, segment_ids_BxS, batch: tuple[int, int],

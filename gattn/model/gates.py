@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from gattn.config import ExecConfig, GateSpec, ModelConfig
 from gattn.model.capture import NOTHING, Capture
@@ -63,7 +64,7 @@ class Gate(nnx.Module):
             z = dense(x_NxD, self.w, self.dtype)
             if hasattr(self, "b"):
                 z = z + self.b[...].astype(self.dtype)
-            return z.reshape(-1, self.heads, self.width)
+            return checkpoint_name(z, "gate_proj").reshape(-1, self.heads, self.width)
         return self.theta[...][None]
 
     def scores(self, x_NxD: jax.Array) -> jax.Array:

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from gattn.config import ConfigError
 from gattn.model.layers import dense, param, rms_norm
@@ -340,10 +341,12 @@ class GatedDeltaNet(nnx.Module):
         x_NxD = x_BxSxD.reshape(b * s, -1)
         state = self.init_state(b) if state is None else state
 
-        def project(w, out_dtype=None):
-            return dense(x_NxD, w, self.dtype, out_dtype).reshape(b, s, -1)
+        def project(w, out_dtype=None, name=None):  # (names: exec.remat's, gattn/model/transformer.py)
+            y = dense(x_NxD, w, self.dtype, out_dtype).reshape(b, s, -1)
+            return y if name is None else checkpoint_name(y, name)
 
-        qkv_BxSxM = jnp.concatenate([project(self.wq), project(self.wk), project(self.wv)], axis=-1)
+        qkv_BxSxM = jnp.concatenate([project(self.wq, name="query_proj"), project(self.wk, name="key_proj"),
+                                     project(self.wv, name="value_proj")], axis=-1)
         w_WxM = jnp.concatenate([self.conv_q[...], self.conv_k[...], self.conv_v[...]], axis=-1)
         qkv_BxSxM, conv_state = causal_conv1d(qkv_BxSxM, w_WxM, segment_ids_BxS, state.conv_BxW1xM)
         q, k, v = jnp.split(qkv_BxSxM, [g * dk, 2 * g * dk], axis=-1)
@@ -356,9 +359,10 @@ class GatedDeltaNet(nnx.Module):
                                     resets_BxS, state.recurrent_BxHxKxV)
         if segment_ids_BxS is not None:  # padding outputs zero (the gated norm and W_O keep it so)
             o_BxSxHxV = jnp.where((segment_ids_BxS != 0)[..., None, None], o_BxSxHxV, 0.0)
-        z_BxSxHxV = project(self.wz, jnp.float32).reshape(b, s, h, dv)
+        z_BxSxHxV = project(self.wz, jnp.float32, "gate_proj").reshape(b, s, h, dv)
         y_BxSxHxV = rms_norm(o_BxSxHxV, self.norm[...], spec.norm_eps) * jax.nn.silu(z_BxSxHxV)
-        y_NxD = dense(y_BxSxHxV.reshape(b * s, h * dv), self.wo, self.dtype)
+        y_NxD = checkpoint_name(dense(checkpoint_name(y_BxSxHxV.reshape(b * s, h * dv), "attn_out"), self.wo,
+                                      self.dtype), "out_proj")
         return y_NxD.reshape(b, s, -1), GDNState(conv_state, recurrent)
 
 

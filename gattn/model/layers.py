@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from gattn.config import ExecConfig, ModelConfig, YarnSpec
 
@@ -138,7 +139,8 @@ FFN_ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu
 
 
 class SwiGLU(nnx.Module):
-    """out = (act(x W1) * (x W3)) W2 (Shazeer 2020), the FFN of Qwen-style models."""
+    """out = (act(x W1) * (x W3)) W2 (Shazeer 2020), the FFN of Qwen-style models. x W1, x W3 and
+    the output are named mlpwi_0, mlpwi_1 and mlpwo for exec.remat's policies."""
 
     def __init__(self, cfg: ModelConfig, d_ff: int, ex: ExecConfig = ExecConfig(), *, rngs: nnx.Rngs):
         pd, std = DTYPES[cfg.param_dtype], cfg.init_std
@@ -149,5 +151,6 @@ class SwiGLU(nnx.Module):
         self.dtype = DTYPES[ex.dtype]
 
     def __call__(self, x_NxD):
-        h_NxF = self.act(dense(x_NxD, self.w1, self.dtype)) * dense(x_NxD, self.w3, self.dtype)
-        return dense(h_NxF, self.w2, self.dtype)
+        h_NxF = (self.act(checkpoint_name(dense(x_NxD, self.w1, self.dtype), "mlpwi_0"))
+                 * checkpoint_name(dense(x_NxD, self.w3, self.dtype), "mlpwi_1"))
+        return checkpoint_name(dense(h_NxF, self.w2, self.dtype), "mlpwo")

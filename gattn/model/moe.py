@@ -35,6 +35,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from gattn.config import ExecConfig, ModelConfig
 from gattn.model import dropless_ep, expert_parallel
@@ -74,11 +75,12 @@ class MoE(nnx.Module):
         return {"router": self.router[...], "w1": self._w(self.w1), "w3": self._w(self.w3), "w2": self._w(self.w2)}
 
     def experts(self, rows_MxD: jax.Array, sizes_E: jax.Array) -> jax.Array:
-        """Each expert's SwiGLU on its contiguous block of rows (grouped matmul, dropless)."""
+        """Each expert's SwiGLU on its contiguous block of rows (grouped matmul, dropless); named
+        as the dense FFN's (mlpwi_0, mlpwi_1, mlpwo) for exec.remat's policies."""
         x = rows_MxD.astype(self.dtype)
-        h = (self.act(jax.lax.ragged_dot(x, self._w(self.w1), sizes_E))
-             * jax.lax.ragged_dot(x, self._w(self.w3), sizes_E))
-        return jax.lax.ragged_dot(h.astype(self.dtype), self._w(self.w2), sizes_E)
+        h = (self.act(checkpoint_name(jax.lax.ragged_dot(x, self._w(self.w1), sizes_E), "mlpwi_0"))
+             * checkpoint_name(jax.lax.ragged_dot(x, self._w(self.w3), sizes_E), "mlpwi_1"))
+        return checkpoint_name(jax.lax.ragged_dot(h.astype(self.dtype), self._w(self.w2), sizes_E), "mlpwo")
 
     def experts_with_capacity(self, rows_MxD, sizes_E, expert_of_row_M, cap: int):
         """Each expert's first `cap` rows in an [E, cap, D] buffer and one batched matmul per
@@ -88,7 +90,7 @@ class MoE(nnx.Module):
         buf, slot, keep = dispatch(rows_MxD, sizes_E, expert_of_row_M, cap, self.dtype)
         out = batched_swiglu(self.act, self.dtype, buf.reshape(e, cap, -1), self._w(self.w1),
                              self._w(self.w3), self._w(self.w2))
-        return combine(out.reshape(e * cap, -1), slot, keep), keep
+        return combine(checkpoint_name(out.reshape(e * cap, -1), "mlpwo"), slot, keep), keep
 
     def __call__(self, x_NxD: jax.Array, num_rows: int | None = None, *, decoding: bool = False):
         """(out [N, D], aux {lbl, z_loss, load [E], dropped}) of the N = num_rows * S tokens of

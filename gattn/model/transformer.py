@@ -22,6 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from gattn.config import ExecConfig, ModelConfig
 from gattn.model.attention import Attention
@@ -32,10 +33,40 @@ from gattn.model.layers import DTYPES, RMSNorm, SwiGLU, dense, param
 from gattn.model.moe import MoE
 from gattn.model.mtp import MTP
 
+# The activations a block names (jax.ad_checkpoint.checkpoint_name; MaxText's names), which the
+# named remat policies save. Attention and Gated DeltaNet alike:
+#   attn_in       the token mixer's input, after the pre-attention RMSNorm [N, D]
+#   query_proj, key_proj, value_proj   X W_Q, X W_K, X W_V (before QK-norm, gates, RoPE or the conv)
+#   gate_proj     the gate's logits X W_theta (an input-dependent gate; GDN's output gate X W_z)
+#   attn_out      the attention's output after the G1 non-linearity and gate: W_O's input
+#   out_proj      W_O's output (before a G5 gate)
+#   mlp_in        the FFN's input, after the pre-FFN RMSNorm [N, D]
+#   mlpwi_0, mlpwi_1   the FFN's up projections X W1 and X W3 (a MoE's: per routed row)
+#   mlpwo         W2's output (a MoE's: per routed row, before the router's weights combine them)
+QKV_NAMES = ("query_proj", "key_proj", "value_proj", "gate_proj")
+SAVED_NAMES = {
+    "qkv_proj": QKV_NAMES,
+    "save_attn_out": ("attn_in", "attn_out", "out_proj", "mlp_in"),
+    "minimal": QKV_NAMES + ("attn_out", "out_proj", "mlp_in", "mlpwo"),
+}
+OFFLOADED = {"qkv_proj_offloaded": "qkv_proj", "minimal_offloaded": "minimal"}
+
+
+def _offload(names: tuple[str, ...]):
+    """Saves `names` in the host's pinned memory, not HBM (copied out in the forward pass, back in
+    the backward)."""
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+        offload_src="device", offload_dst="pinned_host")
+
+
+# exec.remat: what a block's forward pass keeps for the backward pass (docs/performance.md, "Rematerialisation")
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    **{name: jax.checkpoint_policies.save_only_these_names(*names) for name, names in SAVED_NAMES.items()},
+    **{name: _offload(SAVED_NAMES[kept]) for name, kept in OFFLOADED.items()},
 }
 
 
@@ -67,8 +98,8 @@ class Block(nnx.Module):
         return h
 
     def _ffn_residual(self, x_NxD, rows: int, capture: Capture = NOTHING, decoding: bool = False):
-        h, aux = (self.ffn(self.ffn_norm(x_NxD), rows, decoding=decoding) if isinstance(self.ffn, MoE)
-                  else (self.ffn(self.ffn_norm(x_NxD)), {}))
+        x_in = checkpoint_name(self.ffn_norm(x_NxD), "mlp_in")
+        h, aux = self.ffn(x_in, rows, decoding=decoding) if isinstance(self.ffn, MoE) else (self.ffn(x_in), {})
         h = self._branch_out(h, getattr(self, "ffn_post_norm", None))
         if capture.ffn_out:  # what the FFN adds to the residual stream (Fig. 6, Appendix A.3)
             self.sow(nnx.Intermediate, "ffn_out", h)
@@ -78,13 +109,14 @@ class Block(nnx.Module):
                  prefix_ids_BxSxK=None):
         """(x, aux): aux holds the MoE's auxiliary values ({} for a dense FFN). `prefix_ids_BxSxK`:
         a shared prefix each token also sees (Transformer.hidden)."""
+        x_in = checkpoint_name(self.attn_norm(x_NxD), "attn_in")
         if self.layer_type == "linear_attention":
             if prefix_ids_BxSxK is not None:
                 raise ValueError("prefix_ids: a Gated DeltaNet layer's recurrence cannot share a prefix "
                                  "between segments; lay each segment out whole")
-            h = self.linear_attn(self.attn_norm(x_NxD).reshape(*batch, -1), segment_ids_BxS).reshape(x_NxD.shape)
+            h = self.linear_attn(x_in.reshape(*batch, -1), segment_ids_BxS).reshape(x_NxD.shape)
         else:
-            h = self.attn(self.attn_norm(x_NxD), positions_N, segment_ids_BxS, batch, capture, prefix_ids_BxSxK)
+            h = self.attn(x_in, positions_N, segment_ids_BxS, batch, capture, prefix_ids_BxSxK)
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
         x_NxD, aux = self._ffn_residual(x_NxD, batch[0], capture)
         if capture.block_out:
