@@ -97,7 +97,8 @@ ROWS = {
         ("dense_1p7b", "v5p:4x4x2", (1, 8, 1, 4), ("train.microbatches=1", "exec.accumulate=sharded")),
         # dense_1p7b_48l and extend_1p7b_32k by the step model (issue 58; 48l as configured: none, 0)
         *[("dense_1p7b_48l", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=16", "exec.accumulate=gathered",
-                                                          f"exec.remat={r}", "exec.loss_chunk=0")) for r in ("none", "dots")],
+                                                          f"exec.remat={r}", "exec.loss_chunk=0"))
+          for r in ("none", "dots")],
         ("dense_1p7b_48l", "v5p:4x4x2", (1, 32, 1, 1), ("train.microbatches=1", "exec.accumulate=sharded",
                                                        "exec.remat=full", "exec.loss_chunk=512")),  # before
         ("extend_1p7b_32k", "v5p:4x4x2", (1, 32, 1, 1), ("exec.remat=minimal", "train.microbatches=1",
@@ -123,8 +124,8 @@ ROWS = {
     "smallest": [
         ("dense_1p7b", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=32", "exec.remat=full", "exec.loss_chunk=512")),
         ("moe_15a2b", "v5p:2x2x2", (1, 2, 4), ("train.microbatches=32", "exec.moe_buffer=1.25")),
-        ("extend_1p7b_32k", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=16", "exec.remat=full",
-                                                     "exec.accumulate=sharded")),
+        ("extend_1p7b_32k", "v5p:2x2x1", (1, 1, 4),
+         ("train.microbatches=16", "exec.remat=full", "exec.accumulate=sharded")),
         ("dense_1p7b_48l", "v5p:2x2x1", (1, 1, 4), ("train.microbatches=32", "exec.remat=full", "exec.loss_chunk=512")),
         ("dense_1p7b", "v5e:2x2", (1, 1, 4), ("train.microbatches=256", "exec.remat=full", "exec.loss_chunk=512")),
     ],
