@@ -224,7 +224,7 @@ def implied_tflops(cfg, chips: int) -> float | None:
 
 
 def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_step: bool = True,
-        slices: int = 1) -> dict:
+        slices: int = 1, hlo_out: str | None = None) -> dict:
     """Compiles the train step (and the eval step) of `cfg` at its global batch on `topology`
     (`slices` of it, joined by DCN: the data axis spans them); returns the JSON-able report.
     `train_step=False`: the eval step (the forward pass) only."""
@@ -265,6 +265,8 @@ def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_st
             compiled = step.lower(state, batch(t.batch_size)).compile()
         compile_s = round(time.perf_counter() - t0, 1)
         hlo = compiled.as_text()
+        if hlo_out:  # the compiled train step, for reading what the counters count
+            Path(hlo_out).write_text(hlo)
         network = traffic.count(hlo, mesh)
         counted = flop_count.count_flops(hlo)
         mxu = sum(counted["by_kind"].get(k, 0) for k in ("dot", "convolution", "custom_call"))
@@ -302,9 +304,10 @@ def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_st
 
 
 def run_row(preset, topology, mesh_shape, overrides=(), variant=None, eval_step=True, train_step=True,
-            slices: int = 1) -> dict:
+            slices: int = 1, hlo_out: str | None = None) -> dict:
     cfg = cli.load(preset, list(overrides), variant=variant)
-    out = fit(cfg, topology, mesh_shape, eval_step=eval_step, train_step=train_step, slices=slices)
+    out = fit(cfg, topology, mesh_shape, eval_step=eval_step, train_step=train_step, slices=slices,
+              hlo_out=hlo_out)
     out["preset"], out["overrides"] = preset, list(overrides)
     return out
 
@@ -324,6 +327,8 @@ def main(argv=None):
     ap.add_argument("--rows", default="configured,smallest", help="with --all: which parts of ROWS (configured, "
                     "candidates, smallest)")
     ap.add_argument("--jsonl", default=None, help="with --all: also append each row to this file")
+    ap.add_argument("--hlo", default=None, metavar="PATH", help="write the compiled train step's HLO text here "
+                    "(what gattn.experiments.flops and traffic count: python -m gattn.experiments.flops PATH)")
     args, overrides = cli.parse_args(ap, argv)
     if args.all:
         for part in args.rows.split(","):
@@ -337,7 +342,7 @@ def main(argv=None):
         return
     mesh_shape = tuple(int(x) for x in args.mesh.split(",")) if args.mesh else None
     print(json.dumps(run_row(args.preset, args.topology, mesh_shape, overrides, args.variant, not args.no_eval,
-                             not args.eval_only, args.slices), indent=1))
+                             not args.eval_only, args.slices, args.hlo), indent=1))
 
 
 if __name__ == "__main__":

@@ -305,3 +305,12 @@ def test_a_layer_sliced_in_a_nested_fusion_and_a_tuple_roots_update_count_their_
     # writes: the update (8192) and the dot's output (8192)
     assert out["hbm_bytes"] == 8192 + 4 + 4096 + 8192 + 8192
     assert out["by_kind"] == {"dot": 2 * 64 * 32 * 32}
+
+
+def test_the_heaviest_instructions_are_listed_by_the_bytes_they_move():
+    """`heaviest` (python -m gattn.experiments.flops HLO --top N): LOOP's dot fusion runs 7 times
+    and moves 20,480 bytes a run, the most of any instruction."""
+    top = flops.heaviest(LOOP, 2)
+    assert top[0]["calls"] == "dot_fusion" and top[0]["runs"] == 7
+    assert top[0]["hbm_bytes"] == 7 * (8192 + 4096 + 8192)  # h and w read, h2 written, 7 times
+    assert len(top) == 2 and top[1]["hbm_bytes"] <= top[0]["hbm_bytes"]

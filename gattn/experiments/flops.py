@@ -346,3 +346,58 @@ def count(hlo_text: str | os.PathLike, formulas: dict | None = None) -> dict:
             "hbm_gib": gib(c["hbm_bytes"]), "unknown_trip_counts": c["unknown_trip_counts"],
             "custom_calls": [{"target": x["target"], "name": x["name"], "runs": x["runs"], "tflops": tf(x["flops"]),
                               "hbm_gib": gib(x["bytes"]), "priced_by": x["priced_by"]} for x in c["custom_calls"]]}
+
+
+def heaviest(hlo_text: str | os.PathLike, n: int = 10) -> list[dict]:
+    """The `n` top-level instructions that move the most HBM bytes over a run of the program
+    (their bytes times the runs of the loops they sit in), to see what an HBM-bound step spends
+    its time on: [{"opcode", "calls", "shape", "runs", "hbm_gib", "hbm_bytes"}]. Custom calls are priced as in
+    `count_flops` (their estimate's bytes when they carry one)."""
+    if isinstance(hlo_text, os.PathLike):
+        hlo_text = Path(hlo_text).read_text()
+    comps, entry, _ = parse(hlo_text)
+    found: dict = {}
+
+    def walk(name: str, runs: float, stack=()):
+        comp = comps.get(name)
+        if comp is None or name in stack:
+            return
+        for ins in comp.instrs.values():
+            nbytes = (_custom_call(comp, ins, {}, _Tally()) if ins.opcode == "custom-call"
+                      else _instr_bytes(comps, comp, ins))
+            if nbytes:
+                key = (ins.opcode, (_attr(ins.attrs, "calls") or "").lstrip("%"), ins.shape[:120])
+                b, r = found.get(key, (0.0, 0.0))
+                found[key] = (b + nbytes * runs, r + runs)
+            if ins.opcode == "while":
+                trips = trip_count(comps, comp, ins) or 1
+                for k in ("body", "condition"):
+                    if _attr(ins.attrs, k):
+                        walk(_attr(ins.attrs, k).lstrip("%"), runs * trips, (*stack, name))
+            elif ins.opcode in ("call", "async-start"):
+                callee = _attr(ins.attrs, "to_apply") or _attr(ins.attrs, "calls")
+                if callee:
+                    walk(callee.lstrip("%"), runs, (*stack, name))
+
+    walk(entry, 1.0)
+    top = sorted(found.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"opcode": op, "calls": calls, "shape": shape, "runs": int(r), "hbm_gib": round(b / GIB, 1),
+             "hbm_bytes": b} for (op, calls, shape), (b, r) in top]
+
+
+def main(argv=None) -> int:
+    import argparse  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(description="FLOPs and HBM bytes of a compiled program, counted from its HLO "
+                                 "text (bench/fit_presets.py --hlo PATH writes a train step's).")
+    ap.add_argument("hlo", help="the HLO text (compiled.as_text(), or an XLA dump's *after_optimizations.txt)")
+    ap.add_argument("--top", type=int, default=10, help="list the N instructions that move the most HBM bytes")
+    args = ap.parse_args(argv)
+    path = Path(args.hlo)
+    print(json.dumps({**count(path), "heaviest": heaviest(path, args.top)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
