@@ -102,3 +102,49 @@ def test_a_full_disk_during_a_save_stops_every_process_with_one_line_and_the_rel
     finally:
         if real_disk:
             subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+class _Store:
+    """JAX's key-value client, as the barrier uses it, for one process (no peers needed)."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.kv[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+    def key_value_delete(self, key):
+        self.kv.pop(key, None)
+
+
+def test_two_managers_in_turn_never_meet_the_keys_the_first_left():
+    """A barrier's meetings are numbered per process, not per manager: a second manager's first
+    save (a study's next cell, in the same processes) must not pass on the first one's keys."""
+    from gattn.train import save_barrier
+
+    store = _Store()
+    first = save_barrier.Barrier(store, 0, 1)
+    first(key="gattn_ThreadSaveMultiHostValueHolder:set_value_start", timeout_ms=1000)
+    second = save_barrier.Barrier(store, 0, 1)
+    second(key="gattn_ThreadSaveMultiHostValueHolder:set_value_start", timeout_ms=1000)
+    meetings = sorted(k for k in store.kv if k.startswith(save_barrier.ROOT + "/in/"))
+    assert len(meetings) == 2 and meetings[0] != meetings[1], meetings
+
+
+def test_a_peer_at_a_later_stage_of_the_save_ends_the_wait():
+    """Process 0 waits at the write barrier while process 1 (its write failed) waits at the
+    manager's flag: process 0 stops waiting with SaveAbandoned; a peer at an earlier stage, or
+    simply not there yet, is waited for (here, until the timeout)."""
+    from gattn.train import save_barrier
+
+    store = _Store()
+    store.kv[f"{save_barrier.ROOT}/at/1"] = "gattn_ThreadSaveMultiHostValueHolder:set_value_start#99"
+    barrier = save_barrier.Barrier(store, 0, 2)
+    with pytest.raises(save_barrier.SaveAbandoned, match="process 1"):
+        barrier(key="gattn_async_write_complete.8.orbax-checkpoint-tmp", timeout_ms=5000)
+    store.kv[f"{save_barrier.ROOT}/at/1"] = "gattn_async_write_complete.4.orbax-checkpoint-tmp#1"
+    with pytest.raises(TimeoutError):
+        barrier(key="gattn_async_commit_complete.8.orbax-checkpoint-tmp", timeout_ms=300)

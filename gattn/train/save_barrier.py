@@ -42,11 +42,15 @@ class Barrier:
     """An Orbax `barrier_sync_fn` (`AsyncOptions.barrier_sync_fn`): called as
     `barrier(key=..., timeout_ms=...)` from Orbax's save threads."""
 
+    # A key may be met many times: each meeting is numbered. The numbers are the process's, not one
+    # manager's, so that two managers in turn (a study's cells in one process) never meet the
+    # keys the previous one left in the store.
+    visits: collections.Counter = collections.Counter()
+    passed: collections.deque = collections.deque(maxlen=64)  # the barriers this process passed
+    lock = threading.Lock()
+
     def __init__(self, client, process: int, processes: int):
         self.client, self.process, self.processes = client, process, processes
-        self.visits: collections.Counter = collections.Counter()  # a key may be met many times
-        self.passed: collections.deque = collections.deque(maxlen=64)  # the barriers this process passed
-        self.lock = threading.Lock()
 
     def __call__(self, *, key: str, timeout_ms: int) -> None:
         with self.lock:
