@@ -96,6 +96,12 @@ VARIANTS = {
     "moe_15a2b_ep8": ("qwen3-30b-a3b", 32, 4096, MOE_15A2B + ["ici_fsdp_parallelism=4",
                                                               "ici_expert_parallelism=8"]),
     # the batch of 1024 in 8 accumulated microbatches of 4 rows a chip, as moe_15a2b's 8
+    # issue 58: MaxText's best configs to set beside the step model, on the same counters: pure
+    # FSDP in one step with the vocabulary tiled (the issue's 130 GiB, 60.6 GiB/chip), and the
+    # dense model with its `minimal` remat policy and without remat
+    "moe_15a2b_tiling8": ("qwen3-30b-a3b", 32, 4096, MOE_15A2B + ["num_vocab_tiling=8"]),
+    "vocab_tiling8_minimal": ("qwen3-1.7b", 32, 4096, ["num_vocab_tiling=8", "remat_policy=minimal"]),
+    "vocab_tiling8_none": ("qwen3-1.7b", 32, 4096, ["num_vocab_tiling=8", "remat_policy=none"]),
     "moe_15a2b_ga8": ("qwen3-30b-a3b", 4, 4096, MOE_15A2B + ["gradient_accumulation_steps=8"]),
     "moe_15a2b_ep8_ga8": ("qwen3-30b-a3b", 4, 4096, MOE_15A2B + ["gradient_accumulation_steps=8",
                                                                  "ici_fsdp_parallelism=4", "ici_expert_parallelism=8"]),
@@ -193,7 +199,17 @@ COUNTER = textwrap.dedent('''
     mesh = json.load(open(mesh_path))
     devices = (np.asarray(mesh["device_ids"]).reshape(mesh["shape"]), mesh["axis_names"])
     slice_of = dict(zip(mesh["device_ids"], mesh["slice_index"]))
-    out = {"as_text": traffic.count(open(as_text).read(), devices=devices, slice_of=slice_of)}
+    text = open(as_text).read()
+    out = {"as_text": traffic.count(text, devices=devices, slice_of=slice_of)}
+    # issue 58's step model on the same counters as gattn's fit: the FLOPs the step runs (dots,
+    # convolutions, priced kernels, loop trips, recompute) and its HBM bytes
+    from gattn.experiments import flops
+    c = flops.count_flops(text)
+    mxu = sum(c["by_kind"].get(k, 0) for k in ("dot", "convolution", "custom_call"))
+    out["step"] = {"counted_tflops_per_chip": round(mxu / 1e12, 2), "hbm_gib_per_step": round(c["hbm_bytes"] / 2**30, 1),
+                   "unpriced_kernels": sorted({x["target"] for x in c["custom_calls"] if x["priced_by"] == "unpriced"}),
+                   "roofline": traffic.roofline(mxu, out["as_text"], "v5p", counted_flops=mxu,
+                                                hbm_bytes=c["hbm_bytes"])}
     traffic.parse = parse_hash_refs
     out["dump"] = traffic.count(open(dump).read(), devices=devices, slice_of=slice_of)
     print(json.dumps(out))
@@ -286,8 +302,10 @@ def run_variant(name: str, venv: Path, gattn_python: str, timeout: float, keep: 
            "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text", "PYTHONUNBUFFERED": "1"}
     env.pop("PYTHONPATH", None)
     model, per_device, seq, extra = VARIANTS[name]
-    args = COMMON + [f"model_name={model}", f"per_device_batch_size={per_device}", f"max_target_length={seq}",
-                     f"base_output_directory={out_dir}"] + extra
+    keys = {e.split("=", 1)[0] for e in extra}  # a variant's own setting replaces COMMON's (remat_policy)
+    args = [c for c in COMMON if c.split("=", 1)[0] not in keys] + [
+        f"model_name={model}", f"per_device_batch_size={per_device}", f"max_target_length={seq}",
+        f"base_output_directory={out_dir}"] + extra
     log(f"{name}: train_compile {' '.join(args)}")
     t0 = time.perf_counter()
     try:
@@ -334,6 +352,9 @@ def run_variant(name: str, venv: Path, gattn_python: str, timeout: float, keep: 
            # XLA's heap peak (CompiledMemoryStats.peak_memory_in_bytes), beside the sum above
            "peak_gib_per_chip": round(mem.get("peak_memory_in_bytes", 0) / 2**30, 2),
            "traffic": traffic, "dump_traffic_total_gib": check["total_gib"], "hlo_dump": hlo.name,
+           # counted FLOPs, HBM bytes and the modelled step (its MFU field is counted over counted:
+           # compare step_s with gattn's fit, bench/fit_presets.py)
+           "step": counted["step"],
            "compile_s": round(record["compile_s"], 1), "wall_s": round(wall, 1)}
     if keep is not None:
         dest = keep / name
