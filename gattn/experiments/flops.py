@@ -218,10 +218,20 @@ def _instr_bytes(comps: dict, comp: Comp, ins: Instr) -> float:
 
 class _Tally:
     """FLOPs by kind, transcendentals, HBM bytes, custom calls {(target, name, priced_by, flops,
-    bytes): runs}, loops not bounded: of one run of a computation."""
+    bytes): runs}, loops not bounded: of one run of a computation; and where the HBM bytes go,
+    {(opcode, fused computation, shape): [bytes, runs]} (`heaviest`)."""
 
     def __init__(self):
         self.flops, self.transcendentals, self.bytes, self.calls, self.unknown_loops = {}, 0.0, 0.0, {}, 0
+        self.where: dict = {}
+
+    def move(self, ins: Instr, nbytes: float):
+        """`ins` (a top-level instruction) reads and writes `nbytes` of HBM."""
+        if nbytes:
+            self.bytes += nbytes
+            key = (ins.opcode, (_attr(ins.attrs, "calls") or "").lstrip("%"), ins.shape[:120])
+            spot = self.where.setdefault(key, [0.0, 0.0])
+            spot[0], spot[1] = spot[0] + nbytes, spot[1] + 1
 
     def add(self, kind: str, flops: float):
         self.flops[kind] = self.flops.get(kind, 0.0) + flops
@@ -231,6 +241,9 @@ class _Tally:
             self.add(kind, v * scale)
         self.transcendentals += other.transcendentals * scale
         self.bytes += other.bytes * scale
+        for key, (nbytes, runs) in other.where.items():
+            spot = self.where.setdefault(key, [0.0, 0.0])
+            spot[0], spot[1] = spot[0] + nbytes * scale, spot[1] + runs * scale
         for key, runs in other.calls.items():
             self.calls[key] = self.calls.get(key, 0.0) + runs * scale
         self.unknown_loops += other.unknown_loops
@@ -286,10 +299,11 @@ def _walk(comps: dict, name: str, formulas: dict, memo: dict, stack=(), fused=Fa
     for ins in comp.instrs.values():
         if ins.opcode == "custom-call":
             nbytes = _custom_call(comp, ins, formulas, tally)
-            tally.bytes += 0.0 if fused else nbytes
         else:
             _flops(comp, ins, tally)
-            tally.bytes += 0.0 if fused else _instr_bytes(comps, comp, ins)
+            nbytes = 0.0 if fused else _instr_bytes(comps, comp, ins)
+        if not fused:
+            tally.move(ins, nbytes)
         if ins.opcode == "while":
             trips = trip_count(comps, comp, ins)
             if trips is None:
@@ -348,40 +362,19 @@ def count(hlo_text: str | os.PathLike, formulas: dict | None = None) -> dict:
                               "hbm_gib": gib(x["bytes"]), "priced_by": x["priced_by"]} for x in c["custom_calls"]]}
 
 
-def heaviest(hlo_text: str | os.PathLike, n: int = 10) -> list[dict]:
+def heaviest(hlo_text: str | os.PathLike, n: int = 10, formulas: dict | None = None) -> list[dict]:
     """The `n` top-level instructions that move the most HBM bytes over a run of the program
-    (their bytes times the runs of the loops they sit in), to see what an HBM-bound step spends
-    its time on: [{"opcode", "calls", "shape", "runs", "hbm_gib", "hbm_bytes"}]. Custom calls are priced as in
-    `count_flops` (their estimate's bytes when they carry one)."""
+    (their bytes times the runs of the loops they sit in, as `count_flops` counts them), to see
+    what an HBM-bound step spends its time on: [{"opcode", "calls", "shape", "runs", "hbm_gib",
+    "hbm_bytes"}]."""
     if isinstance(hlo_text, os.PathLike):
         hlo_text = Path(hlo_text).read_text()
     comps, entry, _ = parse(hlo_text)
-    found: dict = {}
-
-    def walk(name: str, runs: float, stack=()):
-        comp = comps.get(name)
-        if comp is None or name in stack:
-            return
-        for ins in comp.instrs.values():
-            nbytes = (_custom_call(comp, ins, {}, _Tally()) if ins.opcode == "custom-call"
-                      else _instr_bytes(comps, comp, ins))
-            if nbytes:
-                key = (ins.opcode, (_attr(ins.attrs, "calls") or "").lstrip("%"), ins.shape[:120])
-                b, r = found.get(key, (0.0, 0.0))
-                found[key] = (b + nbytes * runs, r + runs)
-            if ins.opcode == "while":
-                trips = trip_count(comps, comp, ins) or 1
-                for k in ("body", "condition"):
-                    if _attr(ins.attrs, k):
-                        walk(_attr(ins.attrs, k).lstrip("%"), runs * trips, (*stack, name))
-            elif ins.opcode in ("call", "async-start"):
-                callee = _attr(ins.attrs, "to_apply") or _attr(ins.attrs, "calls")
-                if callee:
-                    walk(callee.lstrip("%"), runs, (*stack, name))
-
-    walk(entry, 1.0)
-    top = sorted(found.items(), key=lambda kv: -kv[1][0])[:n]
-    return [{"opcode": op, "calls": calls, "shape": shape, "runs": int(r), "hbm_gib": round(b / GIB, 1),
+    if entry is None:
+        raise ValueError("no ENTRY computation in this HLO text")
+    where = _walk(comps, entry, formulas or {}, {}).where
+    top = sorted(where.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"opcode": op, "calls": calls, "shape": shape, "runs": int(round(r)), "hbm_gib": round(b / GIB, 1),
              "hbm_bytes": b} for (op, calls, shape), (b, r) in top]
 
 
