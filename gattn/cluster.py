@@ -189,22 +189,34 @@ def join(coordinator: str, processes: int, process: int, timeout: float) -> None
     processes that did not come within `timeout` seconds (or process 0, if it never answered)."""
     if processes == 1:
         return
-    host, port = coordinator.rsplit(":", 1)
-    port = int(os.environ.get("GATTN_JOIN_PORT", int(port) + 1))
+    host, port = _join_address(coordinator)
     deadline = time.monotonic() + timeout
     if process == 0:
         _gather(port, processes, deadline, timeout)
     else:
-        _report(host.strip("[]"), port, process, deadline, timeout)
+        _report(host, port, process, deadline, timeout)
+
+
+def _join_address(coordinator: str) -> tuple[str, int]:
+    """(host, port) where process 0 takes the others' reports: the coordinator's port + 1, or
+    GATTN_JOIN_PORT."""
+    host, port = coordinator.rsplit(":", 1)
+    return host.strip("[]"), int(os.environ.get("GATTN_JOIN_PORT", int(port) + 1))
+
+
+def _listener(port: int, processes: int) -> socket.socket:
+    """Process 0's socket on the join port."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("", port))
+    server.listen(processes)
+    return server
 
 
 def _gather(port: int, processes: int, deadline: float, timeout: float) -> None:
     came: dict[int, socket.socket] = {}
     failed: tuple[int, str] | None = None
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("", port))
-        server.listen(processes)
+    with _listener(port, processes) as server:
         while len(came) < processes - 1 and time.monotonic() < deadline:
             server.settimeout(max(0.01, min(1.0, deadline - time.monotonic())))
             try:
@@ -252,24 +264,20 @@ def failed_before_joining(coordinator: str, processes: int, process: int, messag
     `seconds` with it. Best effort: a process that cannot be told is named by the join's timeout."""
     if processes <= 1:
         return
-    host, port = coordinator.rsplit(":", 1)
-    port = int(os.environ.get("GATTN_JOIN_PORT", int(port) + 1))
+    host, port = _join_address(coordinator)
     deadline = time.monotonic() + seconds
     line = " ".join(message.split())[:1000]
     if process > 0:
         while time.monotonic() < deadline:
             try:
-                with socket.create_connection((host.strip("[]"), port), timeout=1) as conn:
+                with socket.create_connection((host, port), timeout=1) as conn:
                     conn.sendall(f"fail {process} {line}\n".encode())
                 return
             except OSError:
                 time.sleep(0.25)
         return
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
-            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            server.bind(("", port))
-            server.listen(processes)
+        with _listener(port, processes) as server:
             told: set = set()
             while time.monotonic() < deadline and len(told) < processes - 1:
                 server.settimeout(max(0.01, min(0.5, deadline - time.monotonic())))
