@@ -78,9 +78,7 @@ def launch(command: list[str], processes: int, local_devices: int, *, grace: flo
     def forward(signum, frame):
         if signalled:  # a second one: stop at once
             print(f"[launch] {signal.Signals(signum).name} again: killing the workers", file=sys.stderr, flush=True)
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+            _kill(procs)
             return
         signalled.append(time.monotonic())
         for p in procs:
@@ -94,9 +92,7 @@ def launch(command: list[str], processes: int, local_devices: int, *, grace: flo
             if signalled and time.monotonic() - signalled[0] > stop_grace:  # a worker that cannot stop
                 print(f"[launch] workers still running {stop_grace:.0f} s after the signal: killing them",
                       file=sys.stderr, flush=True)
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
+                _kill(procs)
                 signalled[0] = float("inf")
             failures.extend(i for i, p in enumerate(procs) if p.poll() not in (None, 0) and i not in failures)
             if failures and not stopping:
@@ -127,6 +123,11 @@ def _stop(procs, grace: float) -> None:
     deadline = time.time() + grace
     while time.time() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.2)
+    _kill(procs)
+
+
+def _kill(procs) -> None:
+    """SIGKILL to the workers still running (each supervisor's child follows it: PR_SET_PDEATHSIG)."""
     for p in procs:
         if p.poll() is None:
             p.kill()
