@@ -362,11 +362,14 @@ class Saves:
             raise self._failure(self.pending, e) from None
         self.good, self.pending, self.sealing = self.pending, None, None
 
+    def last_good(self) -> str:
+        """Where a stopped run goes on from, as its error line says it."""
+        return (f"the last good checkpoint is step {self.good} in {self.mngr.directory}" if self.good is not None
+                else "there is no good checkpoint yet")
+
     def _failure(self, step: int, e: BaseException) -> CheckpointFailure:
         self.failed = True
-        good = (f"the last good checkpoint is step {self.good} in {self.mngr.directory}" if self.good is not None
-                else "there is no good checkpoint yet")
-        return CheckpointFailure(f"saving checkpoint step {step} failed ({reason(e)}); stopping: {good}")
+        return CheckpointFailure(f"saving checkpoint step {step} failed ({reason(e)}); stopping: {self.last_good()}")
 
     def close(self) -> None:
         """Waits for the last save and its seal (a failure raises, unless one was reported already)."""

@@ -634,59 +634,53 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
         with startup.stage("compile", "compiling the train step"), jax.set_mesh(mesh):
             train_step.lower(state, abstract_batch(cfg, batch_sharding)).compile()
     startup.write(workdir)
-    try:
-        for step in range(start + 1, t.steps + 1):
-            lease.check()  # a lost lease (another run took it, or no renewal): stop before writing again
-            with jax.set_mesh(mesh):
-                state, m = train_step(state, next(batches))
-            # The step runs while the previous step's scalars are read (one step late, so reading
-            # them never keeps the next step from being dispatched) and the next batch is prepared.
-            reports.read_previous()
-            reports.pending(step, m)
-            saves.check()  # a failed asynchronous save stops the run here
-            if reports.validates(step):  # (logged with the step's scalars)
-                t0 = time.perf_counter()
-                reports.val = validate(eval_step, state["params"], val_batches, mesh)
-                reports.eval_seconds += time.perf_counter() - t0
-            stopping = stop(step)
-            if step == t.steps or stopping or mngr.should_save(step):
-                reports.read_previous()  # the checkpoint's bookkeeping needs this step's scalars
-                lease.check()
-                data_state = {k: v for part in hosts.gather_json(batches.get_state()) for k, v in part.items()}
-                saves.save(step, state, data_state, reports.meta())
-            if stopping:
-                saves.check(wait=True)
-                if hosts.primary():
-                    print(f"\n{stop.name()}: saved step {step} in {workdir}/checkpoints; rerun to resume.", flush=True)
-                break
-        reports.read_previous()
-    except TrainingStopped as e:  # a divergence: summary.json says so, and a plain rerun is refused
-        if hosts.primary():
-            (workdir / "summary.json").write_text(json.dumps({
-                "step": e.step, "completed": False, "stopped": "diverged", "kept_step": e.kept,
-                "reason": e.reason, "skipped_steps": reports.skipped,
-                "collapsed_steps": reports.collapsed_steps}, indent=2))
-        raise
-    except OSError as e:  # a full disk or a lost mount under the run's own files: one line, no progress lost
-        if e.errno not in WRITE_ERRORS:
-            raise
-        good = (f"the last good checkpoint is step {saves.good} in {mngr.directory}" if saves.good is not None
-                else "there is no good checkpoint yet")
-        raise RunFilesFailure(f"writing the run's files failed at step {step} ({e.strerror}: "
-                              f"{e.filename or workdir}); stopping: {good}") from None
-    finally:
-        # Closing must not hide the error that stopped the loop (a full disk fails the
-        # TensorBoard flush too): each closer runs, and its own error is raised only if the loop
-        # ended without one.
+    try:  # the signal handlers are this run's until it returns (`Stopper.restore`)
         try:
+            for step in range(start + 1, t.steps + 1):
+                lease.check()  # a lost lease (another run took it, or no renewal): stop before writing again
+                with jax.set_mesh(mesh):
+                    state, m = train_step(state, next(batches))
+                # The step runs while the previous step's scalars are read (one step late, so reading
+                # them never keeps the next step from being dispatched) and the next batch is prepared.
+                reports.read_previous()
+                reports.pending(step, m)
+                saves.check()  # a failed asynchronous save stops the run here
+                if reports.validates(step):  # (logged with the step's scalars)
+                    t0 = time.perf_counter()
+                    reports.val = validate(eval_step, state["params"], val_batches, mesh)
+                    reports.eval_seconds += time.perf_counter() - t0
+                stopping = stop(step)
+                if step == t.steps or stopping or mngr.should_save(step):
+                    reports.read_previous()  # the checkpoint's bookkeeping needs this step's scalars
+                    lease.check()
+                    data_state = {k: v for part in hosts.gather_json(batches.get_state())
+                                  for k, v in part.items()}
+                    saves.save(step, state, data_state, reports.meta())
+                if stopping:
+                    saves.check(wait=True)
+                    if hosts.primary():
+                        print(f"\n{stop.name()}: saved step {step} in {workdir}/checkpoints; rerun to resume.",
+                              flush=True)
+                    break
+            reports.read_previous()
+        except TrainingStopped as e:  # a divergence: summary.json says so, and a plain rerun is refused
+            if hosts.primary():
+                (workdir / "summary.json").write_text(json.dumps({
+                    "step": e.step, "completed": False, "stopped": "diverged", "kept_step": e.kept,
+                    "reason": e.reason, "skipped_steps": reports.skipped,
+                    "collapsed_steps": reports.collapsed_steps}, indent=2))
+            raise
+        except OSError as e:  # a full disk or a lost mount under the run's files: one line, no progress lost
+            if e.errno not in WRITE_ERRORS:
+                raise
+            raise RunFilesFailure(f"writing the run's files failed at step {step} ({e.strerror}: "
+                                  f"{e.filename or workdir}); stopping: {saves.last_good()}") from None
+        finally:
+            # Closing must not hide the error that stopped the loop (a full disk fails the
+            # TensorBoard flush too): each closer runs, and its own error is raised only if the loop
+            # ended without one.
             _close_all([batches.close if batches is not None else None, reports.close, stop.close,
                         saves.close])  # saves.close waits for the last save; a failure raises CheckpointFailure
-        except BaseException:
-            stop.restore()
-            raise
-        if sys.exc_info()[1] is not None:
-            stop.restore()
-    try:
         val = reports.val or validate(eval_step, state["params"], val_batches, mesh)  # (a finished run rerun)
         summary = {"step": int(state["step"]), "completed": int(state["step"]) >= t.steps,
                    "final_loss": reports.loss, "skipped_steps": reports.skipped,
