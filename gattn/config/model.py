@@ -254,6 +254,7 @@ class ModelConfig:
                                            # initialised 1.
     attention_bias: bool = False           # biases on W_Q, W_K, W_V, W_O and the gate's W_theta
                                            # (Qwen3's attention_bias, the authors' release's qkv_bias).
+    qkv_bias: bool = False                 # biases on W_Q, W_K, W_V only (Qwen2.5's attention).
     norm_eps: float = 1e-6
     init_std: float = 0.02
     # The paper's variant space.
@@ -295,8 +296,8 @@ class ModelConfig:
         _choice("ffn_activation", self.ffn_activation, FFN_ACTIVATIONS)
         _choice("sdpa_nonlinearity", self.sdpa_nonlinearity, SDPA_NONLINEARITIES)
         _choice("param_dtype", self.param_dtype, DTYPES)
-        for name in ("tie_embeddings", "qk_norm", "zero_centered_norm", "attention_bias", "sandwich_norm",
-                     "match_ffn_params"):
+        for name in ("tie_embeddings", "qk_norm", "zero_centered_norm", "attention_bias", "qkv_bias",
+                     "sandwich_norm", "match_ffn_params"):
             _bool(name, getattr(self, name))
         if self.output_clip is not None:
             _positive("output_clip", self.output_clip)
@@ -306,6 +307,9 @@ class ModelConfig:
             raise ConfigError("switch_heads", self.switch_heads, "expected a SwitchHeadsSpec or None")
         if self.switch_heads is not None and self.attention_bias:
             raise ConfigError("attention_bias", True, "switch heads (switch_heads is set) have no biases")
+        if self.qkv_bias and (self.attention_bias or self.switch_heads is not None):
+            raise ConfigError("qkv_bias", True, "False with attention_bias (it biases q, k and v already) "
+                              "or switch_heads (they have no biases)")
         if self.yarn is not None and not isinstance(self.yarn, YarnSpec):
             raise ConfigError("yarn", self.yarn, "expected a YarnSpec or None")
         if self.moe is not None and not isinstance(self.moe, MoESpec):

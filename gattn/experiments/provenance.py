@@ -30,6 +30,8 @@ COMMON = {
     "model.rope_dim": "ours: every dim of a head rotates (the paper says only 'RoPE', Sec. 4.4)",
     "model.qk_norm": "off: the paper never mentions QK-norm",
     "model.attention_bias": "ours: no biases (the paper does not say; Qwen3 has none)",
+    "model.qkv_bias": "ours: no biases (the paper does not say; Qwen2.5, which its dense models follow, "
+                      "biases q, k and v: configs/instability_lab_noqk.py)",
     "model.norm_eps": "ours: Qwen's RMSNorm epsilon 1e-6 (the paper gives none)",
     "model.init_std": "ours: every weight, the gate's W_theta included, truncated normal (+-2 std) "
                       "with std 0.02; the paper gives no initialisation",

@@ -59,10 +59,11 @@ class Attention(nnx.Module):
             if sw.targets == "kv":
                 self.k_experts = SwitchProjection(cfg, ex, rngs=rngs)
         self.wo = param("weight", rngs, (hq * hd, d), ("heads", "embed"), std=std, dtype=pd)
-        if cfg.attention_bias:
+        if cfg.attention_bias or cfg.qkv_bias:
             self.bq = param("bias", None, (hq * hd,), ("heads",), dtype=pd)
             self.bk = param("bias", None, (hk * hd,), ("kv_heads",), dtype=pd)
             self.bv = param("bias", None, (hk * hd,), ("kv_heads",), dtype=pd)
+        if cfg.attention_bias:
             self.bo = param("bias", None, (d,), ("embed",), dtype=pd)
         if cfg.qk_norm:
             self.q_norm = norm_scale((hd,), ("head_dim",), cfg)
@@ -84,9 +85,10 @@ class Attention(nnx.Module):
         return s_NxHxE * keep
 
     def _project(self, x_NxI, name: str):
-        """x W (+ b with attention_bias) for W_Q, W_K, W_V, W_O (name 'q', 'k', 'v', 'o')."""
+        """x W (+ b with attention_bias; W_Q, W_K, W_V's with qkv_bias) for W_Q, W_K, W_V, W_O
+        (name 'q', 'k', 'v', 'o')."""
         out = dense(x_NxI, getattr(self, f"w{name}"), self.dtype)
-        if self.cfg.attention_bias:
+        if hasattr(self, f"b{name}"):
             out = out + getattr(self, f"b{name}")[...].astype(self.dtype)
         return out
 
