@@ -53,6 +53,38 @@ class Document:
 HELD_OUT_PERCENT = 10
 
 
+# A run that reads the embedded corpus more often than this needs a corpus of its own: a paper
+# preset's 100k steps read it ~10^5 times over, the CPU presets about once.
+EMBEDDED_PASSES_MAX = 1000
+
+
+def embedded_tokens_at_most(code_max_bytes: int) -> int:
+    """A bound on the embedded corpus's tokens without reading it: its bytes (no token is shorter
+    than a byte) and an EOS and a BOS a document."""
+    import pydoc_data.topics  # noqa: PLC0415
+
+    docs = pydoc_data.topics.topics.values()
+    files = sum(1 for _ in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    return sum(len(t.encode()) + 2 for t in docs) + code_max_bytes + 2 * files
+
+
+def check_embedded_suffices(cfg) -> None:
+    """Refuses, in one line naming data.source and what to pass, a run on the embedded corpus that
+    would read it more than EMBEDDED_PASSES_MAX times over (a paper preset given no corpus)."""
+    t = cfg.train
+    if cfg.data.source != EMBEDDED:
+        return
+    bound, tokens = embedded_tokens_at_most(cfg.data.code_max_bytes), t.steps * t.batch_size * t.seq_len
+    if tokens <= EMBEDDED_PASSES_MAX * bound:
+        return
+    most = EMBEDDED_PASSES_MAX * bound // (t.batch_size * t.seq_len)
+    raise ConfigError("data.source", EMBEDDED, f"a corpus as large as the run: train.steps x batch_size x seq_len = "
+                      f"{t.steps:,} x {t.batch_size:,} x {t.seq_len:,} = {tokens / 1e9:,.1f}B tokens would read "
+                      f"the embedded corpus (at most {bound / 1e6:.1f}M tokens) {tokens // bound:,} times over; "
+                      "pass --config.data.source=shards:DIR (python -m gattn.prepare; docs/pod-slice.md), a folder "
+                      f"of .txt / .jsonl files or tfds:NAME, or --steps {most} or fewer to try it on the embedded one")
+
+
 def embedded_documents(code_max_bytes: int) -> Iterator[Document]:
     import pydoc_data.topics  # noqa: PLC0415
 

@@ -30,7 +30,7 @@ from flax import nnx
 
 from gattn import cli
 from gattn.config import Config, ConfigError, from_dict, to_dict
-from gattn.data import record as data_record, synthetic
+from gattn.data import corpus, record as data_record, synthetic
 from gattn.data.tokenizer import load_tokenizer, tokenizer_path
 from gattn.model import sharding
 from gattn.model.transformer import Transformer, relayout
@@ -533,6 +533,7 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     `resume_anyway`: resume from the newest checkpoint of a run that stopped for divergence (a
     plain rerun is refused: its newest checkpoint was saved in the trouble)."""
     hosts.check_same_run({**to_dict(cfg), "workdir": str(workdir), "resume_step": resume_step})  # or none trains
+    corpus.check_embedded_suffices(cfg)  # a paper preset given no corpus of its own: refused, nothing written
     rundir.check_workdir(workdir)
     # A continued run's source is checked before anything is written, the lease included (and
     # only until it has a checkpoint of its own: resuming never reads the source again).
