@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import multidevice
 from gattn.config import ConfigError, ExecConfig, MoESpec
-from gattn.kernels.grouped_matmul import grouped_dot, megablox_dot, padded_rows
+from gattn.kernels.grouped_matmul import grouped_dot, megablox_dot, padded_rows, tiles
 from gattn.model import dropless_ep
 
 
@@ -49,9 +49,33 @@ def test_megablox_equals_ragged_dot_and_a_dense_reference_with_gradients():
 
 
 def test_megablox_rows_are_whole_tiles():
-    assert [padded_rows(r) for r in (1, 16, 40, 128, 129, 40960)] == [16, 16, 48, 128, 256, 40960]
+    assert [padded_rows(r) for r in (1, 16, 40, 128, 129, 513, 40960)] == [16, 16, 48, 128, 144, 1024, 40960]
     with pytest.raises(ValueError, match="padded_rows"):
         megablox_dot(jnp.zeros((40, 8)), jnp.zeros((2, 8, 8)), jnp.array([3, 4], jnp.int32))
+
+
+def test_megablox_takes_maxtexts_tiles_not_128():
+    """(At 128 x 128 x 128, moe_15a2b's step read its routed rows 6x and each expert's weights once
+    per 128 rows: 13.7 of its 27.8 TB of HBM traffic, docs/presets.md.) Rows by 512, K and N whole
+    up to 1024, else the largest multiple of 128 that divides them."""
+    assert tiles(1_048_576, 2048, 704) == (512, 1024, 704)  # moe_15a2b's gate and up projections
+    assert tiles(1_048_576, 704, 2048) == (512, 704, 1024)  # its down projection (and the transposes)
+    assert tiles(40, 1408, 96) == (48, 128, 96) and tiles(1024, 1152, 4352) == (512, 384, 256)
+
+
+def test_megablox_over_several_tiles_of_each_dimension_equals_ragged_dot():
+    """Rows over two 512-row tiles with groups crossing them, N over two 1024 tiles, K whole:
+    forward and both backward kernels (each with tiles of its own shape)."""
+    b, k, n, sizes = 1024, 128, 2048, [300, 0, 500, 100]
+    x, w = jax.random.normal(jax.random.key(0), (b, k)), jax.random.normal(jax.random.key(1), (len(sizes), k, n))
+    ct, sizes_L = jax.random.normal(jax.random.key(2), (b, n)), jnp.array(sizes, jnp.int32)
+
+    def out_and_grads(dot):
+        out, vjp = jax.vjp(lambda x, w: dot(x, w, sizes_L), x, w)
+        return out, vjp(ct)
+    got, want = jax.jit(lambda: out_and_grads(grouped_dot("megablox", "cpu")))(), out_and_grads(jax.lax.ragged_dot)
+    for a, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(r))))
 
 
 def test_grouped_matmul_is_a_checked_execution_choice():

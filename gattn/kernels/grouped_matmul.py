@@ -6,7 +6,12 @@ come out zero. Two implementations, picked by name (exec.grouped_matmul):
     megablox    the Pallas TPU kernel jax ships (jax.experimental.pallas.ops.tpu.megablox): gmm
                 forward, gmm + tgmm backward under its custom_vjp; run in interpret mode off TPU
 
-megablox assumes the groups fill all rows, and rows a multiple of its row tile. So the padding
+Its tiles are MaxText's megablox defaults (tile_batch_seq 512, tile_activation_dim and
+tile_weight_dim 1024; `tiles`), not the kernel's own 128 x 128 x 128: a row tile streams its
+group's whole K x N weight from HBM, and every N tile streams the rows again, so on moe_15a2b's
+step (1M routed rows a chip a layer, K x N = 2048 x 704) 128-tiles read the rows 6x and the
+weights 8,192 times a layer (docs/presets.md, issue 58). megablox assumes the groups fill all rows,
+and rows a multiple of its row tile. So the padding
 is handed to it as one more group that has no weights: megablox skips it and zeroes its rows
 (the path it has for experts sharded over devices), and callers size their buffers with
 `padded_rows`. Its pallas_call gives its output no varying-mesh-axes type, so inside
@@ -21,7 +26,8 @@ from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 from gattn.config.checks import GROUPED_MATMULS
 from gattn.kernels.standin import enabled as standin_enabled
 
-TILE = 128  # megablox's default tile, the TPU's lane width
+TILE = 128  # the TPU's lane width: a K or N tile below the whole dimension is a multiple of it
+TILE_M, TILE_KN = 512, 1024  # MaxText's megablox tiles: rows; K and N (the whole dim when smaller)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -29,9 +35,23 @@ def _round_up(x: int, multiple: int) -> int:
 
 
 def row_tile(rows: int) -> int:
-    """megablox's row tile for `rows` rows: 128, or the rows rounded up to 16 (bf16's sublane
+    """megablox's row tile for `rows` rows: TILE_M, or the rows rounded up to 16 (bf16's sublane
     tile) when fewer."""
-    return min(TILE, _round_up(rows, 16))
+    return min(TILE_M, _round_up(rows, 16))
+
+
+def _dim_tile(size: int) -> int:
+    """A K or N tile: the whole dimension up to TILE_KN, else the largest multiple of TILE that
+    divides it and is at most TILE_KN (TILE when none does: megablox masks the last tile)."""
+    if size <= TILE_KN:
+        return size
+    return next((t for t in range(TILE_KN, TILE - 1, -TILE) if size % t == 0), TILE)
+
+
+def tiles(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """megablox's (tm, tk, tn) for one call of m rows, K and N (gmm's and tgmm's alike: the
+    backward calls it with K and N swapped, so each call gets tiles of its own)."""
+    return row_tile(m), _dim_tile(k), _dim_tile(n)
 
 
 def padded_rows(rows: int) -> int:
@@ -41,18 +61,15 @@ def padded_rows(rows: int) -> int:
 
 def megablox_dot(x_BxK: jax.Array, w_LxKxN: jax.Array, sizes_L: jax.Array, *, interpret: bool = False):
     """The grouped matmul by megablox; B must be `padded_rows(B)`. Output in x's dtype, like
-    ragged_dot's. K and N are tiled by 128 when both are at least that, else by the smaller one
-    (the backward pass swaps their roles, so one tile serves both)."""
-    b, k = x_BxK.shape
-    n = w_LxKxN.shape[2]
+    ragged_dot's. Each of its calls (gmm forward, gmm and tgmm backward) takes `tiles` of its own
+    shape."""
+    b = x_BxK.shape[0]
     if b != padded_rows(b):
         raise ValueError(f"megablox needs the rows ({b}) a multiple of its row tile: use padded_rows({b}) = "
                          f"{padded_rows(b)}")
-    tile = TILE if min(k, n) >= TILE else min(k, n)
     sizes = sizes_L.astype(jnp.int32)
     with_padding = jnp.concatenate([sizes, (b - jnp.sum(sizes))[None]])  # the last group: no weights
-    return megablox.gmm(x_BxK, w_LxKxN, with_padding, x_BxK.dtype, (row_tile(b), tile, tile),
-                        None, None, False, interpret)
+    return megablox.gmm(x_BxK, w_LxKxN, with_padding, x_BxK.dtype, tiles, None, None, False, interpret)
 
 
 def grouped_dot(kind: str, platform: str):
