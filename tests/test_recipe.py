@@ -210,7 +210,7 @@ def launch(train: list[str], log: Path, env: dict, stop_after_checkpoint: Path |
 
 @pytest.mark.slow
 def test_the_recipe_runs_end_to_end_at_tiny_scale(tmp_path):
-    """~2 minutes on 2 cores: Beam, then two 2-process runs of a 2-layer MoE."""
+    """~4 minutes on 2 shared cores: Beam, then two 2-process runs of a 2-layer MoE."""
     bucket = tmp_path / "bucket"
     tok = small_tokenizer(tmp_path / "qwen3")
     env = expand(VALUES, {"BUCKET": str(bucket), "TOKENIZER": str(tok)})
