@@ -102,6 +102,13 @@ VARIANTS = {
     "moe_15a2b_tiling8": ("qwen3-30b-a3b", 32, 4096, MOE_15A2B + ["num_vocab_tiling=8"]),
     "vocab_tiling8_minimal": ("qwen3-1.7b", 32, 4096, ["num_vocab_tiling=8", "remat_policy=minimal"]),
     "vocab_tiling8_none": ("qwen3-1.7b", 32, 4096, ["num_vocab_tiling=8", "remat_policy=none"]),
+    # MaxText's best dense configs beside gattn's (its remat_policy options on the batch of 1024 in
+    # 16 accumulated microbatches of 2 rows a chip, as dense_1p7b's): every dot saved (minimal),
+    # and with the attention's output too (minimal_with_context)
+    "ga16_minimal": ("qwen3-1.7b", 2, 4096, ["num_vocab_tiling=8", "remat_policy=minimal",
+                                             "gradient_accumulation_steps=16"]),
+    "ga16_minimal_with_context": ("qwen3-1.7b", 2, 4096, ["num_vocab_tiling=8", "remat_policy=minimal_with_context",
+                                                          "gradient_accumulation_steps=16"]),
     "moe_15a2b_ga8": ("qwen3-30b-a3b", 4, 4096, MOE_15A2B + ["gradient_accumulation_steps=8"]),
     "moe_15a2b_ep8_ga8": ("qwen3-30b-a3b", 4, 4096, MOE_15A2B + ["gradient_accumulation_steps=8",
                                                                  "ici_fsdp_parallelism=4", "ici_expert_parallelism=8"]),

@@ -216,6 +216,9 @@ def test_custom_calls_are_priced_from_their_estimate_a_formula_or_listed():
     assert out["hbm_bytes"] == 3 * 256 + 512 + 2 * 256 + 2 * 256  # dot; estimate; operand + output x 2
     assert [(c["name"], c["priced_by"], c["flops"], c["bytes"]) for c in out["custom_calls"]] == [
         ("mine", "formula", 1024, 512), ("attn", "cost_estimate", 1000, 512), ("other", "unpriced", 0, 512)]
+    # a formula may price the bytes too (a kernel that reads its operands several times)
+    again = flops.count_flops(CALLS, {"mine": lambda out, operands: (1024, 4096)})
+    assert again["hbm_bytes"] == out["hbm_bytes"] - 512 + 4096 and again["flops"] == out["flops"]
     short = flops.count(CALLS)
     assert short["custom_calls"][-1]["priced_by"] == "unpriced" and short["hbm_gib"] == 0.0
     assert set(short) == {"tflops", "by_kind", "hbm_gib", "unknown_trip_counts", "custom_calls"}

@@ -18,7 +18,9 @@ program's HLO is one device's), walks it as gattn/experiments/traffic.py does, a
     custom calls      Pallas TPU kernels (`tpu_custom_call`) from the `cost_estimate` that
                       `pallas_call(cost_estimate=pl.CostEstimate(...))` writes into the Mosaic
                       backend config ("cost_estimate"); a kernel named in `formulas` from that
-                      formula ("formula"); any other is counted 0 and listed ("unpriced")
+                      formula ("formula": its FLOPs, or (FLOPs, HBM bytes) where the kernel
+                      reads its operands more than once); any other is counted 0 and listed
+                      ("unpriced")
 
 Dots and elementwise ops inside fusion bodies count (a fusion's `calls=`, nested). Each while
 body and condition counts times its trip count (nested loops multiply through; a loop whose
@@ -263,7 +265,9 @@ def _custom_call(comp: Comp, ins: Instr, formulas: dict, tally: _Tally):
         flops, nbytes, priced_by = est.get("flops", 0.0), est.get("bytes_accessed", nbytes), "cost_estimate"
         tally.transcendentals += est.get("transcendentals", 0.0)
     elif formula is not None:
-        flops, priced_by = float(formula(ins.shape, [_shape(comp, o) for o in ins.operands])), "formula"
+        priced = formula(ins.shape, [_shape(comp, o) for o in ins.operands])
+        flops, nbytes = (priced if isinstance(priced, tuple) else (priced, nbytes))
+        flops, nbytes, priced_by = float(flops), float(nbytes), "formula"
     else:
         flops, priced_by = 0.0, "unpriced"
     tally.add("custom_call", flops)
@@ -334,8 +338,8 @@ def count_flops(hlo_text: str | os.PathLike, formulas: dict | None = None) -> di
     "bytes", "priced_by"}]} (a custom call's flops and bytes summed over its runs).
 
     `hlo_text`: `compiled.as_text()`, or the Path of an XLA dump. `formulas`: {kernel name or
-    custom_call_target: f(output shape, [operand shapes]) -> FLOPs of one run} for custom calls
-    that carry no cost estimate."""
+    custom_call_target: f(output shape, [operand shapes]) -> FLOPs of one run, or (FLOPs, HBM
+    bytes)} for custom calls that carry no cost estimate (bytes default to operands + output)."""
     if isinstance(hlo_text, os.PathLike):
         hlo_text = Path(hlo_text).read_text()
     comps, entry, _ = parse(hlo_text)
