@@ -397,13 +397,18 @@ def active() -> bool:
 
 
 def finished() -> None:
-    """This process ends normally: the others stop watching it."""
+    """This process ends normally: the others stop watching it. Returns once the watch thread
+    has left its last call into the coordination client: a daemon thread still inside that C++
+    call when the interpreter (and JAX's atexit shutdown of the client) ends it aborts the whole
+    process ("FATAL: exception not rethrown", SIGABRT) after a run that succeeded."""
     if _watch is not None:
         _watch.stopped.set()
         try:
             _watch.client.key_value_set(f"gattn/done/{_process}", "1", allow_overwrite=True)
         except Exception:  # noqa: BLE001
             pass
+        if _watch is not threading.current_thread():
+            _watch.join(timeout=2 * BEAT + 10)  # one call in flight at most; the store answers or fails
 
 
 def stop(error: BaseException, message: str, code: int) -> None:
