@@ -1,7 +1,8 @@
 """Train a model: python train.py --config configs/NAME.py --workdir DIR [--steps N] [--variant NAME]
                                   [--init-from RUN_DIR] [--config.FIELD=VALUE ...]
 
-Rerunning the same command in the same DIR resumes from the latest complete checkpoint. Writes
+Rerunning the same command in the same DIR resumes from the latest complete checkpoint. --steps
+below the config's warmup scales the warmup down with it (one note line says so). Writes
 DIR/metrics.jsonl, DIR/tensorboard/, DIR/checkpoints/ and DIR/summary.json. --init-from starts a
 new run from another run's parameters (continued training, e.g. configs/extend_tiny.py).
 --resume-step N resumes from an earlier saved step (a divergence stop names the one to use; a plain
@@ -11,8 +12,10 @@ Errors are one line (exit 2: a usage error; exit 1: a runtime failure); --debug 
 """
 
 import argparse
+import sys
 
 from gattn import cli
+from gattn.config.train import fit_warmup
 
 
 def main(argv=None):
@@ -37,11 +40,15 @@ def main(argv=None):
     args, overrides = cli.parse_args(ap, argv, steps_set_train_steps=True)
     if args.init_from:
         overrides.append(f"train.init_from={args.init_from}")
-    cfg = cli.load(args.config, overrides, variant=args.variant)
+    warmup, note = fit_warmup(cli.load(args.config).train, overrides) if args.steps is not None else ([], "")
+    cfg = cli.load(args.config, overrides + warmup, variant=args.variant)
     cli.check_workdir(args.workdir)  # gs:// without gcsfs: one line now, not an ImportError later
     cli.start_distributed(args)  # one process, or all of a pod slice's (docs/pod-slice.md)
 
     from gattn.train import hosts, trainer  # noqa: PLC0415 (config errors come before any JAX import)
+
+    if note and hosts.primary():  # --steps below the config's warmup: the warmup shrank with it
+        print(note, file=sys.stderr, flush=True)
 
     # A diverged run, unreadable checkpoints or a failed save raise cli.Failure: one line, exit 1.
     summary = trainer.train(cfg, args.workdir, progress=not args.quiet, resume_step=args.resume_step,

@@ -297,7 +297,7 @@ def test_a_warmup_longer_than_the_run_names_the_flags_that_fix_it():
     """(It said only 'expected fewer than steps (5)'.)"""
     from gattn import cli
 
-    with pytest.raises(ConfigError, match=r"fewer than steps \(5\): --config.train.warmup_steps=N sets it, "
+    with pytest.raises(ConfigError, match=r"fewer warmup steps than train.steps \(5\): --config.train.warmup_steps=N sets it, "
                                           r"or raise --steps"):
         cli.load("tiny", ["train.steps=5"])
     with pytest.raises(ConfigError, match=r"lr_preset sets it; choose your own with --config.train.lr_preset=''"):

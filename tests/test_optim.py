@@ -213,4 +213,4 @@ def test_a_continuation_is_checked_field_by_field():
     assert e.value.field == "continue_step" and "extend='constant' or 'decay'" in e.value.allowed
     with pytest.raises(ConfigError) as e:
         TrainConfig(steps=50, extend="constant", continue_step=50)
-    assert e.value.field == "continue_step" and "fewer than steps (50)" in e.value.allowed
+    assert e.value.field == "continue_step" and "expected < train.steps (50)" in e.value.allowed

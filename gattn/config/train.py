@@ -92,7 +92,7 @@ class TrainConfig:
             raise ConfigError("continue_step", self.continue_step, "0 with extend='recompute' (a continuation "
                               "is extend='constant' or 'decay' from that update)")
         if self.continue_step >= self.steps:
-            raise ConfigError("continue_step", self.continue_step, f"fewer than steps ({self.steps})")
+            raise ConfigError("continue_step", self.continue_step, f"expected < train.steps ({self.steps})")
         if self.lr_preset:
             _choice("lr_preset", self.lr_preset, tuple(LR_PRESETS))
             # The preset sets the schedule: a value given beside it would be ignored silently.
@@ -108,8 +108,8 @@ class TrainConfig:
         if warmup >= self.steps:
             fix = ("lr_preset sets it; choose your own with --config.train.lr_preset='' "
                    "--config.train.warmup_steps=N") if self.lr_preset else "--config.train.warmup_steps=N sets it"
-            raise ConfigError("warmup_steps", warmup, f"fewer than steps ({self.steps}): {fix}, or raise "
-                              "--steps (train.steps)")
+            raise ConfigError("warmup_steps", warmup, f"expected fewer warmup steps than train.steps ({self.steps}): "
+                              f"{fix}, or raise --steps (train.steps)")
 
     @property
     def schedule(self) -> tuple[float, float, int]:
@@ -117,3 +117,29 @@ class TrainConfig:
         if self.lr_preset:
             return LR_PRESETS[self.lr_preset]
         return self.learning_rate, self.min_learning_rate, self.warmup_steps
+
+
+def fit_warmup(train: TrainConfig, overrides: list[str]) -> tuple[list[str], str]:
+    """For a run given fewer steps (`--steps N`, train.steps=N) than its config's warmup: the
+    overrides that scale the warmup with the steps (the config's share of its own steps; a
+    preset's LR values spelled out) and a one-line note. ([], "") when the warmup fits, or the
+    command line sets the schedule itself (warmup_steps, lr_preset or the whole train section)."""
+    given = {o.removeprefix("--").removeprefix("config.").partition("=")[0].strip(): o.partition("=")[2].strip()
+             for o in overrides}
+    if given.keys() & {"train", "train.warmup_steps", "train.lr_preset"}:
+        return [], ""
+    try:
+        steps = int(given["train.steps"])
+    except (KeyError, ValueError):  # (a bad value is the override's own error)
+        return [], ""
+    peak, floor, warmup = train.schedule
+    if warmup < steps or steps < 1:
+        return [], ""
+    fitted = min(steps - 1, max(1, warmup * steps // train.steps))
+    out, how = [f"train.warmup_steps={fitted}"], f"the config's {warmup} of {train.steps}, scaled"
+    if train.lr_preset:
+        values = (("learning_rate", peak), ("min_learning_rate", floor))
+        out = ["train.lr_preset=", *(f"train.{k}={v!r}" for k, v in values if f"train.{k}" not in given), *out]
+        how += f"; lr_preset {train.lr_preset!r} spelled out: max LR {peak:g}, final {floor:g}"
+    return out, (f"note: train.warmup_steps {warmup} -> {fitted} for {steps} steps ({how}); "
+                 "--config.train.warmup_steps=N sets it")

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from gattn import cli
+from gattn.config.train import fit_warmup
 from gattn.experiments import study as study_lib
 from gattn.experiments.study.runner import MEASURED
 
@@ -35,9 +37,15 @@ def main(argv=None):
     ap.add_argument("--workdir", default="workdir/main")
     ap.add_argument("--config", default="configs/tiny.py")
     ap.add_argument("--variants", default="baseline,sdpa_elementwise")
-    ap.add_argument("--steps", type=int, help="training steps per variant (sets train.steps)")
+    ap.add_argument("--steps", type=int, help="training steps per variant (sets train.steps; a warmup as "
+                    "long is scaled down with it)")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args, overrides = cli.parse_args(ap, argv, steps_set_train_steps=True)
+    if args.steps is not None:  # below the config's warmup, the warmup shrinks with the steps
+        warmup, note = fit_warmup(cli.load(args.config).train, overrides)
+        overrides += warmup
+        if note:
+            print(note, file=sys.stderr, flush=True)
     study = study_lib.comparison(args.config, args.variants.split(","), overrides, description="the main job",
                                  sink_points=2, measure_batches=1)
     t = study.base.train
