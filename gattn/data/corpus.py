@@ -13,6 +13,7 @@ data.decode_errors="replace" asks for it (and the count is reported).
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import hashlib
 import json
 import sys
@@ -42,15 +43,66 @@ class Document:
     domain: str
     text: str
     replaced_bytes: int = 0  # invalid UTF-8 bytes decoded as U+FFFD (data.decode_errors="replace")
+    moved: bool = False  # the hash's split turned over, so that its domain keeps both (`balance`)
 
     @property
     def split(self) -> str:
-        """'validation' for a stable ~`HELD_OUT_PERCENT`% of documents (by id hash), else 'train'."""
-        bucket = int(hashlib.sha256(self.id.encode()).hexdigest()[:8], 16) % 100
-        return "validation" if bucket < HELD_OUT_PERCENT else "train"
+        """'validation' for a stable ~`HELD_OUT_PERCENT`% of documents (by id hash), else 'train';
+        the other one for a document `balance` moved."""
+        held = _bucket(self.id) < HELD_OUT_PERCENT
+        return "validation" if held != self.moved else "train"
 
 
 HELD_OUT_PERCENT = 10
+HELD_OUT_RULE = (f"~{HELD_OUT_PERCENT}% of the documents, chosen by a hash of each document's id; a domain of "
+                 "2 or more documents keeps one of each split: the document the hash ranks nearest the other "
+                 "split moves (gattn/data/corpus.py, balance)")
+
+
+def _bucket(doc_id: str) -> int:
+    return int(hashlib.sha256(doc_id.encode()).hexdigest()[:8], 16) % 100
+
+
+# The split of a small corpus, balanced per domain: the hash alone leaves a domain of 20
+# documents with no held-out one about 1 time in 8 (0.9^20). A domain's `tally` is mergeable in
+# any order (prepare.py combines it on Beam workers), and it alone decides which documents move,
+# so the text path and the shards path hold out the same documents, and a corpus that the hash
+# balances already keeps its split (and its fingerprint) unchanged.
+def tally(doc_id: str) -> tuple:
+    """One document's share of its domain's tally: (documents, held out by the hash, the training
+    document nearest the held-out split, the held-out one farthest from it), ranks (bucket, id)."""
+    rank = (_bucket(doc_id), doc_id)
+    held = rank[0] < HELD_OUT_PERCENT
+    return 1, int(held), None if held else rank, rank if held else None
+
+
+def merge(tallies) -> tuple:
+    """The tally of the documents of several tallies (associative and commutative, for Beam)."""
+    tallies = list(tallies)
+    nearest = [t[2] for t in tallies if t[2] is not None]
+    farthest = [t[3] for t in tallies if t[3] is not None]
+    return (sum(t[0] for t in tallies), sum(t[1] for t in tallies), min(nearest, default=None),
+            max(farthest, default=None))
+
+
+def moved_ids(t: tuple) -> list[str]:
+    """The ids whose split a domain of tally `t` turns over: none, or one."""
+    documents, held, nearest, farthest = t
+    if documents < 2:  # one document: the hash's split (`check` warns of the split it lacks)
+        return []
+    if held == 0:
+        return [nearest[1]]
+    if held == documents:
+        return [farthest[1]]
+    return []
+
+
+def balance(index) -> frozenset[str]:
+    """The ids of the documents that move split, from (id, domain) of every document."""
+    domains: dict[str, tuple] = {}
+    for doc_id, domain in index:
+        domains[domain] = merge([domains[domain], tally(doc_id)]) if domain in domains else tally(doc_id)
+    return frozenset(i for t in domains.values() for i in moved_ids(t))
 
 
 # A run that reads the embedded corpus more often than this needs a corpus of its own: a paper
@@ -189,7 +241,7 @@ def file_documents(path, rel, decode_errors: str = "strict") -> Iterator[Documen
     """The documents of one corpus file (a pathlib or etils.epath path; `rel`: its path under
     the corpus folder, which names its documents and a .txt file's domain)."""
     if path.suffix == ".txt":
-        domain = rel.parts[0] if len(rel.parts) > 1 else "text"
+        domain = _txt_domain(rel)
         raw, start = _read(path)
         text, replaced = decode(raw, str(path), decode_errors, start)
         yield Document(str(rel), domain, text, replaced)
@@ -197,14 +249,40 @@ def file_documents(path, rel, decode_errors: str = "strict") -> Iterator[Documen
         yield from _jsonl_documents(path, rel, decode_errors)
 
 
+def _txt_domain(rel) -> str:
+    """A .txt file's domain: the first sub-folder on its path, "text" at the top of the corpus."""
+    return rel.parts[0] if len(rel.parts) > 1 else "text"
+
+
 MAX_CHARS = 10_000  # pieces of a long document encoded at once where exact (tokenizer.document_encoder)
 
 
 def documents(source: str, code_max_bytes: int, decode_errors: str = "strict") -> Iterator[Document]:
-    """Every document of `source` ('embedded' or a folder path), in a fixed order."""
+    """Every document of `source` ('embedded' or a folder path), in a fixed order, its split
+    balanced per domain (`balance`: a first pass over the ids, which reads no .txt file)."""
+    moved = balance(_index(source, code_max_bytes, decode_errors))
+    for doc in _documents(source, code_max_bytes, decode_errors):
+        yield dataclasses.replace(doc, moved=True) if doc.id in moved else doc
+
+
+def _documents(source: str, code_max_bytes: int, decode_errors: str) -> Iterator[Document]:
     if source == EMBEDDED:
         return embedded_documents(code_max_bytes)
     return folder_documents(Path(source).expanduser(), decode_errors)
+
+
+def _index(source: str, code_max_bytes: int, decode_errors: str) -> Iterator[tuple[str, str]]:
+    """(id, domain) of every document: a .txt file's from its path alone."""
+    folder = Path(source).expanduser()
+    if source == EMBEDDED or not folder.is_dir():  # (a missing folder: said by `folder_documents`)
+        yield from ((d.id, d.domain) for d in _documents(source, code_max_bytes, decode_errors))
+        return
+    for path in sorted(p for p in folder.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file()):
+        rel = path.relative_to(folder)
+        if path.suffix == ".txt":
+            yield str(rel), _txt_domain(rel)
+        else:
+            yield from ((d.id, d.domain) for d in _jsonl_documents(path, rel, decode_errors))
 
 
 def fingerprint(source: str, code_max_bytes: int, decode_errors: str = "strict") -> str:
@@ -221,6 +299,7 @@ def fingerprints(source: str, code_max_bytes: int, decode_errors: str = "strict"
     h, legacy = hashlib.sha256(), hashlib.sha256()
     stats: dict[str, list[int]] = {}  # domain -> [train docs, held-out docs, characters]
     replaced = [0, 0]  # bytes, documents
+    moved = []
     for doc in documents(source, code_max_bytes, decode_errors):
         text = hashlib.sha256(doc.text.encode()).digest()
         legacy.update(doc.id.encode())
@@ -232,6 +311,10 @@ def fingerprints(source: str, code_max_bytes: int, decode_errors: str = "strict"
         counts[2] += len(doc.text)
         replaced[0] += doc.replaced_bytes
         replaced[1] += doc.replaced_bytes > 0
+        moved += [doc.id] * doc.moved
+    if moved:  # the split is part of the data (caches and runs are keyed by it); unmoved: as before
+        for each in (h, legacy):
+            each.update(json.dumps({"moved": moved}).encode())
     name = h.hexdigest()[:12]
     check(source, name, stats, replaced)
     return name, legacy.hexdigest()[:12]
@@ -240,19 +323,43 @@ def fingerprints(source: str, code_max_bytes: int, decode_errors: str = "strict"
 _reported: set[str] = set()  # corpora already reported on by this process
 
 
+class CorpusProblems(DataError):
+    """Every problem the corpus checks found, said at once in one line: (problem, what fixes it)
+    pairs. `also` adds one found later (the tokenizer's vocabulary, gattn/data/tokenizer.py)."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source, self.problems = source, list(problems)
+        where = f"data.source={source!r}"
+        if len(problems) == 1:
+            super().__init__(where, *problems[0])
+        else:
+            ValueError.__init__(self, f"{where}: {len(problems)} problems: "
+                                + "; ".join(f"({i}) {p}: {fix}" for i, (p, fix) in enumerate(problems, 1)))
+            self.field, self.value, self.allowed = "data.source", where, "fix each of them"
+
+    def also(self, problem: tuple[str, str] | None) -> "CorpusProblems":
+        return self if problem is None else CorpusProblems(self.source, [*self.problems, problem])
+
+
 def check(source: str, name: str, stats: dict[str, list[int]], replaced: list[int]) -> None:
-    """An empty domain is an error; a domain without held-out (or without training) documents,
-    and replaced bytes, are reported once per process on stderr."""
-    for domain, (_, _, chars) in sorted(stats.items()):
-        if chars == 0:
-            raise DataError(f"data.source={source!r}", f"domain {domain!r} holds no text",
-                            "give each domain some text, or remove its empty documents")
+    """Empty domains, and a split with no document at all, are errors, all said at once
+    (`CorpusProblems`); a domain without held-out (or without training) documents, and replaced
+    bytes, are reported once per process on stderr."""
+    problems = []
+    empty = [d for d, (_, _, chars) in sorted(stats.items()) if chars == 0]
+    if empty:
+        names = ", ".join(map(repr, empty))
+        problems.append((f"domain {names} holds no text" if len(empty) == 1 else f"domains {names} hold no text",
+                         "give each domain some text, or remove its empty documents"))
     for i, split in enumerate(("training", "held-out")):  # a split the dataset cannot be written without
         if stats and not any(counts[i] for counts in stats.values()):
             n = sum(c[0] + c[1] for c in stats.values())
-            raise DataError(f"data.source={source!r}", f"none of its {n} documents is in the {split} split "
-                            f"(~{HELD_OUT_PERCENT}% are held out, chosen by a hash of each document's id)",
-                            "give it more documents, e.g. split the text into more files or .jsonl lines")
+            problems.append((f"none of its {n} documents is in the {split} split (~{HELD_OUT_PERCENT}% are held "
+                             "out, chosen by a hash of each document's id; a domain of 2 or more documents keeps "
+                             "one of each split)",
+                             "give it more documents, e.g. split the text into more files or .jsonl lines"))
+    if problems:
+        raise CorpusProblems(source, problems)
     if name in _reported:
         return
     _reported.add(name)
@@ -296,6 +403,6 @@ def describe(report: dict, where: str) -> str:
     lines = [f"corpus report, data.source={report['data_source']!r} ({where}):"]
     lines += ["  " + "  ".join([r[0].ljust(w[0]), *(x.rjust(n) for x, n in zip(r[1:], w[1:]))])
               for r in [head, *rows]]
-    lines.append(f"  held out: ~{HELD_OUT_PERCENT}% of the documents, chosen by a hash of each one's id; "
-                 f"tokens: {report['tokens_are']}, as training reads them")
+    lines.append(f"  held out: ~{HELD_OUT_PERCENT}% of the documents, chosen by a hash of each one's id (a domain "
+                 f"of 2 or more keeps one of each split); tokens: {report['tokens_are']}, as training reads them")
     return "\n".join(lines)

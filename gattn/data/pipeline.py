@@ -227,8 +227,7 @@ def prepare(cfg, workdir: Path, tokenizer=None) -> None:
     data, tokenizer = cfg.data, tokenizer if tokenizer is not None else _run_tokenizer(cfg, workdir)
     tokenize = _tokenize(tokenizer, data.bos)
     report = {"data_source": data.source, **key, "tokenizer_pieces": tokenizer.get_piece_size(),
-              "held_out_rule": f"~{corpus.HELD_OUT_PERCENT}% of the documents, chosen by a hash of each "
-                               "document's id (gattn/data/corpus.py, Document.split)",
+              "held_out_rule": corpus.HELD_OUT_RULE,
               "tokens_are": "each document's ids + EOS" + (", after a BOS" if data.bos else ""),
               **corpus.count(corpus.documents(data.source, data.code_max_bytes, data.decode_errors),
                              lambda text: len(tokenize({"text": text})["tokens"]))}

@@ -5,8 +5,9 @@
 
 The corpus is read as training reads it (gattn/data/corpus.py: a folder of .txt / .jsonl files,
 one such file, or "embedded"; gs:// through etils.epath), with the same held-out rule
-(`corpus.Document.split`). Each document's ids, exactly those the text path encodes from it
-(`tokenizer.document_encoder`: `tokenizer.encode` of the whole text), are stored as one record.
+(`corpus.Document.split`, balanced per domain as `corpus.balance` does). Each document's ids,
+exactly those the text path encodes from it (`tokenizer.document_encoder`: `tokenizer.encode` of
+the whole text), are stored as one record.
 The runner is Beam's: the DirectRunner with --workers local processes by default; any other Beam
 option (e.g. --runner=DataflowRunner ...) goes to Beam as it is (docs/training.md#real-corpora).
 A document's file and its place in it depend only on its id, so any number of workers writes the
@@ -82,7 +83,7 @@ class Encode:
         self.tokenizer_file, self.num_shards, self.max_chars = tokenizer_file, num_shards, max_chars
         self.encode = None
 
-    def __call__(self, doc):
+    def __call__(self, doc, moved=()):
         import numpy as np  # noqa: PLC0415
 
         if self.encode is None:
@@ -90,11 +91,23 @@ class Encode:
                                            self.max_chars)
         doc_id, domain, text, replaced = doc
         ids = np.asarray(self.encode(text), np.int32)
-        split = corpus.Document(doc_id, domain, "").split
+        split = corpus.Document(doc_id, domain, "", moved=doc_id in moved).split
         digest = hashlib.sha256(hashlib.sha256(json.dumps([doc_id, domain]).encode()).digest()
                                 + hashlib.sha256(text.encode()).digest()).digest()
         key = (split, domain if split == "validation" else "", shard_of(doc_id, self.num_shards))
         yield key, (doc_id, domain, ids.tobytes(), len(text.encode()), replaced, digest)
+
+
+def _encode(doc, encode: Encode, moved: list[str]):
+    yield from encode(doc, moved)  # (Beam passes a side input to a function, not to a callable object)
+
+
+def _tally(doc) -> tuple:
+    return doc[1], corpus.tally(doc[0])  # (domain, the document's share of its tally)
+
+
+def _moved(domain_tally) -> list[str]:
+    return corpus.moved_ids(domain_tally[1])
 
 
 def write_shard(keyed, out: str, num_shards: int) -> dict:
@@ -133,13 +146,20 @@ def write_stats(files: list, out: str) -> None:
 
 def pipeline(p, files: list, tokenizer_file: str, out: str, num_shards: int, max_chars: int,
              decode_errors: str, code_max_bytes: int):
-    """The Beam graph: files -> documents -> ids -> one file per (split, domain, shard) -> stats."""
+    """The Beam graph: files -> documents -> ids -> one file per (split, domain, shard) -> stats;
+    beside it, each domain's tally of ids -> the documents whose split moves (`corpus.balance`)."""
     import apache_beam as beam  # noqa: PLC0415
 
-    return (p
+    docs = (p
             | "files" >> beam.Create(files)
-            | "read" >> beam.FlatMap(read_documents, decode_errors, code_max_bytes)
-            | "encode" >> beam.FlatMap(Encode(tokenizer_file, num_shards, max_chars))
+            | "read" >> beam.FlatMap(read_documents, decode_errors, code_max_bytes))
+    moved = (docs
+             | "tally" >> beam.Map(_tally)
+             | "per domain" >> beam.CombinePerKey(corpus.merge)
+             | "moved" >> beam.FlatMap(_moved))
+    return (docs
+            | "encode" >> beam.FlatMap(_encode, Encode(tokenizer_file, num_shards, max_chars),
+                                       beam.pvalue.AsList(moved))
             | "group" >> beam.GroupByKey()
             | "write" >> beam.Map(write_shard, out, num_shards)
             | "collect" >> beam.combiners.ToList()
@@ -201,8 +221,7 @@ def manifest(source: str, files: list, tokenizer_file: epath.Path, out: epath.Pa
         "tokenizer": str(tokenizer_file.relative_to(out)), "tokenizer_sha256": hashlib.sha256(
             tokenizer_file.read_bytes()).hexdigest(), "tokenizer_pieces": tok.get_piece_size(),
         "eos_id": tok.eos_id(), "bos_id": tok.bos_id(), "max_chars": max_chars, "num_shards": num_shards,
-        "held_out_rule": f"~{corpus.HELD_OUT_PERCENT}% of the documents, chosen by a hash of each document's id "
-                         "(gattn/data/corpus.py, Document.split)",
+        "held_out_rule": corpus.HELD_OUT_RULE,
         "tokens_are": "each document's ids + EOS",
         "counts": {"domains": dict(sorted(domains.items())), "total": total},
         "files": [{k: f[k] for k in ("path", "split", "domain", "records", "tokens", "bytes", "sha256")}

@@ -93,6 +93,29 @@ def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Pat
                     decode_errors: str = "strict") -> Path:
     """BPE with byte fallback (so code, whitespace and any Unicode round-trip) on the train split;
     one warning line on stderr when the text is small for the vocabulary (`MIN_BYTES_PER_PIECE`)."""
+    model, size = _trained(source, code_max_bytes, vocab_size, decode_errors)
+    if size < MIN_BYTES_PER_PIECE * vocab_size:
+        fits = size // MIN_BYTES_PER_PIECE
+        smaller = f"model.vocab_size <= {fits}" if fits >= 260 else "the smallest model.vocab_size, 260,"
+        print(f"warning: trained a {vocab_size}-piece tokenizer on {size / 1e3:,.0f} KB of text "
+              f"({size / vocab_size:.0f} bytes per piece, under {MIN_BYTES_PER_PIECE}; data.source={source!r}): "
+              f"many pieces are rare, their embeddings barely trained; {smaller} or more text would "
+              "fix it", file=sys.stderr, flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # atomic: a killed run never leaves a half-written model behind; the name is this process's
+    # own, for processes that train the same tokenizer side by side (a study's --part K/N)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_bytes(model.getvalue())
+    try:
+        tmp.rename(path)
+    except FileExistsError:  # another process trained it meanwhile: the first one stands
+        tmp.unlink()
+    return path
+
+
+def _trained(source: str, code_max_bytes: int, vocab_size: int, decode_errors: str) -> tuple[io.BytesIO, int]:
+    """(the SentencePiece model trained on the train split, the bytes of text it read); a
+    vocabulary larger than this text allows is a ConfigError naming model.vocab_size."""
     size = [0]  # bytes of training text, counted as the trainer reads it
 
     def lines():
@@ -111,23 +134,27 @@ def train_tokenizer(source: str, code_max_bytes: int, vocab_size: int, path: Pat
         raise ConfigError("model.vocab_size", vocab_size,
                           f"at most {most.group(1)} to train a tokenizer on this corpus (data.source={source!r}): "
                           "a smaller vocabulary, a larger corpus, or a trained tokenizer (data.tokenizer)") from None
-    if size[0] < MIN_BYTES_PER_PIECE * vocab_size:
-        fits = size[0] // MIN_BYTES_PER_PIECE
-        smaller = f"model.vocab_size <= {fits}" if fits >= 260 else "the smallest model.vocab_size, 260,"
-        print(f"warning: trained a {vocab_size}-piece tokenizer on {size[0] / 1e3:,.0f} KB of text "
-              f"({size[0] / vocab_size:.0f} bytes per piece, under {MIN_BYTES_PER_PIECE}; data.source={source!r}): "
-              f"many pieces are rare, their embeddings barely trained; {smaller} or more text would "
-              "fix it", file=sys.stderr, flush=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # atomic: a killed run never leaves a half-written model behind; the name is this process's
-    # own, for processes that train the same tokenizer side by side (a study's --part K/N)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    tmp.write_bytes(model.getvalue())
+    return model, size[0]
+
+
+def vocabulary_problem(cfg) -> tuple[str, str] | None:
+    """For a corpus with other problems (`corpus.CorpusProblems`), whether the tokenizer gattn
+    would train on it can have model.vocab_size pieces, so that a first run says every problem
+    at once: a (problem, fix) pair, or None. Tried only on text small for the vocabulary
+    (`MIN_BYTES_PER_PIECE`), where too large a vocabulary happens and the training takes seconds."""
+    data, vocab = cfg.data, cfg.model.vocab_size
+    if data.tokenizer or data.source.startswith((TFDS, SHARDS)) or data.source in (BACKCOPY, record.SYNTHETIC):
+        return None
+    docs = [d for d in corpus.documents(data.source, data.code_max_bytes, data.decode_errors) if d.split == "train"]
+    if not docs or sum(len(d.text.encode()) for d in docs) >= MIN_BYTES_PER_PIECE * vocab:
+        return None
     try:
-        tmp.rename(path)
-    except FileExistsError:  # another process trained it meanwhile: the first one stands
-        tmp.unlink()
-    return path
+        _trained(data.source, data.code_max_bytes, vocab, data.decode_errors)
+    except ConfigError as e:
+        if e.field != "model.vocab_size":
+            raise
+        return f"model.vocab_size = {vocab} is too large", e.allowed
+    return None
 
 
 def _train_spm(lines, model, vocab_size: int) -> None:
@@ -382,7 +409,10 @@ def load_tokenizer(cfg, workdir: Path, *, fresh: bool = False, path: Path | None
     processor, trained on first use when it is the cached one, or a Hugging Face tokenizer.json
     (`HFTokenizer`). Unless `fresh`, a file that is not the one the run recorded is refused
     (`record.verify`)."""
-    path = tokenizer_path(cfg, workdir, fresh=fresh) if path is None else Path(path)
+    try:
+        path = tokenizer_path(cfg, workdir, fresh=fresh) if path is None else Path(path)
+    except corpus.CorpusProblems as e:  # with the vocabulary's, if it is one too: all at once
+        raise e.also(vocabulary_problem(cfg)) from None
     if cfg.data.source == BACKCOPY:
         if not path.is_file():
             path.parent.mkdir(parents=True, exist_ok=True)
