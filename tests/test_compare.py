@@ -113,7 +113,7 @@ def test_compare_remeasures_results_of_other_settings_and_says_why(tmp_path, pat
     assert said["reusing same"]
     assert said["re-measuring fewer_batches"] == (
         "re-measuring fewer_batches: its results.json was measured over 1 batch per domain, "
-        "this comparison asks for all 4 batches per domain")
+        "this comparison asks for all (up to 4) batches per domain")
     assert ("measured at step 60, this comparison asks for step 100 (the latest checkpoint)"
             in said["re-measuring older_step"])
     assert ("with sink_threshold = 0.5, this comparison asks for sink_threshold = 0.3"

@@ -52,7 +52,7 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     tokenizer = load_tokenizer(cfg, workdir)
     batches = pipeline.validation_batches(cfg, tokenizer, workdir)
     graphdef, params = nnx.split(model, nnx.Param)
-    say(f"{workdir.name}: step {step}: perplexity over {sum(map(len, batches.values()))} held-out batches")
+    say(perplexity_line(workdir.name, step, batches, cfg))
     # Under the run's mesh, as training validated: the same attention kernel and MoE path.
     val = trainer.validate(trainer.make_eval_step(graphdef), params, batches, sharding.make_mesh(cfg.mesh))
     domains = sorted(batches)
@@ -81,6 +81,20 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     if figures:
         results["figures"] = [str(p) for p in write_figures(results, out_dir) if p]
     return results
+
+
+def perplexity_line(name: str, step: int, batches: dict[str, list], cfg) -> str:
+    """The progress line of the perplexity pass, its batches counted per domain as --max-batches
+    and the reuse lines count them: a domain with little held-out text has fewer than
+    data.eval_batches."""
+    counts, most = {d: len(b) for d, b in sorted(batches.items())}, cfg.data.eval_batches
+    lo, hi = min(counts.values()), max(counts.values())
+    n = f"{lo}" if lo == hi else f"{lo} to {hi}"
+    head = f"{name}: step {step}: perplexity over {n} held-out batch{'' if hi == 1 else 'es'} per domain"
+    if lo != hi:
+        return head + f" ({', '.join(f'{d} {c}' for d, c in counts.items())}; data.eval_batches = {most})"
+    return head + f" ({', '.join(counts)})" + (f", all their held-out text: fewer than data.eval_batches = {most}"
+                                               if hi < most else "")
 
 
 def _announced(batches: list, what: str, say):
@@ -133,7 +147,9 @@ def _setting(s: dict, key: str, measured: bool) -> str:
     if key == "step":
         return f"at step {v}" if measured else f"step {v} (the latest checkpoint)"
     if key == "batches_per_domain":
-        n = ("all " if v == s.get("eval_batches") and v != 1 else "") + f"{v} batch" + ("" if v == 1 else "es")
+        # "up to": a domain with less held-out text has fewer batches (`perplexity_line` counts them)
+        every = v == s.get("eval_batches") and v != 1
+        n = f"all (up to {v}) batches" if every else f"{v} batch" + ("" if v == 1 else "es")
         return ("over " if measured else "") + n + " per domain"
     if key == "overrides":
         return ("with " if measured else "") + (" ".join(v) if v else "no overrides")
@@ -226,6 +242,8 @@ def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, ov
     workdirs = [Path(w) for w in workdirs]
     cfgs = {w: rundir.load_config(w, overrides) for w in workdirs}  # (overrides refused before any measuring)
     latest = {w: max(checkpoint.saved_steps(w)) for w in workdirs}
+    if (line := steps_warning(workdirs, cfgs, latest)) is not None:
+        say(line)
     found = {w: _read_json(w / "eval" / "results.json") for w in workdirs}
     options = eval_kwargs.get("options")
     if eval_kwargs.get("max_batches") is None:
@@ -261,6 +279,30 @@ def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, ov
     write_comparison_figures(runs, {n: loss_curves(w) for n, w in dirs.items()}, out_dir,
                              figures=eval_kwargs.get("figures", True))
     return text
+
+
+def steps_warning(workdirs: list[Path], cfgs: dict, latest: dict) -> str | None:
+    """One line naming the step each run is compared at, when they differ or a run's train.py is
+    still running (its lock.json held: gattn/train/lease.py); None when the runs all end at one
+    step. A comparison of a finished run with one at its first checkpoint is no comparison."""
+    from gattn.train import lease  # noqa: PLC0415
+
+    parts, training = [], False
+    for w in workdirs:
+        holder = _read_json(w / lease.LOCK) if (w / lease.LOCK).is_file() else None
+        steps = cfgs[w].train.steps
+        if holder and not lease.stale(holder):
+            training = True
+            parts.append(f"{w.name} at step {latest[w]} of {steps} (still training: {lease.LOCK} held by "
+                         f"{holder.get('host')} pid {holder.get('pid')})")
+        elif latest[w] < steps:
+            parts.append(f"{w.name} at step {latest[w]} of {steps} (stopped before its last step)")
+        else:
+            parts.append(f"{w.name} at step {latest[w]} (its last)")
+    if not training and len(set(latest.values())) == 1:
+        return None
+    return ("warning: comparing " + ", ".join(parts) + ": each run's row is its newest checkpoint's"
+            + ("; rerun --compare once training ends" if training else ""))
 
 
 def write_comparison_figures(runs: dict[str, dict], curves: dict[str, dict], out_dir: Path, *,

@@ -14,12 +14,14 @@ import numpy as np
 from matplotlib.figure import Figure  # no pyplot: no global backend is touched (notebooks keep theirs)
 from matplotlib.ticker import MaxNLocator
 
-PER_LAYER = (("m_act", "M-Act: max |hidden state| (log scale)", True),
-             ("m_act_per_token", "M-Act per token: mean of each token's max |hidden|", True),
-             ("ffn_act", "FFN-Act: max |FFN output| (Fig. 6, log scale)", True),
-             ("f_attn", "F-Attn: attention on the first token", False),
-             ("sink_head_share", "F-Attn sink heads (F-Attn > threshold)", False),
-             ("gate_score", "mean gate score", False))
+# The per-layer panels: (key, title, y label, log scale), drawn as a grid of PER_LAYER_COLUMNS.
+PER_LAYER = (("m_act", "M-Act (log scale)", "max |hidden state|", True),
+             ("m_act_per_token", "M-Act per token (log scale)", "mean of each token's max |h|", True),
+             ("ffn_act", "FFN-Act, Fig. 6 (log scale)", "max |FFN output|", True),
+             ("f_attn", "F-Attn", "attention on the first token", False),
+             ("sink_head_share", "F-Attn sink heads", "share of heads over threshold", False),
+             ("gate_score", "gate score", "mean gate score", False))
+PER_LAYER_COLUMNS = 3
 
 
 # Per run: a marker, a line style and a marker size that shrinks with each run drawn later, so
@@ -46,11 +48,14 @@ def _values(rows: list[dict], key: str) -> np.ndarray:
 
 
 def per_layer(runs: dict[str, dict], path: Path, title: str = "") -> Path:
-    """One panel per quantity, one line per run (name -> measurements; `run_style`); gate scores
-    only for the gated runs. In the sink-head panel the runs are dodged along x (`dodge`) and
-    the panel has its own legend."""
-    fig, axes = _subplots(1, len(PER_LAYER), figsize=(4.2 * len(PER_LAYER), 3.6))
-    for ax, (key, label, log) in zip(axes, PER_LAYER):
+    """One panel per quantity in a grid of `PER_LAYER_COLUMNS` (`PER_LAYER`: title, y label), one
+    line per run (name -> measurements; `run_style`); gate scores only for the gated runs. In the
+    sink-head panel the runs are dodged along x (`dodge`) and the panel has its own legend."""
+    lines = -(-len(PER_LAYER) // PER_LAYER_COLUMNS)  # rows of panels
+    fig, axes = _subplots(lines, PER_LAYER_COLUMNS, figsize=(4.4 * PER_LAYER_COLUMNS, 3.4 * lines + 0.4),
+                          squeeze=False)
+    axes = axes.ravel()
+    for ax, (key, label, ylabel, log) in zip(axes, PER_LAYER):
         for j, (name, m) in enumerate(runs.items()):  # one style per run in every panel
             rows = m["per_layer"]
             if key in rows[0]:
@@ -60,7 +65,7 @@ def per_layer(runs: dict[str, dict], path: Path, title: str = "") -> Path:
             ax.set_ylim(-0.05, 1.05)
             if ax.lines:
                 ax.legend(fontsize=8)
-        ax.set(xlabel="layer", title=label)
+        ax.set(xlabel="layer", ylabel=ylabel, title=label)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         if log:
             ax.set_yscale("log")
