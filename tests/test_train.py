@@ -299,7 +299,9 @@ def test_a_resume_with_more_steps_can_hold_the_lr_it_had_reached(config_file, tm
     run = tmp_path / "run"
     shutil.copytree(six_steps, run)  # CONFIG's cosine over 6 steps, finished
     trainer.train(cli.load(config_file, ["train.steps=9", "train.extend=constant"]), run, progress=False)
-    assert "the LR continues from 3e-05" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the LR continues from 3e-05" in err
+    assert f"resumed from step 6 ({run / 'checkpoints'})" in err.splitlines()  # the step it restored
     _, rows = losses(run)
     assert [rows[s]["lr"] for s in (7, 8, 9)] == pytest.approx([3e-5] * 3)
     assert rows[6]["lr"] == pytest.approx(3e-5) and rows[2]["lr"] > 1e-3  # what the 6-step run had

@@ -606,6 +606,8 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
     meta = rundir.meta(cfg)
     if restored is not None:
         state, data_state, meta = restored
+        if hosts.primary():
+            print(f"resumed from step {int(state['step'])} ({workdir / 'checkpoints'})", file=sys.stderr, flush=True)
         pipeline.set_state(data, data_state)
         saved = from_dict(Config, meta["config"]).train if meta.get("config") else None
         train_cfg, note = optim.continued(t, saved, int(optim.schedule_count(state["opt_state"])))
