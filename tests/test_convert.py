@@ -23,7 +23,7 @@ from gattn.data.tokenizer import read_tokenizer
 from gattn.interop import convert, hf_config, weights
 from gattn.train import rundir
 from gattn.config import ConfigError
-from gattn.interop.weights import ConversionError
+from gattn.interop.files import ConversionError
 
 TOL = dict(rtol=2e-4, atol=2e-4)  # float32 logits of two implementations (values ~ 1-10)
 DIMS = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -21,7 +21,7 @@ from flax import nnx
 from gattn.config import ConfigError, Config, GateSpec, ModelConfig, MoESpec, TrainConfig
 from gattn.eval import decode
 from gattn.interop import convert, hf_config, qwen3_5
-from gattn.interop.weights import ConversionError
+from gattn.interop.files import ConversionError
 from gattn.train import rundir
 from test_convert import _flat_params, randomize, save, tokenizer_file  # noqa: F401 (a fixture)
 from test_hybrid import tiny_hybrid
@@ -415,9 +415,9 @@ def test_every_config_field_is_mapped_or_refused_in_one_line():
         (inner, "attn_output_gate", False, "always gates"), (inner, "hidden_act", "gelu", "'silu' or absent"),
         (inner, "attention_dropout", 0.1, "no attention dropout"), (inner, "mlp_only_layers", [1], r"\[\] or absent"),
         (inner, "norm_topk_prob", False, "always renormalises"), (inner, "num_experts", 8, "not one of the fields"),
-        (inner, "quantization_config", {"bits": 4}, "not one of the fields"),
+        (inner, "quantization_config", {"bits": 4}, "float weights .* only; dequantize"),
         (inner, "layer_types", ["mamba"] * 64, "one of full_attention, linear_attention"),
-        (outer, "quantization_config", {"bits": 4}, "not one of the fields of Qwen3.5's multimodal"),
+        (outer, "quantization_config", {"bits": 4}, "float weights .* only; dequantize"),
         (outer, "text_config", None, "the language model's config")]
     for where, field, value, match in refused:
         bad = json.loads(json.dumps(QWEN35_27B))

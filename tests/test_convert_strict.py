@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from gattn.config import Config, ConfigError, GateSpec, ModelConfig
-from gattn.interop import convert, hf_config, qwen3_5
+from gattn.interop import convert, fields, hf_config, qwen3_5
 from gattn.train import rundir
 from test_convert import DIMS, gattn_logits, hf_logits, randomize, save, tokenizer_file  # noqa: F401 (a fixture)
 from test_convert_qwen35 import TEXT, VISION
@@ -77,7 +77,7 @@ def test_without_gated_deltanet_layers_hidden_act_is_the_mlps_and_converts(act, 
     MLP alone, which gattn computes (relu, and gelu as the tanh approximation)."""
     model = qwen3_next_model(act, ["full_attention"] * 2)
     convert.from_hf(save(model, tmp_path / "hf", tokenizer_file), tmp_path / "run")
-    assert rundir.read_config(tmp_path / "run").model.ffn_activation == hf_config.ACTIVATIONS[act]
+    assert rundir.read_config(tmp_path / "run").model.ffn_activation == fields.ACTIVATIONS[act]
     np.testing.assert_allclose(gattn_logits(tmp_path / "run"), hf_logits(model), **TOL)
 
 
@@ -111,7 +111,7 @@ NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"quantization_config": {"bits": 4}}, "'config.json quantization_config' = .*not one of the fields"),
+    ({"quantization_config": {"bits": 4}}, "'config.json quantization_config' = .*float weights .* only; dequantize"),
     ({"foo": 1}, "'config.json foo' = 1 .*not one of the fields of Qwen3-Next"),
     ({"rope_parameters": {**NEXT["rope_parameters"], "foo": 2}}, "'config.json rope_parameters.foo' = 2"),
     ({"rope_parameters": {**NEXT["rope_parameters"], "mrope_section": [1, 1, 2]}}, "rope_parameters.mrope_section"),

@@ -309,7 +309,7 @@ def test_the_multi_token_prediction_layer_is_kept_both_ways_and_an_incomplete_on
     from safetensors.numpy import load_file, save_file
 
     from gattn.interop import mtp as hf_mtp
-    from gattn.interop.weights import ConversionError
+    from gattn.interop.files import ConversionError
 
     _, tmp = converted
     src = tmp_path / "hf_mtp"

@@ -20,7 +20,7 @@ from gattn.config import (BackcopySpec, Config, ConfigError, DataConfig, ExecCon
                           MoESpec, TrainConfig, hybrid_layer_types)
 from gattn.eval import decode, speculative
 from gattn.interop import mtp as hf_mtp
-from gattn.interop.weights import ConversionError
+from gattn.interop.files import ConversionError
 from gattn.model.transformer import Transformer, head_logits, relayout
 from gattn.train import trainer
 from gattn.train.loss import lm_and_mtp_loss, mtp_target_weights

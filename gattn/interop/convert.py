@@ -57,8 +57,12 @@ Face's, so no head is permuted. Biases (attention_bias / qkv_bias) split as the 
 Everything is checked before anything is written: a missing shard, an absent, unexpected or
 misshapen tensor, or a config field gattn cannot represent is refused with its name.
 
-The config mapping (config.json <-> ModelConfig, the layouts) is gattn/interop/hf_config.py; the
-tensor mapping (files, names, shapes, the q_proj packing) is gattn/interop/weights.py.
+Each family is one module that owns its config fields, tensor names, packing and refusals
+(gattn/interop/llama.py, qwen3_moe.py, qwen3_next.py, qwen3_5.py, release.py; the list is
+families.py), beside a shared core: fields.py (config.json checks and the fields every decoder
+shares), decoder.py (the tensors every family shares) and files.py (a folder's files, ConversionError).
+hf_config.py and weights.py dispatch to the family by layout; hf_config.py also chooses the export
+layout across the families; mtp.py maps Qwen3-Next's and Qwen3.5's MTP layer.
 """
 
 from __future__ import annotations
@@ -76,11 +80,12 @@ from typing import NamedTuple
 import numpy as np
 
 from gattn.config import Config, ConfigError, ModelConfig, TrainConfig
-from gattn.interop import mtp as hf_mtp, qwen3_5
+from gattn.interop import mtp as hf_mtp
+from gattn.interop.families import family
+from gattn.interop.files import IGNORED_SUFFIXES, ConversionError, TensorFiles, read_json
 from gattn.interop.hf_config import (LAYOUTS, detect_layout, export_layout, hf_config, kept_fields, model_config,
                                      text_fields)
-from gattn.interop.weights import (IGNORED_SUFFIXES, ConversionError, TensorFiles, from_gattn, hf_shapes,
-                                   read_json, to_gattn)
+from gattn.interop.weights import from_gattn, hf_shapes, to_gattn
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -98,8 +103,7 @@ def read_hf(src: str | Path) -> tuple[dict, str, ModelConfig, dict[str, np.ndarr
     layout = detect_layout(hf)
     cfg = model_config(hf, layout)
     files = TensorFiles(src)
-    if layout == "qwen3_5":
-        qwen3_5.read_language_model(files, hf, cfg)
+    family(layout).read_files(files, hf, cfg)  # (Qwen3.5: a multimodal folder's language model, fused experts)
     present = [n for n in files.names() if not n.endswith(IGNORED_SUFFIXES)]
     # Qwen3-Next's and Qwen3.5's multi-token-prediction layer (mtp.*): model.mtp_layers = 1, every tensor kept
     cfg = dataclasses.replace(cfg, mtp_layers=hf_mtp.mtp_layers(text_fields(hf), present))

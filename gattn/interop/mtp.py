@@ -8,14 +8,14 @@
                                              packed as model.layers.<i>.* of the same layout
     mtp.norm.weight [D]                      ("mtp", "norm", "scale")
 
-The four norms are the model's (1 + w) RMSNorms and are recentred as weights.py recentres the main
-model's (copied bit for bit when model.zero_centered_norm). The layer goes through weights.py's
-own mapping of a one-layer model, so its attention (the gate in q_proj), MoE (router, experts,
-shared expert) or dense MLP are read and written exactly as the main layers are. The embedding
-and LM head are the main model's: the checkpoints store no copy (Qwen3.5's
-`mtp_use_dedicated_embeddings: false`; a folder with `mtp.embed_tokens` is refused). Qwen3.5-MoE
-files that store the MTP layer's experts fused are unfused by `TensorFiles.unfuse_experts` like
-the main layers' (its names match any prefix).
+The four norms are the model's (1 + w) RMSNorms and are recentred as the family recentres the main
+model's (copied bit for bit when model.zero_centered_norm). The layer goes through the family's
+own mapping of a one-layer model (gattn/interop/weights.py), so its attention (the gate in
+q_proj), MoE (router, experts, shared expert) or dense MLP are read and written exactly as the
+main layers are. The embedding and LM head are the main model's: the checkpoints store no copy
+(Qwen3.5's `mtp_use_dedicated_embeddings: false`; a folder with `mtp.embed_tokens` is refused).
+Qwen3.5-MoE files that store the MTP layer's experts fused are unfused like the main layers'
+(gattn/interop/qwen3_5.py's unfuse_experts matches any prefix).
 
 Wiring into gattn/interop/convert.py: from-hf sets model.mtp_layers = `mtp_layers(config, names)`,
 checks `hf_shapes(cfg, layout)` with the main model's shapes and adds `to_gattn(tensors, cfg,
@@ -31,14 +31,14 @@ import numpy as np
 
 from gattn.config import ModelConfig
 from gattn.interop import weights
-from gattn.interop.hf_config import NEXT_FAMILY
-from gattn.interop.weights import ConversionError
+from gattn.interop.families import family
+from gattn.interop.files import ConversionError
 
 PREFIX = "mtp."
 LAYER = PREFIX + "layers.0."
 _NORMS = (("pre_fc_norm_embedding", "pre_fc_norm_embedding"), ("pre_fc_norm_hidden", "pre_fc_norm_hidden"),
           ("norm", "norm"))  # (HF name under mtp., gattn module under mtp)
-_MAIN_LAYER = "model.layers.0."  # how weights.py names the one layer of `_layer_config`
+_MAIN_LAYER = "model.layers.0."  # how the family names the one layer of `_layer_config`
 
 
 def _layer_config(cfg: ModelConfig) -> ModelConfig:
@@ -47,8 +47,8 @@ def _layer_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def _norm_offset(cfg: ModelConfig, layout: str) -> float:
-    """What to add to a Hugging Face norm weight to get gattn's (as weights.py does for the main model)."""
-    return float(layout in NEXT_FAMILY) - float(cfg.zero_centered_norm)
+    """What to add to a Hugging Face norm weight to get gattn's (as the family does for the main model)."""
+    return family(layout).PACKING.norm_offset(cfg)
 
 
 def _recentred(w: np.ndarray, offset: float) -> np.ndarray:

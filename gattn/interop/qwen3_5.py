@@ -15,6 +15,7 @@ RoPE), with three differences:
 - the multimodal RoPE: each rotary frequency turns with the temporal, height or width position
   (`mrope_section`, interleaved). On text the three are the token's position, so it is plain RoPE,
   which is what gattn computes (tests/test_convert_qwen35.py checks it with the shipped section).
+The tensors are Qwen3-Next's (gattn/interop/qwen3_next.py) with this GDN packing.
 """
 
 from __future__ import annotations
@@ -23,11 +24,17 @@ import math
 import sys
 
 from gattn.config import ConfigError, GateSpec, LinearAttentionSpec, ModelConfig, MoESpec
-from gattn.interop.fields import BOOKKEEPING, GDN_ACT, ROPE_FIELDS, ROPE_KEYS, fixed, known, layer_kinds, rope_spec
+from gattn.interop import qwen3_next
+from gattn.interop.fields import (ACTIVATIONS, BOOKKEEPING, GDN_ACT, ROPE_FIELDS, ROPE_KEYS, fixed, kept, layer_kinds,
+                                  rope, rope_spec, strict)
 
+LAYOUTS = ("qwen3_5",)
 TEXT_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 MULTIMODAL_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
-MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")
+ARCHITECTURES = {name: "qwen3_5" for name in TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES}
+MODEL_TYPES = {name: "qwen3_5" for name in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe")}
+GDN_PACKING = "qwen3_5"  # the GDN projections one per role (gattn/model/gdn.py)
+PACKING = qwen3_next.PACKING  # (q_proj rows [query | gate] per head, (1 + w) norms)
 LM_PREFIX, VISION_PREFIX = "model.language_model.", "model.visual."
 
 # transformers' defaults (Qwen3_5TextConfig; Qwen3_5MoeTextConfig changes the MoE's) for absent fields
@@ -74,7 +81,7 @@ def text_config(hf: dict) -> tuple[dict, str]:
     inside), so gattn does too."""
     if not is_multimodal(hf):
         return hf, "config.json "
-    known(hf, OUTER, "config.json ", "Qwen3.5's multimodal config.json (beside text_config)")
+    strict(hf, OUTER, "config.json ", "Qwen3.5's multimodal config.json (beside text_config)")
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError("config.json text_config", text, "the language model's config (an object)")
@@ -89,15 +96,13 @@ def is_moe(hf: dict) -> bool:
                      "qwen3_5_moe_text") for n in names)
 
 
-def model_config(hf: dict) -> ModelConfig:
+def model_config(hf: dict, layout: str = "qwen3_5") -> ModelConfig:
     """The gattn model of a Qwen3.5 config.json (text or multimodal, dense or MoE): each field
     mapped, or known to change nothing on text, or refused (module docstring)."""
-    from gattn.interop.hf_config import ACTIVATIONS, _rope  # noqa: PLC0415 (hf_config dispatches here)
-
     text, where = text_config(hf)
     moe_model = is_moe(hf)
     defaults = MOE_DEFAULTS if moe_model else DENSE_DEFAULTS
-    known(text, tuple(defaults) + ROPE_FIELDS + TEXT_NO_EFFECT + tuple(FIXED) + ("layer_types",), where,
+    strict(text, tuple(defaults) + ROPE_FIELDS + TEXT_NO_EFFECT + tuple(FIXED) + ("layer_types",), where,
           f"{'Qwen3.5-MoE' if moe_model else 'Qwen3.5'}'s text config")
     fixed(text, FIXED, where)
 
@@ -112,7 +117,7 @@ def model_config(hf: dict) -> ModelConfig:
     if not _is_section(section):
         raise ConfigError(f"{where}rope_parameters.mrope_section", section, "3 integers >= 0 (temporal, "
                           "height, width)")
-    base, yarn, partial = _rope(text, 0.25)
+    base, yarn, partial = rope(text, 0.25, where)
     layers, head_dim = int(get("num_hidden_layers")), int(get("head_dim"))
     rope_dim = int(head_dim * partial)
     kinds = layer_kinds(text, layers, where)
@@ -157,17 +162,19 @@ def _is_section(section) -> bool:
 
 
 def kept_fields(hf: dict) -> dict:
-    """What to-hf writes back as it was of a (checked) Qwen3.5 config.json: its mrope_section,
-    which changes nothing on text."""
+    """What to-hf writes back as it was of a (checked) Qwen3.5 config.json: max_position_embeddings,
+    and its mrope_section, which changes nothing on text."""
     text, where = text_config(hf)
     spec = rope_spec(text, where, QWEN3_5_ROPE_KEYS)
-    return {"mrope_section": list(spec["mrope_section"])} if "mrope_section" in spec else {}
+    return {**kept(text), **({"mrope_section": list(spec["mrope_section"])} if "mrope_section" in spec else {})}
 
 
-def hf_config(cfg: ModelConfig, next_config: dict, section: list[int] | None = None) -> dict:
-    """The config.json of gattn model `cfg` as a Qwen3.5 text model, from its Qwen3-Next one
-    (`next_config`): Qwen3_5ForCausalLM, or Qwen3_5MoeForCausalLM with an MoE. The multimodal RoPE
-    section is `section` (a converted folder's, kept), else `mrope_section`'s."""
+def hf_config(cfg: ModelConfig, layout: str, max_len: int, kept_fields: dict) -> dict:
+    """The config.json of gattn model `cfg` as a Qwen3.5 text model, from its Qwen3-Next one:
+    Qwen3_5ForCausalLM, or Qwen3_5MoeForCausalLM with an MoE. The multimodal RoPE section is a
+    converted folder's (`kept_fields`), else `mrope_section`'s."""
+    next_config = qwen3_next.hf_config(cfg, "qwen3_next", max_len, kept_fields)
+    section = kept_fields.get("mrope_section")
     dropped = {"decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "rope_theta", "rope_scaling",
                "partial_rotary_factor"} | ({"intermediate_size"} if cfg.moe is not None else {"num_experts"})
     out = {k: v for k, v in next_config.items() if k not in dropped}
@@ -181,8 +188,20 @@ def hf_config(cfg: ModelConfig, next_config: dict, section: list[int] | None = N
     return out
 
 
-def read_language_model(files, hf: dict, cfg: ModelConfig) -> None:
-    """Sets up `files` (a weights.TensorFiles) to read the language model as a text model: a
+def hf_shapes(cfg: ModelConfig, layout: str = "qwen3_5") -> dict[str, tuple[int, ...]]:
+    return qwen3_next.shapes(cfg, GDN_PACKING)
+
+
+def to_gattn(tensors, cfg: ModelConfig, layout: str = "qwen3_5"):
+    return qwen3_next.tensors_to_gattn(tensors, cfg, PACKING, GDN_PACKING)
+
+
+def from_gattn(params, cfg: ModelConfig, layout: str = "qwen3_5"):
+    return qwen3_next.tensors_from_gattn(params, cfg, PACKING, GDN_PACKING)
+
+
+def read_files(files, hf: dict, cfg: ModelConfig) -> None:
+    """Sets up `files` (a files.TensorFiles) to read the language model as a text model: a
     multimodal folder's model.language_model.* as model.*, its vision tower dropped with one line;
     fused experts as per-expert tensors."""
     if is_multimodal(hf):
@@ -193,4 +212,20 @@ def read_language_model(files, hf: dict, cfg: ModelConfig) -> None:
                   "converts the language model only", file=sys.stderr)
         files.rename(LM_PREFIX, "model.")
     if cfg.moe is not None:
-        files.unfuse_experts(cfg.moe.num_experts, cfg.moe.expert_width, cfg.d_model)
+        unfuse_experts(files, cfg.moe.num_experts, cfg.moe.expert_width, cfg.d_model)
+
+
+def unfuse_experts(files, num_experts: int, width: int, d_model: int) -> None:
+    """Reads each layer's experts stored fused, as Qwen3.5-MoE's released files store them
+    (`mlp.experts.gate_up_proj` [E, 2F, D], `mlp.experts.down_proj` [E, D, F]), under the
+    per-expert names transformers' save_pretrained writes (`mlp.experts.{j}.gate_proj.weight`, ...).
+    The names match any prefix (the MTP layer's too)."""
+    for fused in [n for n in files.names() if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+        base = fused.rsplit(".", 1)[0]
+        if fused.endswith("gate_up_proj"):
+            parts = {f"{base}.{j}.{name}.weight": (j, rows) for j in range(num_experts)
+                     for name, rows in (("gate_proj", slice(0, width)), ("up_proj", slice(width, None)))}
+            files.derive(fused, (num_experts, 2 * width, d_model), parts)
+        else:
+            files.derive(fused, (num_experts, d_model, width), {f"{base}.{j}.down_proj.weight": j
+                                                                 for j in range(num_experts)})
