@@ -86,3 +86,46 @@ def test_a_field_with_one_readable_value_is_refused_with_another(family, change,
     with pytest.raises(ConfigError, match=refused):
         hf_config.model_config({**hf, **change}, hf_config.detect_layout(hf))
 
+
+@pytest.mark.parametrize("variant", ["sdpa_elementwise", "sdpa_headwise"])
+def test_the_tiny_presets_gated_runs_are_told_what_to_pass_to_export_loadable(variant):
+    """Issue 62 item 5: the tiny preset has no QK-norm, and Qwen3-Next's attention (transformers'
+    one layout with a G1 gate) always normalises q and k, so `--layout auto` refuses its gated runs.
+    The line names the override that gives a run auto exports loadable as is, and the release
+    layout; a run trained with that override is exported (headwise: by --layout qwen3_next)."""
+    from gattn import cli
+
+    cfg = cli.load("tiny", variant=variant).model
+    assert cfg.gate is not None and not cfg.qk_norm
+    with pytest.raises(ConfigError, match=r"'--layout' = 'auto' .*--layout release writes .*; or for a folder "
+                                          r"transformers loads as is, train the run with --config.model.qk_norm=true "
+                                          r".* and export that run with --layout qwen3_next$") as refused:
+        hf_config.export_layout(cfg)
+    assert "\n" not in str(refused.value)
+    with_qk = cli.load("tiny", ["--config.model.qk_norm=true"], variant=variant).model
+    layout = "auto" if variant == "sdpa_elementwise" else "qwen3_next"
+    assert hf_config.export_layout(with_qk, layout) == "qwen3_next"
+
+
+@pytest.mark.parametrize("layout", ("auto",) + hf_config.LAYOUTS)
+def test_biases_on_q_k_and_v_alone_are_refused_at_export_in_one_line(layout, tmp_path, capsys):
+    """model.qkv_bias (Qwen2.5's biases on W_Q, W_K, W_V, none on W_O) has no Hugging Face layout
+    here: every layout's attention biases are on q, k, v and o (model.attention_bias), so to-hf
+    refuses it before anything is written instead of dropping the biases; the same run without
+    them is written as llama."""
+    from gattn import cli
+    from gattn.train import rundir
+
+    cfg = cli.load("tiny", ["--config.model.qkv_bias=true"])
+    with pytest.raises(ConfigError, match=r"^config field 'model.qkv_bias' = True is not allowed: False to export "
+                                          r"[^\n]*q, k and v alone") as refused:
+        hf_config.export_layout(cfg.model, layout)
+    assert "\n" not in str(refused.value)
+    assert hf_config.export_layout(cli.load("tiny").model) == "llama"
+    (tmp_path / "run").mkdir()
+    rundir.write_config(tmp_path / "run", cfg)
+    capsys.readouterr()
+    assert convert.main(["to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--layout", layout]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: config field 'model.qkv_bias' = True"), lines
+    assert not (tmp_path / "hf").exists()

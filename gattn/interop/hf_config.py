@@ -117,6 +117,10 @@ def _instead(cfg: ModelConfig) -> str:
                     "head_dim rows (the same logits; from-hf reads it back as an elementwise gate)")
     if cfg.rope_dim in (None, cfg.head_dim) and cfg.moe is None and not cfg.hybrid:
         ways.append(RELEASE_CAVEAT)
+    if cfg.gate is not None and cfg.gate.granularity in ("elementwise", "headwise") and not cfg.qk_norm:
+        ways.append("for a folder transformers loads as is, train the run with --config.model.qk_norm=true (the "
+                    "tiny preset has no QK-norm; Qwen3-Next's attention, transformers' one with a G1 gate, "
+                    "always normalises q and k) and export that run with --layout qwen3_next")
     return "; or ".join(ways) if ways else "no Hugging Face layout holds this run"
 
 
@@ -132,6 +136,10 @@ def export_layout(cfg: ModelConfig, layout: str = "auto", source: str | None = N
                "'none' to export to Hugging Face (no layout transforms the SDPA output but by a G1 gate)"),
               ("switch_heads", cfg.switch_heads, cfg.switch_heads is None,
                "None to export to Hugging Face (no layout has switch-head attention)"),
+              ("qkv_bias", cfg.qkv_bias, not cfg.qkv_bias,
+               "False to export to Hugging Face: no layout gattn writes has biases on q, k and v alone "
+               "(Qwen2.5's attention); the layouts' attention biases (attention_bias, the release's qkv_bias) "
+               "are model.attention_bias's, on q, k, v and o"),
               ("sandwich_norm", cfg.sandwich_norm, not cfg.sandwich_norm,
                "False to export to Hugging Face (no layout normalises the attention and FFN outputs)"),
               ("output_clip", cfg.output_clip, cfg.output_clip is None,
