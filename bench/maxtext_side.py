@@ -211,10 +211,21 @@ COUNTER = textwrap.dedent('''
     # issue 58's step model on the same counters as gattn's fit: the FLOPs the step runs (dots,
     # convolutions, priced kernels, loop trips, recompute) and its HBM bytes
     from gattn.experiments import flops
-    c = flops.count_flops(text)
+    # MaxText's splash attention kernels carry no cost estimate: priced as gattn's flash kernel
+    # prices itself (flops.splash_formulas, MaxText's sa_block_* of 512); its megablox kernels do
+    c = flops.count_flops(text, flops.splash_formulas(block=512))
     mxu = sum(c["by_kind"].get(k, 0) for k in ("dot", "convolution", "custom_call"))
+    kernels = {}
+    for x in c["custom_calls"]:
+        if x["target"] == "tpu_custom_call":
+            k = kernels.setdefault(x["name"], {"runs": 0, "tflops": 0.0, "hbm_gib": 0.0, "priced_by": x["priced_by"]})
+            k["runs"] += x["runs"]
+            k["tflops"] = round(k["tflops"] + x["flops"] / 1e12, 2)
+            k["hbm_gib"] = round(k["hbm_gib"] + x["bytes"] / 2**30, 1)
     out["step"] = {"counted_tflops_per_chip": round(mxu / 1e12, 2), "hbm_gib_per_step": round(c["hbm_bytes"] / 2**30, 1),
-                   "unpriced_kernels": sorted({x["target"] for x in c["custom_calls"] if x["priced_by"] == "unpriced"}),
+                   "unpriced_kernels": sorted({x["name"] if x["target"] == "tpu_custom_call" else x["target"]
+                                               for x in c["custom_calls"] if x["priced_by"] == "unpriced"}),
+                   "kernels": kernels,
                    "roofline": traffic.roofline(mxu, out["as_text"], "v5p", counted_flops=mxu,
                                                 hbm_bytes=c["hbm_bytes"])}
     traffic.parse = parse_hash_refs
@@ -332,13 +343,27 @@ def run_variant(name: str, venv: Path, gattn_python: str, timeout: float, keep: 
     if proc.returncode != 0 or not record_path.exists():
         raise SystemExit(f"{name}: train_compile failed (rc {proc.returncode}), log {work}/train_compile.log:\n"
                          + text[-4000:])
-    record = json.loads(record_path.read_text())
+    if keep is not None:  # the step's HLO (dump and as_text), log and record: `--recount` reads them again
+        dest = keep / name
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in (train_step_hlo(dump), work / "train_step.as_text.hlo", work / "train_compile.log", record_path):
+            shutil.copy2(p, dest / p.name)
+    out = describe(name, work, train_step_hlo(dump), gattn_python)
+    out["wall_s"] = round(wall, 1)
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def describe(name: str, work: Path, hlo: Path, gattn_python: str) -> dict:
+    """A compiled variant's JSON object from `work` (its record.json and train_step.as_text.hlo)
+    and its dumped train-step HLO `hlo`: memory, the network, the counted step."""
+    model, per_device, seq, extra = VARIANTS[name]
+    record = json.loads((work / "record.json").read_text())
     if "memory" not in record:
         raise SystemExit(f"{name}: no compiled step recorded, log {work}/train_compile.log")
     mem = record["memory"]
     used = (mem["argument_size_in_bytes"] + mem["output_size_in_bytes"] - mem["alias_size_in_bytes"]
             + mem["temp_size_in_bytes"])
-    hlo = train_step_hlo(dump)
     counted = count_traffic(gattn_python, work / "train_step.as_text.hlo", hlo, record["mesh"], work)
     traffic, check = counted["as_text"], counted["dump"]
     if abs(traffic["total_gib"] - check["total_gib"]) > 0.01 or traffic["unknown_trip_counts"]:
@@ -362,13 +387,8 @@ def run_variant(name: str, venv: Path, gattn_python: str, timeout: float, keep: 
            # counted FLOPs, HBM bytes and the modelled step (its MFU field is counted over counted:
            # compare step_s with gattn's fit, bench/fit_presets.py)
            "step": counted["step"],
-           "compile_s": round(record["compile_s"], 1), "wall_s": round(wall, 1)}
-    if keep is not None:
-        dest = keep / name
-        dest.mkdir(parents=True, exist_ok=True)
-        for p in (hlo, work / "train_step.as_text.hlo", work / "train_compile.log", work / "record.json"):
-            shutil.copy2(p, dest / p.name)
-    shutil.rmtree(work, ignore_errors=True)
+           "compile_s": round(record["compile_s"], 1)}
+    (work / "mesh.json").unlink(missing_ok=True)
     return out
 
 
@@ -383,19 +403,29 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-dump", type=Path, default=None,
                     help="copy each variant's train-step HLO, log and record into DIR/VARIANT")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per compile")
+    ap.add_argument("--recount", type=Path, default=None, metavar="DIR",
+                    help="count the variants kept in DIR/VARIANT by an earlier --keep-dump again (no compile, "
+                         "no MaxText venv): after a change to gattn's counters")
     args = ap.parse_args(argv)
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
         ap.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
-    install = ensure_venv(args.venv.expanduser(), args.python)
     results = []
-    for name in names:
-        res = {**run_variant(name, args.venv.expanduser(), args.gattn_python, args.timeout, args.keep_dump),
-               **install}
-        install = {"installed_now": False, "install_s": 0.0}
-        print(json.dumps(res), flush=True)
-        results.append(res)
+    if args.recount is not None:
+        for name in names:
+            kept = args.recount / name
+            res = {**describe(name, kept, train_step_hlo(kept), args.gattn_python), "recounted": True}
+            print(json.dumps(res), flush=True)
+            results.append(res)
+    else:
+        install = ensure_venv(args.venv.expanduser(), args.python)
+        for name in names:
+            res = {**run_variant(name, args.venv.expanduser(), args.gattn_python, args.timeout, args.keep_dump),
+                   **install}
+            install = {"installed_now": False, "install_s": 0.0}
+            print(json.dumps(res), flush=True)
+            results.append(res)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=1) + "\n")

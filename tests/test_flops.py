@@ -317,3 +317,33 @@ def test_the_heaviest_instructions_are_listed_by_the_bytes_they_move():
     assert top[0]["calls"] == "dot_fusion" and top[0]["runs"] == 7
     assert top[0]["hbm_bytes"] == 7 * (8192 + 4096 + 8192)  # h and w read, h2 written, 7 times
     assert len(top) == 2 and top[1]["hbm_bytes"] <= top[0]["hbm_bytes"]
+
+
+SPLASH = """HloModule splash
+
+ENTRY %main (q: bf16[2,4,1024,128], k: bf16[2,2,1024,128], v: bf16[2,2,1024,128]) -> bf16[2,4,1024,128] {
+  %q = bf16[2,4,1024,128]{3,2,1,0} parameter(0)
+  %k = bf16[2,2,1024,128]{3,2,1,0} parameter(1)
+  %v = bf16[2,2,1024,128]{3,2,1,0} parameter(2)
+  %splash_mha_fwd_segmented_residuals.3 = (bf16[2,4,1024,128]{3,2,1,0}, f32[2,4,1024,128]{3,2,1,0}) custom-call(%q, %k, %v), custom_call_target="tpu_custom_call"
+  %out = bf16[2,4,1024,128]{3,2,1,0} get-tuple-element(%splash_mha_fwd_segmented_residuals.3), index=0
+  ROOT %splash_mha_dkv_segmented_no_residuals.1 = bf16[2,4,1024,128]{3,2,1,0} custom-call(%q, %k, %v, %out), custom_call_target="tpu_custom_call"
+}
+"""
+
+
+def test_splash_attention_is_priced_as_the_flash_kernel_prices_itself():
+    """MaxText's splash kernels (no cost estimate) by flops.splash_formulas: causal 512-blocks of
+    a 1024-token sequence are 3 visible (query, key) block pairs of 4; forward 4 x d FLOPs a
+    score, dkv 8; bytes: outputs once, one side once, the other once per visible pair."""
+    out = flops.count_flops(SPLASH, flops.splash_formulas(block=512))
+    scores = 2 * 4 * 3 * 512 * 512  # batch x query heads x visible pairs x block x block
+    calls = {c["name"]: c for c in out["custom_calls"]}
+    fwd, dkv = calls["splash_mha_fwd_segmented_residuals"], calls["splash_mha_dkv_segmented_no_residuals"]
+    assert (fwd["priced_by"], fwd["flops"], dkv["flops"]) == ("formula", 4 * 128 * scores, 8 * 128 * scores)
+    q = 2 * 4 * 1024 * 128 * 2  # bytes of q (bf16); k and v are half of it each
+    # forward: out (bf16) + lse (f32, 128 lanes) once, q once, k and v once per visible pair of a key block
+    assert fwd["bytes"] == q + 2 * q + q + q * 3 / 2
+    # dkv: its output once, k and v once, the query side (q and the forward's out) per visible pair of a query block
+    assert dkv["bytes"] == q + q + 2 * q * 3 / 2
+    assert flops.count_flops(SPLASH)["custom_calls"][0]["priced_by"] == "unpriced"

@@ -366,6 +366,38 @@ def count(hlo_text: str | os.PathLike, formulas: dict | None = None) -> dict:
                               "hbm_gib": gib(x["bytes"]), "priced_by": x["priced_by"]} for x in c["custom_calls"]]}
 
 
+def splash_formulas(block: int = 512, causal: bool = True) -> dict:
+    """`formulas` for the splash attention kernels jax ships (jax.experimental.pallas.ops.tpu.
+    splash_attention, what MaxText runs; they carry no cost estimate), priced as gattn's own flash
+    kernel prices itself (gattn/kernels/flash_blocks.cost): per visible (query block, key block)
+    pair of `block` x `block` scores (causal: the blocks on and below the diagonal), 4 x d FLOPs
+    forward, 6 x d for dq (the scores again, dP, dq), 8 x d for dk and dv; HBM bytes: the outputs
+    once, one side's inputs once and the other side's once per visible pair (forward and dq
+    stream K and V past each query block; dkv streams the query side past each key block).
+    Operands are read as jax passes them: q, k, v are the first three of rank 4, [B, H, S, d];
+    the query side is every rank-4 operand but k and v."""
+    def kernel(flops_per_score_d: int, streamed: str):
+        def price(out_shape: str, operands: list[str]):
+            rank4 = [o for o in operands if len(_dims(o)) == 4]
+            q, k, v = rank4[:3]
+            b, hq, sq, d = _dims(q)
+            sk = _dims(k)[2]
+            bq, bk = min(block, sq), min(block, sk)
+            nq, nk = -(-sq // bq), -(-sk // bk)
+            pairs = sum(min((i * bq + bq - 1) // bk, nk - 1) + 1 for i in range(nq)) if causal else nq * nk
+            kv = _hbm(k) + _hbm(v)
+            q_side = sum(_hbm(o) for o in rank4 if o is not k and o is not v)
+            once, again = (q_side, kv * pairs / nk) if streamed == "kv" else (kv, q_side * pairs / nq)
+            return flops_per_score_d * b * hq * pairs * bq * bk * d, _hbm(out_shape) + once + again
+        return price
+    fwd, dq, dkv = kernel(4, "kv"), kernel(6, "kv"), kernel(8, "q")
+    names = {}
+    for segmented in ("", "_segmented"):
+        names |= {f"splash_mha_fwd{segmented}_residuals": fwd, f"splash_mha_fwd{segmented}_no_residuals": fwd,
+                  f"splash_mha_dq{segmented}_no_residuals": dq, f"splash_mha_dkv{segmented}_no_residuals": dkv}
+    return names
+
+
 def heaviest(hlo_text: str | os.PathLike, n: int = 10, formulas: dict | None = None) -> list[dict]:
     """The `n` top-level instructions that move the most HBM bytes over a run of the program
     (their bytes times the runs of the loops they sit in, as `count_flops` counts them), to see
