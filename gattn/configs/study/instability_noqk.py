@@ -21,7 +21,6 @@ its own order; either resumes what the other left.
 """
 
 import math
-import sys
 from pathlib import Path
 
 from gattn.cli import load
@@ -115,4 +114,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from gattn.cli import run_entry_point
+
+    run_entry_point(main)  # (as python -m gattn.study: the compilation cache, the malloc settings)
