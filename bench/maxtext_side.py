@@ -78,6 +78,15 @@ MAXTEXT_VERSION = "0.2.5"
 REQUIREMENT = f"maxtext[tpu]=={MAXTEXT_VERSION}"
 DEFAULT_VENV = Path.home() / ".cache" / "gattn" / f"maxtext-{MAXTEXT_VERSION}-py312"
 TOPOLOGY, REMAT = "v5p-64", "full"
+TOPOLOGIES = {"next80b_fsdp_ga8": "v5p-128"}
+# the gattn preset each variant stands beside (same shapes, slice and global batch): docs/presets.md's
+# side-by-side table (python -m gattn.experiments.fit_table) takes each preset's fastest variant
+PRESET_OF = {"default": "dense_1p7b", "vocab_tiling8": "dense_1p7b", "vocab_tiling8_minimal": "dense_1p7b",
+             "vocab_tiling8_none": "dense_1p7b", "ga16_minimal": "dense_1p7b",
+             "ga16_minimal_with_context": "dense_1p7b", "dense_48l_tiling8": "dense_1p7b_48l",
+             "extend_32k": "extend_1p7b_32k", "extend_32k_vocab_tiling8": "extend_1p7b_32k",
+             "moe_15a2b": "moe_15a2b", "moe_15a2b_ep8": "moe_15a2b", "moe_15a2b_tiling8": "moe_15a2b",
+             "moe_15a2b_ga8": "moe_15a2b", "moe_15a2b_ep8_ga8": "moe_15a2b", "next80b_fsdp_ga8": "qwen3_next_80b"}  # a variant on another slice than TOPOLOGY (its preset's)
 COMMON = [f"compile_topology={TOPOLOGY}", "compile_topology_num_slices=1", f"remat_policy={REMAT}",
           "dataset_type=synthetic", "run_name=aot"]
 # MaxText's closest config to the MoE preset moe_15a2b: its Qwen3-30B-A3B (128 experts top-8,
@@ -109,6 +118,12 @@ VARIANTS = {
                                              "gradient_accumulation_steps=16"]),
     "ga16_minimal_with_context": ("qwen3-1.7b", 2, 4096, ["num_vocab_tiling=8", "remat_policy=minimal_with_context",
                                                           "gradient_accumulation_steps=16"]),
+    # dense_1p7b_48l (48 layers, SwiGLU 2720) as MaxText's best dense config above (one pass, tiled)
+    "dense_48l_tiling8": ("qwen3-1.7b", 32, 4096, ["override_model_config=True", "base_num_decoder_layers=48",
+                                                   "base_mlp_dim=2720", "num_vocab_tiling=8"]),
+    # qwen3_next_80b on v5p-128 (64 chips): the batch of 1024 x 4096 in 8 accumulated microbatches
+    # of 2 rows a chip, as the preset's 8, on pure FSDP with the vocabulary tiled
+    "next80b_fsdp_ga8": ("qwen3-next-80b-a3b", 2, 4096, ["gradient_accumulation_steps=8", "num_vocab_tiling=8"]),
     "moe_15a2b_ga8": ("qwen3-30b-a3b", 4, 4096, MOE_15A2B + ["gradient_accumulation_steps=8"]),
     "moe_15a2b_ep8_ga8": ("qwen3-30b-a3b", 4, 4096, MOE_15A2B + ["gradient_accumulation_steps=8",
                                                                  "ici_fsdp_parallelism=4", "ici_expert_parallelism=8"]),
@@ -321,7 +336,10 @@ def run_variant(name: str, venv: Path, gattn_python: str, timeout: float, keep: 
     env.pop("PYTHONPATH", None)
     model, per_device, seq, extra = VARIANTS[name]
     keys = {e.split("=", 1)[0] for e in extra}  # a variant's own setting replaces COMMON's (remat_policy)
-    args = [c for c in COMMON if c.split("=", 1)[0] not in keys] + [
+    topology = TOPOLOGIES.get(name, TOPOLOGY)
+    env["TPU_ACCELERATOR_TYPE"] = topology
+    args = [c.replace(TOPOLOGY, topology) if c.startswith("compile_topology=") else c
+            for c in COMMON if c.split("=", 1)[0] not in keys] + [
         f"model_name={model}", f"per_device_batch_size={per_device}", f"max_target_length={seq}",
         f"base_output_directory={out_dir}"] + extra
     log(f"{name}: train_compile {' '.join(args)}")
@@ -337,7 +355,8 @@ def run_variant(name: str, venv: Path, gattn_python: str, timeout: float, keep: 
     oom = re.search(r"RESOURCE_EXHAUSTED: .*?Ran out of memory on HBM[^\n]*", text)
     if proc.returncode != 0 and oom:  # a measured result: this config does not fit the chip
         shutil.rmtree(work, ignore_errors=True)
-        return {"system": f"maxtext {MAXTEXT_VERSION}", "variant": name, "model": model, "topology": TOPOLOGY,
+        return {"system": f"maxtext {MAXTEXT_VERSION}", "variant": name, "preset": PRESET_OF.get(name),
+                "model": model, "topology": TOPOLOGIES.get(name, TOPOLOGY),
                 "per_device_batch_size": per_device, "seq": seq, "overrides": extra, "fits": False,
                 "error": oom.group(0)[:400], "wall_s": round(wall, 1)}
     if proc.returncode != 0 or not record_path.exists():
@@ -371,7 +390,8 @@ def describe(name: str, work: Path, hlo: Path, gattn_python: str) -> dict:
             f"({traffic['unknown_trip_counts']} loops unbounded), the dump {check['total_gib']} GiB")
     shape = dict(zip(record["mesh"]["axis_names"], record["mesh"]["shape"]))
     cfg = record["config"]
-    out = {"system": f"maxtext {MAXTEXT_VERSION}", "variant": name, "model": model, "topology": TOPOLOGY,
+    out = {"system": f"maxtext {MAXTEXT_VERSION}", "variant": name, "preset": PRESET_OF.get(name), "model": model,
+           "topology": TOPOLOGIES.get(name, TOPOLOGY),
            "per_device_batch_size": per_device, "seq": seq, "overrides": extra,
            "remat": f"remat_policy={cfg['remat_policy']} (set; MaxText's base.yml default is 'full')",
            "num_vocab_tiling": cfg["num_vocab_tiling"], "global_batch": cfg["global_batch_size_to_train_on"],
