@@ -31,7 +31,7 @@ def test_the_pages_hold_the_tables_as_generated():
     assert fit_table.stale_pages(list(FOUND.values())) == []
     blocks = {page: [m.group("name") for m in fit_table.BLOCK.finditer((ROOT / page).read_text())]
               for page in fit_table.PAGES}
-    assert "presets" in blocks["docs/presets.md"]
+    assert {"presets", "maxtext"} <= set(blocks["docs/presets.md"])
     assert {"slices", "plan moe_15a2b v5p-64 7"} <= set(blocks["docs/pod-slice.md"])
 
 
@@ -120,3 +120,88 @@ def test_the_check_command_fails_on_a_stale_fit(fits, monkeypatch, capsys):
                                                     for p, t in fit_table.configured_slices().items()])
     assert fit_table.main(["--check"]) == 1
     assert re.search(r"docs/fits/moe_15a2b.json is stale: train.microbatches", capsys.readouterr().err)
+
+
+def side_variant(name, step_s, preset="dense_1p7b", topology="v5p-64", unpriced=(), **extra):
+    """A variant object as bench/maxtext_side.py writes it, with the fields the maxtext block reads."""
+    kernels = {"splash_fwd": {"runs": 1, "tflops": 1.0, "hbm_gib": 1.0, "priced_by": "formula"},
+               **{k: {"runs": 1, "tflops": 0.0, "hbm_gib": 1.0, "priced_by": "unpriced"} for k in unpriced}}
+    v = {"variant": name, "preset": preset, "model": "qwen3-1.7b", "topology": topology,
+         "overrides": ["num_vocab_tiling=8"], "remat": "remat_policy=full (set; MaxText's base.yml default is 'full')",
+         "num_vocab_tiling": 8, "gradient_accumulation_steps": 1, "mesh": {"fsdp": 32},
+         "memory_gib_per_chip": 30.0, "peak_gib_per_chip": 29.0, "traffic": {"total_gib": 20.0},
+         "step": {"counted_tflops_per_chip": 2000.0, "hbm_gib_per_step": 16000.0,
+                  "unpriced_kernels": ["AllocateBuffer", *unpriced], "kernels": kernels,
+                  "roofline": {"step_s": step_s, "bound": "hbm"}}}
+    if preset is None:
+        del v["preset"]
+    return {**v, **extra}
+
+
+def write_side(side, **files):
+    side.mkdir(exist_ok=True)
+    for stem, variants in files.items():
+        (side / f"{stem}.json").write_text(json.dumps(variants))
+    return side
+
+
+def test_the_maxtext_block_takes_the_fastest_fitting_comparable_variant_of_the_newest_files(fits, tmp_path):
+    """A variant in two files is the later file's (by name: a suffixed file after its bare date); a
+    faster one with a Mosaic kernel unpriced, without a preset in its object, on another slice or
+    that did not fit is listed as not comparable, not taken."""
+    oom = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
+           "HLO temporaries (150.01G) exceeds available HBM (95.73G). HLO module: jit_train_step.")
+    side = write_side(tmp_path / "side",
+                      **{"2026-01-01": [side_variant("again", 1.0), side_variant("default", 0.2, preset=None)],
+                         "2026-01-01-later": [side_variant("again", 9.0), side_variant("fast", 4.0),
+                                              side_variant("unpriced", 0.5, unpriced=["splash_dq"]),
+                                              side_variant("big", 0.3, topology="v5p-128"),
+                                              {"variant": "oom", "preset": "dense_1p7b", "fits": False, "error": oom,
+                                               "topology": "v5p-64", "overrides": ["remat_policy=minimal"]}]})
+    row = fit_table.Row("dense_1p7b", "v5p:4x4x2", fits)
+    table = fit_table.maxtext_table([row], side)
+    best = next(line for line in table.splitlines() if line.startswith("| `dense_1p7b` |"))
+    ours = row.fit["train"]["roofline"]["step_s"]
+    assert best.split(" | ")[1] == "`fast` (`qwen3-1.7b`, 2026-01-01-later.json)"
+    assert f"| {ours:.2f} ({row.fit['train']['roofline']['bound']}) / 4.00 (hbm) | **{ours / 4:.2f}** |" in best
+    assert "| remat full, microbatches 1, vocabulary tiled 8, fsdp 32 |" in best
+    others = {line.split(" | ")[1].split()[0]: line.split(" | ")[-1] for line in table.splitlines()
+              if "`dense_1p7b` | `" in line and line != best}
+    assert others == {"`again`": "yes, slower |",
+                      "`unpriced`": "no: its Mosaic kernels unpriced (splash_dq) |",
+                      "`big`": "no: on v5p-128, the preset's fit on v5p-64 |",
+                      "`default`": "no: its object names no preset (written before PRESET_OF) |",
+                      "`oom`": "no: does not fit: 150.01G of temporaries, 95.73G available |"}
+    assert "2026-01-01.json, 2026-01-01-later.json in docs/maxtext-side/" in table
+
+
+def test_a_preset_without_a_maxtext_variant_or_a_fit_says_so(tmp_path):
+    side = write_side(tmp_path / "side", **{"2026-01-01": [side_variant("fast", 4.0)]})
+    found = [fit_table.Row(p, t, tmp_path) for p, t in (("dense_1p7b", "v5p:4x4x2"), ("qwen3_5_2b", "v5p:2x2x4"),
+                                                         ("extend_1p7b_32k", "v5p:4x4x2"))]
+    lines = fit_table.maxtext_table(found, side).splitlines()
+    assert next(x for x in lines if x.startswith("| `dense_1p7b` |")).split(" | ")[3:5] == [
+        "no fit yet / 4.00 (hbm)", "-"]  # no ratio without gattn's fit
+    assert lines[5].startswith(f"| `qwen3_5_2b` | {fit_table.NO_MAXTEXT['qwen3_5_2b']} | - | no fit yet / - |")
+    assert lines[6].startswith("| `extend_1p7b_32k` | no MaxText variant run | - |")
+
+
+def test_a_changed_maxtext_run_makes_the_page_stale(tmp_path, monkeypatch, capsys):
+    side = tmp_path / "side"
+    shutil.copytree(fit_table.MAXTEXT_SIDE, side)
+    newest = sorted(side.glob("*.json"), key=lambda p: p.stem)[-1]
+    variants = json.loads(newest.read_text())
+    next(v for v in variants if (v.get("step") or {}).get("roofline"))["step"]["roofline"]["step_s"] += 1.0
+    newest.write_text(json.dumps(variants))
+    monkeypatch.setattr(fit_table, "MAXTEXT_SIDE", side)
+    assert fit_table.stale_pages(list(FOUND.values())) == [
+        "docs/presets.md: the block fit_table:maxtext is stale: run python -m gattn.experiments.fit_table --write"]
+    monkeypatch.setattr(fit_table, "rows", lambda: list(FOUND.values()))
+    assert fit_table.main(["--check"]) == 1
+    assert "fit_table:maxtext is stale" in capsys.readouterr().err
+
+
+def test_a_maxtext_file_that_is_not_a_list_of_variants_is_refused(tmp_path):
+    side = write_side(tmp_path / "side", **{"2026-01-01": {"variant": "fast"}})
+    with pytest.raises(ConfigError, match=r"2026-01-01.json.*a list of objects, each with a 'variant' name"):
+        fit_table.maxtext_variants(side)

@@ -11,12 +11,16 @@ other settings than the preset now has is stale: its row says what differs inste
 (`plan.differences`), and --check fails. A page holds a block between
 `<!-- begin fit_table:NAME ... -->` and `<!-- end fit_table:NAME -->`; NAME is one of BLOCKS or
 `plan PRESET SLICE DAYS` (the planner's output, gattn/experiments/plan.py).
+
+The `maxtext` block sets each preset as configured beside MaxText's fastest fitting variant for it
+in bench/maxtext_side.py's JSON files, docs/maxtext-side/*.json (issue 58), on the same counters.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import re
 import sys
 from pathlib import Path
@@ -28,6 +32,13 @@ from gattn.experiments import plan
 PRESETS = ("dense_1p7b", "dense_1p7b_48l", "extend_1p7b_32k", "moe_15a2b", "qwen3_5_2b", "qwen3_next_80b")
 ROOT = plan.ROOT
 BENCH = ROOT / "bench" / "fit_presets.py"
+MAXTEXT_BENCH = ROOT / "bench" / "maxtext_side.py"
+# bench/maxtext_side.py --json FILE's lists of variant objects, named DATE[-WHAT].json: ordered by
+# name (a suffixed file after its bare date), a variant in several files is the last file's
+MAXTEXT_SIDE = ROOT / "docs" / "maxtext-side"
+# presets no MaxText config can express, and why
+NO_MAXTEXT = {"qwen3_5_2b": "MaxText 0.2.5 has no dense Qwen3.5 config (its qwen3.5 models are the 35B-A3B and "
+                            "397B-A17B MoE)"}
 PAGES = ("docs/presets.md", "docs/pod-slice.md", "docs/moe-and-mesh.md", "README.md")
 BLOCK = re.compile(r"<!-- begin fit_table:(?P<name>[^>]*?) \(.*?\) -->\n(?P<body>.*?)"
                    r"<!-- end fit_table:(?P=name) -->\n", re.S)
@@ -46,6 +57,15 @@ def configured_slices(bench: Path = BENCH) -> dict[str, str]:
                 if ast.literal_eval(key) == "configured":
                     return {row[0]: row[1] for row in ast.literal_eval(value)}
     raise ConfigError("bench/fit_presets.py", "ROWS", "a dict with a 'configured' list of (preset, topology, ...)")
+
+
+def maxtext_preset_of(bench: Path = MAXTEXT_BENCH) -> dict[str, str]:
+    """bench/maxtext_side.py's PRESET_OF (variant -> the gattn preset it stands beside), from its source:
+    it places the variants whose objects were written before they carried "preset"."""
+    for node in ast.walk(ast.parse(bench.read_text())):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PRESET_OF" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise ConfigError(plan.shown(bench), "PRESET_OF", "a dict literal of variant -> preset")
 
 
 def gcloud_name(where: plan.Slice) -> str:
@@ -160,6 +180,146 @@ def slices_table(found: list[Row]) -> str:
     return _table(header, body)
 
 
+def maxtext_variants(side: Path | None = None) -> list[dict]:
+    """Every variant object in side/*.json (MAXTEXT_SIDE), the last file's where several files hold
+    one, each with "file" (its file's name) added."""
+    side, found = side or MAXTEXT_SIDE, {}
+    for path in sorted(side.glob("*.json"), key=lambda p: p.stem):
+        try:
+            objs = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(plan.shown(path), str(e), "bench/maxtext_side.py --json's list of variant objects")
+        if not isinstance(objs, list) or not all(isinstance(o, dict) and isinstance(o.get("variant"), str)
+                                                 for o in objs):
+            raise ConfigError(plan.shown(path), str(objs)[:80], "a list of objects, each with a 'variant' name")
+        found.update({o["variant"]: {**o, "file": path.name} for o in objs})
+    return list(found.values())
+
+
+def unpriced_mosaic(v: dict) -> list[str]:
+    """The Mosaic kernels (tpu_custom_call) a variant's count left unpriced: a step without them
+    is not the step the chip runs."""
+    step = v.get("step") or {}
+    kernels = step.get("kernels") or {}
+    return sorted({k for k in step.get("unpriced_kernels", []) if k == "tpu_custom_call" or k in kernels}
+                  | {k for k, x in kernels.items() if x.get("priced_by") == "unpriced"})
+
+
+def not_comparable(v: dict, row: Row | None) -> list[str]:
+    """Why a variant's step cannot stand beside its preset's: [] where it can."""
+    why = []
+    if v.get("fits") is False:
+        m = re.search(r"required for HLO temporaries \((\S+)G\) exceeds available HBM \((\S+)G\)", v.get("error", ""))
+        why.append(f"does not fit: {m[1]}G of temporaries, {m[2]}G available" if m
+                   else f"does not fit: {v.get('error', '')[:120]}")
+    elif not (v.get("step") or {}).get("roofline"):
+        why.append("no step counted")
+    if "preset" not in v:
+        why.append("its object names no preset (written before PRESET_OF)")
+    if mosaic := unpriced_mosaic(v):
+        why.append("its Mosaic kernels unpriced (" + ", ".join(mosaic) + ")")
+    if row is None:
+        why.append("no gattn preset of that name")
+    elif v.get("topology") != gcloud_name(row.where):
+        why.append(f"on {v.get('topology')}, the preset's fit on {gcloud_name(row.where)}")
+    return why
+
+
+def maxtext_settings(v: dict) -> str:
+    """remat_policy, microbatches (gradient_accumulation_steps), vocabulary tiling and mesh, from the
+    compiled config or, for a variant that did not compile, its overrides (else bench's defaults)."""
+    given = dict(o.split("=", 1) for o in v.get("overrides", []) if "=" in o)
+    remat = re.search(r"remat_policy=(\S+)", v.get("remat", "")) if v.get("remat") else None
+    remat = remat[1] if remat else given.get("remat_policy", "full")
+    steps = v.get("gradient_accumulation_steps", given.get("gradient_accumulation_steps", 1))
+    tiling = v.get("num_vocab_tiling", given.get("num_vocab_tiling", 1))
+    mesh = v.get("mesh") or {k[4:-12]: n for k, n in given.items() if k.startswith("ici_") and
+                             k.endswith("_parallelism")}
+    return ", ".join([f"remat {remat}", f"microbatches {steps}", f"vocabulary tiled {tiling}"]
+                     + [" x ".join(f"{k} {n}" for k, n in mesh.items())] * bool(mesh))
+
+
+def gattn_numbers(row: Row) -> dict | None:
+    if row.fit is None or row.stale or not row.fit["train"].get("roofline"):
+        return None
+    tr = row.fit["train"]
+    return {"step_s": tr["roofline"]["step_s"], "bound": tr["roofline"]["bound"], "gib": tr["total_gib"],
+            "peak": tr["peak_gib"], "sent": tr["network"]["total_gib"], "tflop": tr.get("counted_tflops_per_chip"),
+            "hbm": tr.get("hbm_gib_per_step")}
+
+
+def maxtext_numbers(v: dict) -> dict | None:
+    step = v.get("step") or {}
+    if v.get("fits") is False or not step.get("roofline"):
+        return None
+    return {"step_s": step["roofline"]["step_s"], "bound": step["roofline"]["bound"],
+            "gib": v["memory_gib_per_chip"], "peak": v.get("peak_gib_per_chip"), "sent": v["traffic"]["total_gib"],
+            "tflop": step.get("counted_tflops_per_chip"), "hbm": step.get("hbm_gib_per_step")}
+
+
+def number_cells(n: dict | None) -> list[str]:
+    """modelled step s (bound), GiB/chip (heap peak), sent GiB/chip/step, counted TFLOP, HBM GiB."""
+    if n is None:
+        return ["-"] * 5
+    return [f"{n['step_s']:.2f} ({n['bound']})",
+            f"{n['gib']:.1f} ({n['peak']:.1f})" if n["peak"] is not None else f"{n['gib']:.1f}",
+            f"{n['sent']:,.1f}", "-" if n["tflop"] is None else f"{n['tflop']:,.0f}",
+            "-" if n["hbm"] is None else f"{n['hbm']:,.0f}"]
+
+
+def maxtext_table(found: list[Row], side: Path | None = None) -> str:
+    """docs/presets.md: each preset as configured beside MaxText's fastest fitting comparable
+    variant (same counters, same slice), then every other MaxText variant and why it is not it."""
+    side = side or MAXTEXT_SIDE
+    variants, of, by_name = maxtext_variants(side), maxtext_preset_of(), {r.preset: r for r in found}
+    placed = {r.preset: [] for r in found}
+    others = []
+    for v in sorted(variants, key=lambda v: v["variant"]):
+        preset = v.get("preset") or of.get(v["variant"])
+        why = not_comparable(v, by_name.get(preset))
+        entry = (v, why, maxtext_numbers(v))
+        (placed[preset] if preset in placed else others).append(entry)
+    header = ["preset", "MaxText's fastest fitting variant (file)", "its settings",
+              "modelled step s (bound): gattn as configured / MaxText", "step ratio gattn / MaxText",
+              "GiB/chip (heap peak): gattn / MaxText", "sent GiB/chip/step: gattn / MaxText",
+              "counted TFLOP/chip/step: gattn / MaxText", "HBM GiB/step: gattn / MaxText"]
+    body, rest = [], []
+    for r in found:
+        ours = gattn_numbers(r)
+        mine = number_cells(ours)
+        if ours is None:
+            mine[0] = "stale fit" if r.stale else "no fit yet"
+        candidates = sorted((e for e in placed[r.preset] if not e[1]), key=lambda e: e[2]["step_s"])
+        best = candidates[0] if candidates else None
+        if best is None:
+            what = NO_MAXTEXT.get(r.preset) or ("no comparable MaxText variant (below)" if placed[r.preset]
+                                                else "no MaxText variant run")
+            cells, ratio, settings = ["-"] * 5, "-", "-"
+        else:
+            v, _, theirs = best
+            what, settings = f"`{v['variant']}` (`{v.get('model')}`, {v['file']})", maxtext_settings(v)
+            cells = number_cells(theirs)
+            ratio = f"**{ours['step_s'] / theirs['step_s']:.2f}**" if ours else "-"
+        pairs = ["-" if a == b == "-" else f"{a} / {b}" for a, b in zip(mine, cells)]
+        body.append([f"`{r.preset}`", what, settings, pairs[0], ratio, *pairs[1:]])
+        order = sorted(placed[r.preset], key=lambda e: (bool(e[1]), e[2] is None,
+                                                         e[2]["step_s"] if e[2] else 0, e[0]["variant"]))
+        rest += [(f"`{r.preset}`", e) for e in order if e is not best]
+    rest += [("-", e) for e in others]
+    files = sorted(side.glob("*.json"), key=lambda p: p.stem)
+    intro = (f"From {', '.join(p.name for p in files) or 'no files'} in docs/maxtext-side/ (in this order: a "
+             "variant in several files is the last one's). A MaxText variant is comparable where its object names "
+             "its preset, every Mosaic kernel (tpu_custom_call) in its step is priced, and it ran on the preset's "
+             "slice; gattn from docs/fits/PRESET.json. gattn / MaxText is the modelled steps' ratio.\n\n")
+    other_header = ["preset", "MaxText's other variants (file)", "settings", "modelled step s (bound)",
+                    "GiB/chip (heap peak)", "sent GiB/chip/step", "counted TFLOP/chip/step", "HBM GiB/step",
+                    "comparable"]
+    other_body = [[preset, f"`{v['variant']}` (`{v.get('model')}`, {v['file']})", maxtext_settings(v),
+                   *number_cells(n), "no: " + "; ".join(why) if why else "yes, slower"]
+                  for preset, (v, why, n) in rest]
+    return intro + _table(header, body) + ("\n" + _table(other_header, other_body) if other_body else "")
+
+
 def plan_block(spec: str, fits: Path = plan.FITS) -> str:
     """`plan PRESET SLICE DAYS`: the planner's command and its output, as a code block."""
     preset, slice_name, days = spec.split()[1:]
@@ -171,7 +331,7 @@ def plan_block(spec: str, fits: Path = plan.FITS) -> str:
             f"{plan.render(result, slice_name)}\n```\n")
 
 
-BLOCKS = {"presets": presets_table, "slices": slices_table}
+BLOCKS = {"presets": presets_table, "slices": slices_table, "maxtext": maxtext_table}
 
 
 def generate(name: str, found: list[Row], fits: Path = plan.FITS) -> str:
