@@ -163,7 +163,7 @@ def test_the_maxtext_block_takes_the_fastest_fitting_comparable_variant_of_the_n
     best = next(line for line in table.splitlines() if line.startswith("| `dense_1p7b` |"))
     ours = row.fit["train"]["roofline"]["step_s"]
     assert best.split(" | ")[1] == "`fast` (`qwen3-1.7b`, 2026-01-01-later.json)"
-    assert f"| {ours:.2f} ({row.fit['train']['roofline']['bound']}) / 4.00 (hbm) | **{ours / 4:.2f}** |" in best
+    assert f"| {ours:.2f} ({row.fit['train']['roofline']['bound']}) / 4.00 (hbm) | **{ours / 4:.3f}** |" in best
     assert "| remat full, microbatches 1, vocabulary tiled 8, fsdp 32 |" in best
     others = {line.split(" | ")[1].split()[0]: line.split(" | ")[-1] for line in table.splitlines()
               if "`dense_1p7b` | `" in line and line != best}
@@ -173,6 +173,14 @@ def test_the_maxtext_block_takes_the_fastest_fitting_comparable_variant_of_the_n
                       "`default`": "no: its object names no preset (written before PRESET_OF) |",
                       "`oom`": "no: does not fit: 150.01G of temporaries, 95.73G available |"}
     assert "2026-01-01.json, 2026-01-01-later.json in docs/maxtext-side/" in table
+
+
+def test_a_step_ratio_near_one_shows_which_side_it_is_on(fits, tmp_path):
+    ours = fit_table.Row("dense_1p7b", "v5p:4x4x2", fits)
+    step = ours.fit["train"]["roofline"]["step_s"]
+    for theirs, shown in ((step * 1.0003, "**0.9997**"), (step, "**1.000**"), (step / 0.9, "**0.900**")):
+        side = write_side(tmp_path / "side", **{"2026-01-01": [side_variant("fast", theirs)]})
+        assert f"| {shown} |" in fit_table.maxtext_table([ours], side)
 
 
 def test_a_preset_without_a_maxtext_variant_or_a_fit_says_so(tmp_path):

@@ -299,7 +299,8 @@ def maxtext_table(found: list[Row], side: Path | None = None) -> str:
             v, _, theirs = best
             what, settings = f"`{v['variant']}` (`{v.get('model')}`, {v['file']})", maxtext_settings(v)
             cells = number_cells(theirs)
-            ratio = f"**{ours['step_s'] / theirs['step_s']:.2f}**" if ours else "-"
+            x = ours["step_s"] / theirs["step_s"] if ours else None  # (4 places where 3 round to 1: which side)
+            ratio = "-" if x is None else f"**{x:.4f}**" if f"{x:.3f}" == "1.000" and x != 1 else f"**{x:.3f}**"
         pairs = ["-" if a == b == "-" else f"{a} / {b}" for a, b in zip(mine, cells)]
         body.append([f"`{r.preset}`", what, settings, pairs[0], ratio, *pairs[1:]])
         order = sorted(placed[r.preset], key=lambda e: (bool(e[1]), e[2] is None,
