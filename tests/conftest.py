@@ -147,3 +147,36 @@ def pytest_collection_modifyitems(config, items):
         node = item.nodeid.split("tests/", 1)[-1]
         if any(node.startswith(prefix) for prefix in SLOW_HERE):
             item.add_marker(pytest.mark.slow)
+
+
+# The compiles each test file makes in the test process (issue 59, docs/testing.md): with
+# GATTN_COMPILE_COUNTS=PREFIX, each pytest process (each xdist worker) writes PREFIX.<worker>.json,
+# {test file: [compiles, compile seconds]}, from JAX's backend-compile events. Programs a test
+# starts (train.py, the multi-device scripts) compile in their own processes and are not counted.
+_COMPILES: dict = {}
+_CURRENT = ["(collection)"]
+
+
+def pytest_configure(config):
+    if os.environ.get("GATTN_COMPILE_COUNTS"):
+        import jax.monitoring
+
+        def on_event(event, duration, **_):
+            if event == "/jax/core/compile/backend_compile_duration":
+                n, s = _COMPILES.get(_CURRENT[0], (0, 0.0))
+                _COMPILES[_CURRENT[0]] = (n + 1, s + duration)
+        jax.monitoring.register_event_duration_secs_listener(on_event)
+
+
+def pytest_runtest_setup(item):
+    _CURRENT[0] = item.nodeid.split("::", 1)[0]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    prefix = os.environ.get("GATTN_COMPILE_COUNTS")
+    if prefix and _COMPILES:
+        import json
+
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(f"{prefix}.{worker}.json", "w") as f:
+            json.dump({k: [n, round(s, 2)] for k, (n, s) in sorted(_COMPILES.items())}, f, indent=1)
