@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gattn.config.checks import (ACCUMULATE, ATTENTION_IMPLS, DECODE_ERRORS, DTYPES, FFN_ACTIVATIONS, FORMS,
-                                 GATE_ACTIVATIONS,
+                                 GATE_ACTIVATIONS, GDN_IMPLS,
                                  GRANULARITIES, GROUPED_MATMULS, LBL_SCOPES, MOE_IMPLS, POSITIONS, REMAT_POLICIES,
                                  SDPA_NONLINEARITIES, SHARINGS, SWITCH_TARGETS, ConfigError)
 from gattn.config.data import BACKCOPY, BACKGROUNDS, SHARDS, TFDS, BackcopySpec, DataConfig
@@ -37,7 +37,7 @@ from gattn.config.train import EXTEND, LR_PRESETS, TrainConfig
 
 __all__ = [
     "ACCUMULATE", "ATTENTION_IMPLS", "BACKCOPY", "BACKGROUNDS", "DECODE_ERRORS", "DTYPES", "EXTEND", "FFN_ACTIVATIONS", "FORMS", "GATE_ACTIVATIONS",
-    "GRANULARITIES", "GROUPED_MATMULS", "LAYER_TYPES", "LBL_SCOPES", "LR_PRESETS", "MOE_IMPLS", "MOVED_TO_EXEC", "POSITIONS", "POSITION_FIELDS",
+    "GDN_IMPLS", "GRANULARITIES", "GROUPED_MATMULS", "LAYER_TYPES", "LBL_SCOPES", "LR_PRESETS", "MOE_IMPLS", "MOVED_TO_EXEC", "POSITIONS", "POSITION_FIELDS",
     "REMAT_POLICIES", "SDPA_NONLINEARITIES", "SHARDS", "SHARINGS", "SWITCH_TARGETS", "TFDS",
     "BATCH_AXES", "BackcopySpec", "Config", "ConfigError", "DataConfig", "ExecConfig", "GateSpec", "LinearAttentionSpec", "MESH_AXES", "MeshConfig", "ModelConfig",
     "MoESpec", "SwitchHeadsSpec", "TrainConfig", "YarnSpec",

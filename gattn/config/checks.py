@@ -22,6 +22,8 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "qkv_proj", "save_att
 # plain jnp reference / fused Pallas flash kernel (TPU) / its GPU (Triton) twin / cuDNN + gate /
 # per backend (gattn/kernels/__init__.py, docs/gpu.md)
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_gpu", "cudnn", "auto")
+# the Gated DeltaNet rule: jnp chunked scan / Pallas TPU kernel / per backend (gattn/kernels/gdn.py)
+GDN_IMPLS = ("xla", "pallas", "auto")
 MOE_IMPLS = ("partitioned", "all_to_all", "ragged")
 GROUPED_MATMULS = ("ragged_dot", "megablox")  # exec.grouped_matmul of the ragged MoE path
 ACCUMULATE = ("sharded", "gathered")  # exec.accumulate: FSDP's gradient accumulation (ZeRO-3 or ZeRO-2)

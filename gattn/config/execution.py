@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from gattn.config.checks import (ACCUMULATE, ATTENTION_IMPLS, DTYPES, GROUPED_MATMULS, MOE_IMPLS, REMAT_POLICIES,
-                                 ConfigError, _bool, _choice, _integer)
+from gattn.config.checks import (ACCUMULATE, ATTENTION_IMPLS, DTYPES, GDN_IMPLS, GROUPED_MATMULS, MOE_IMPLS,
+                                 REMAT_POLICIES, ConfigError, _bool, _choice, _integer)
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,10 @@ class ExecConfig:
     gdn_chunk:        hybrid models: tokens per chunk of the Gated DeltaNet's chunked rule
                       (memory B x H x S x gdn_chunk per intermediate; the same function for any
                       value, docs/hybrid.md).
+    gdn_impl:         hybrid models: how the Gated DeltaNet's chunked rule runs: xla (the jnp scan,
+                      the reference), pallas (the Pallas kernel, forward and backward, float32
+                      state; compiled by Mosaic on TPU, interpret mode elsewhere, ~100x slower;
+                      gdn_chunk a multiple of 8), auto (TPU -> pallas, else xla). docs/hybrid.md.
     accumulate:       train.microbatches > 1 on an fsdp axis > 1: sharded (ZeRO-3, as MaxText)
                       gathers each layer's weights and reduce-scatters its gradient in every
                       microbatch: the least memory, bytes sent x microbatches; gathered (ZeRO-2)
@@ -89,6 +93,7 @@ class ExecConfig:
     grouped_matmul: str = "ragged_dot"
     loss_chunk: int = 0
     gdn_chunk: int = 64
+    gdn_impl: str = "xla"
     accumulate: str = "sharded"
 
     def __post_init__(self):
@@ -109,6 +114,10 @@ class ExecConfig:
         _integer("attention_query_chunk", self.attention_query_chunk, zero_ok=True)
         _integer("loss_chunk", self.loss_chunk, zero_ok=True)
         _integer("gdn_chunk", self.gdn_chunk)
+        _choice("gdn_impl", self.gdn_impl, GDN_IMPLS)
+        if self.gdn_impl != "xla" and self.gdn_chunk % 8:
+            raise ConfigError("gdn_chunk", self.gdn_chunk, f"a multiple of 8 with gdn_impl={self.gdn_impl!r} "
+                              "(the kernel's chunk is a block of rows)")
         _choice("accumulate", self.accumulate, ACCUMULATE)
         for name in ("flash_block_q", "flash_block_k"):
             _integer(name, getattr(self, name))

@@ -34,6 +34,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from gattn.config import ConfigError
+from gattn.kernels import gdn as gdn_kernel
+from gattn.kernels.flash_blocks import on_tpu
+from gattn.kernels.standin import enabled as standin_enabled
 from gattn.model.layers import dense, param, rms_norm
 
 # The rule's contractions run in full float32 on every backend (TPU and GPU default to bf16 /
@@ -288,14 +291,19 @@ class GatedDeltaNet(nnx.Module):
     convs on `kv_heads` (the G key heads, like GQA's), v, z, b, a, A_log, dt_bias and the output
     projection on `heads` (the H value heads). A_log and dt_bias are role "bias": not decayed, as
     Mamba's and FLA's trainers leave them. Initialised as transformers does: weights (convs
-    included) normal(init_std), dt_bias 1, A ~ U(0.01, 16), norm scale 1. `chunk_size` is how the
-    rule is computed (execution), not what it computes."""
+    included) normal(init_std), dt_bias 1, A ~ U(0.01, 16), norm scale 1. `chunk_size` and `impl`
+    (exec.gdn_impl: xla, the chunked rule here; pallas, gattn/kernels/gdn.py; auto, the kernel on
+    TPU) are how the rule is computed (execution), not what it computes."""
 
     def __init__(self, spec: GDNSpec, *, rngs: nnx.Rngs, param_dtype=jnp.float32, dtype=jnp.float32,
-                 init_std: float = 0.02, chunk_size: int = 64):
+                 init_std: float = 0.02, chunk_size: int = 64, impl: str = "xla"):
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ConfigError("chunk_size", chunk_size, "expected an integer >= 1")
-        self.spec, self.dtype, self.chunk_size = spec, dtype, chunk_size
+        if impl not in gdn_kernel.IMPLS:
+            raise ConfigError("impl", impl, f"expected one of {', '.join(map(repr, gdn_kernel.IMPLS))}")
+        if impl != "xla" and chunk_size % 8:
+            raise ConfigError("chunk_size", chunk_size, f"a multiple of 8 for impl {impl!r} (the kernel's chunk)")
+        self.spec, self.dtype, self.chunk_size, self.impl = spec, dtype, chunk_size, impl
         d, g, h = spec.d_model, spec.num_k_heads, spec.num_v_heads
         gk, hv, w = g * spec.head_k_dim, h * spec.head_v_dim, spec.conv_kernel
 
@@ -332,6 +340,9 @@ class GatedDeltaNet(nnx.Module):
         return self._mix(x_Bx1xD, None, state, recurrent_gated_delta_rule)
 
     def _chunked(self, *args):
+        # (GATTN_PALLAS_STANDIN: off TPU the kernel's reference stands in for it, kernels/standin.py)
+        if gdn_kernel.resolve(self.impl) == "pallas" and (on_tpu() or not standin_enabled(jax.default_backend())):
+            return gdn_kernel.gated_delta_rule_on_mesh(*args, chunk_size=self.chunk_size)
         return chunk_gated_delta_rule(*args, chunk_size=self.chunk_size)
 
     def _mix(self, x_BxSxD, segment_ids_BxS, state, rule):

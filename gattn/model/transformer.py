@@ -80,7 +80,8 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg)
         if layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(GDNSpec.of(cfg), rngs=rngs, param_dtype=DTYPES[cfg.param_dtype],
-                                             dtype=DTYPES[ex.dtype], init_std=cfg.init_std, chunk_size=ex.gdn_chunk)
+                                             dtype=DTYPES[ex.dtype], init_std=cfg.init_std, chunk_size=ex.gdn_chunk,
+                                             impl=ex.gdn_impl)
         else:
             self.attn = Attention(cfg, ex, rngs=rngs)
         self.ffn_norm = RMSNorm(cfg)
