@@ -25,7 +25,9 @@ the tests run the layout Mosaic compiles); g and beta [B, S, H] with a
 step reading all H lanes of its chunk and picking its heads' columns, so no [.., S, 1] or
 [.., 1, S] array is needed (C = 64 is no multiple of 128). Document resets travel inside g as
 -inf: a reset is exactly a decay of exp(-inf) = 0 of the state before the token, and the kernel
-drops such g from the within-chunk cumsum as the reference does (no inf - inf).
+drops such g from the within-chunk cumsum as the reference does (no inf - inf). That cumsum is a
+masked [C, C] row sum: Mosaic has no lowering for `cumsum` ("Unimplemented primitive in Pallas
+TPU lowering for tc: cumsum", jax 0.10.2).
 """
 
 from __future__ import annotations
@@ -72,17 +74,6 @@ def _mm(a, b, ta=False, tb=False):
 
 def _iota(c):
     return jax.lax.broadcasted_iota(jnp.int32, (c, c), 0), jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-
-
-def _to_row(col_Cx1):
-    """(C, 1) -> (1, C) without a transpose: the diagonal of its broadcast, summed down."""
-    i, j = _iota(col_Cx1.shape[0])
-    return jnp.sum(jnp.where(i == j, col_Cx1, 0.0), axis=0, keepdims=True)
-
-
-def _to_col(row_1xC):
-    i, j = _iota(row_1xC.shape[1])
-    return jnp.sum(jnp.where(i == j, row_1xC, 0.0), axis=1, keepdims=True)
 
 
 def _lane(x_CxH, h):
@@ -133,13 +124,13 @@ def _chunk(g_CxH, beta_CxH, h, kk_CxC) -> _Chunk:
     c = g.shape[0]
     i, j = _iota(c)
     upto = j <= i
-    cum = jnp.sum(jnp.where(upto, _to_row(gz), 0.0), axis=1, keepdims=True)
-    run = jnp.sum(jnp.where(upto, _to_row(run_step), 0.0), axis=1, keepdims=True)
+    cum = jnp.sum(jnp.where(upto, gz.T, 0.0), axis=1, keepdims=True)
+    run = jnp.sum(jnp.where(upto, run_step.T, 0.0), axis=1, keepdims=True)
     last = i[:, :1] == c - 1
     cum_last = jnp.sum(jnp.where(last, cum, 0.0), axis=0, keepdims=True)
     run_last = jnp.sum(run_step, axis=0, keepdims=True)
-    same = (run == _to_row(run)) & upto
-    gamma = jnp.where(same, jnp.exp(jnp.where(same, cum - _to_row(cum), 0.0)), 0.0)
+    same = (run == run.T) & upto
+    gamma = jnp.where(same, jnp.exp(jnp.where(same, cum - cum.T, 0.0)), 0.0)
     beta = _lane(beta_CxH, h)
     p = beta * kk_CxC
     t = _unit_lower_inverse(jnp.where(i > j, p * gamma, 0.0))
@@ -308,11 +299,11 @@ def _bwd_kernel(st: Static, q_ref, k_ref, v_ref, g_ref, b_ref, states_ref, do_re
         dcarry = jnp.sum(jnp.sum(s * ds_next, axis=1, keepdims=True), axis=0, keepdims=True)
         m = dgamma * ch.gamma
         dcum = (jnp.sum(dqi * qi, axis=1, keepdims=True) + jnp.sum(dx2 * x2, axis=1, keepdims=True) - ko_w
-                + jnp.sum(m, axis=1, keepdims=True) - _to_col(jnp.sum(m, axis=0, keepdims=True)))
+                + jnp.sum(m, axis=1, keepdims=True) - jnp.sum(m, axis=0, keepdims=True).T)
         dcum_last = jnp.sum(ko_w, axis=0, keepdims=True) + dcarry * ch.carry
         dcum = dcum + jnp.where(i[:, :1] == c - 1, dcum_last, 0.0)
         # cum_i = sum_{j <= i} g_j: dg_j = sum_{i >= j} dcum_i
-        dg = jnp.sum(jnp.where(jj >= i, _to_row(dcum), 0.0), axis=1, keepdims=True)
+        dg = jnp.sum(jnp.where(jj >= i, dcum.T, 0.0), axis=1, keepdims=True)
         _set_lane(dg_ref, h, jnp.where(ch.reset, 0.0, dg))
         _set_lane(db_ref, h, dbeta)
     dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
