@@ -51,7 +51,7 @@ class Gate(nnx.Module):
         if spec.input_dependent:
             self.w = param("weight", rngs, (cfg.d_model, self.heads * self.width), ("embed", axis or "mlp"),
                            std=cfg.init_std, dtype=pd)
-            if cfg.attention_bias:  # the gate's slice of a widened q_proj's bias (gattn/interop/weights.py)
+            if cfg.attention_bias:  # the gate's slice of a widened q_proj's bias (gattn/interop/decoder.py)
                 self.b = param("bias", None, (self.heads * self.width,), (axis or "mlp",), dtype=pd)
         else:
             self.theta = param("gate_theta", None, (self.heads, self.width), (axis, None), value=0.0, dtype=pd)
