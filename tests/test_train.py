@@ -388,6 +388,7 @@ def test_ctrl_c_is_named_as_such_and_one_as_the_run_ends_lets_it_finish(config_f
         return Step()
 
     monkeypatch.setattr(trainer, "make_train_step", make_train_step)
+    before = signal.getsignal(signal.SIGINT)  # (Python's default_int_handler; SIG_IGN in an xdist worker)
     summary = trainer.train(cli.load(config_file, ["train.steps=12"]), run, progress=False)
     out = capsys.readouterr()
     assert "Ctrl-C (SIGINT): saved step 8" in out.out and "SIGTERM" not in out.out, out.out
@@ -405,7 +406,7 @@ def test_ctrl_c_is_named_as_such_and_one_as_the_run_ends_lets_it_finish(config_f
     assert summary["completed"] and summary["step"] == 10
     assert "SIGINT as the run ends" in capsys.readouterr().err
     assert checkpoint.saved_steps(run)[-1] == 10
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back when train returned
+    assert signal.getsignal(signal.SIGINT) is before  # put back when train returned
 
 
 def test_a_read_only_workdir_is_refused_naming_the_flag(config_file, tmp_path):

@@ -238,7 +238,8 @@ def main(argv=None) -> None:
     ap.add_argument("--preset", required=True, help="a preset by name (moe_15a2b, dense_1p7b, ...)")
     ap.add_argument("--plan", required=True, metavar="SLICE", help=SLICE_FORMS)
     ap.add_argument("--days", type=float, required=True, help="the reservation, in days")
-    ap.add_argument("--variant", default="baseline", help="the variant the fit was compiled for")
+    ap.add_argument("--variant", default=None, help="the variant the fit was compiled for (default: the preset's "
+                    "own, as bench/fit_presets.py compiles it)")
     ap.add_argument("--margin", type=float, default=MARGIN, help="share of the days kept for start-up, "
                     "validation, saves and a restart (ours, not measured)")
     ap.add_argument("--tokens-per-sec", type=float, help="the run's measured rate (metrics.jsonl's tokens_per_sec) "
@@ -253,9 +254,10 @@ def main(argv=None) -> None:
     if args.tokens_per_sec is not None and not args.tokens_per_sec > 0:
         raise ConfigError("--tokens-per-sec", args.tokens_per_sec, "a positive rate")
     where = parse_slice(args.plan)
-    variant = None if args.variant == "baseline" else args.variant
+    variant = None if args.variant in (None, "baseline") else args.variant
     cfg = cli.load(args.preset, overrides, variant=variant)
     name = Path(args.preset).stem
+    args.variant = cfg.variant  # the preset's own unless --variant named one (qwen3_5_2b's is sdpa_elementwise)
     fit, path = find_fit(name, where, args.variant, args.fits)
     if (fit["global_batch"], fit["seq_len"]) != (cfg.train.batch_size, cfg.train.seq_len):
         raise ConfigError("--preset", name, f"a preset its fit describes: {shown(path)} was compiled at a batch of "
