@@ -52,6 +52,23 @@ class Packing:
             raise ConversionError(f"layout {self.name} has no attention gate (model.gate = {cfg.gate})")
         return self.join_q(q, gate, cfg)
 
+    # The tensor side of the family protocol (gattn/interop/families.py) for a family whose
+    # checkpoints are the plain decoder's (Qwen3 / Llama, Qwen3-MoE, the release): its module binds
+    # them, `hf_shapes, to_gattn, from_gattn, read_files = PACKING.family_tensors()`.
+    def family_tensors(self):
+        def shapes(cfg: ModelConfig, layout: str) -> dict[str, tuple[int, ...]]:
+            return hf_shapes(cfg)
+
+        def to_params(tensors, cfg: ModelConfig, layout: str):
+            return to_gattn(tensors, cfg, self)
+
+        def to_tensors(params, cfg: ModelConfig, layout: str):
+            return from_gattn(params, cfg, self)
+
+        def read_files(files, hf: dict, cfg: ModelConfig) -> None:
+            """Nothing to set up: the tensors are stored under their own names."""
+        return shapes, to_params, to_tensors, read_files
+
 
 def q_rows(cfg: ModelConfig) -> int:
     """q_proj's rows: the queries, then the gate's (a widened q_proj)."""

@@ -78,21 +78,5 @@ def hf_config(cfg: ModelConfig, layout: str, max_len: int, kept: dict) -> dict:
             "use_qk_norm": cfg.qk_norm, "qkv_bias": cfg.attention_bias, "attention_bias": False}
 
 
-def kept_fields(hf: dict) -> dict:
-    return fields.kept(hf)
-
-
-def hf_shapes(cfg: ModelConfig, layout: str) -> dict[str, tuple[int, ...]]:
-    return decoder.hf_shapes(cfg)
-
-
-def to_gattn(tensors, cfg: ModelConfig, layout: str):
-    return decoder.to_gattn(tensors, cfg, PACKING)
-
-
-def from_gattn(params, cfg: ModelConfig, layout: str):
-    return decoder.from_gattn(params, cfg, PACKING)
-
-
-def read_files(files, hf: dict, cfg: ModelConfig) -> None:
-    """Nothing to set up: the tensors are stored under their own names."""
+kept_fields = fields.kept  # the config.json fields kept as they are
+hf_shapes, to_gattn, from_gattn, read_files = PACKING.family_tensors()
