@@ -81,3 +81,31 @@ def test_the_no_qk_norm_lab_trains(tmp_path):
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
     assert json.loads((tmp_path / "config.json").read_text())["model"]["qkv_bias"] is True
+
+
+def test_the_noqk_study_keeps_the_rule_and_trains_the_unstable_rate_first(tmp_path, monkeypatch):
+    """configs/study/instability_noqk.py: the rule fixed by instability_verdict.py, on the no-QK-norm
+    lab; as a script, the claim's cells at the higher rate, then its controls, then the lower rate;
+    --part shares the cells, --lr keeps one rate."""
+    import importlib.util
+    from pathlib import Path
+
+    from gattn.experiments import study as study_pkg
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "study" / "instability_noqk.py"
+    spec = importlib.util.spec_from_file_location("instability_noqk", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    study = script.get_study()
+    assert study.stability_rule == study_pkg.load("instability_verdict").stability_rule
+    assert (study.base.model.qk_norm, study.base.model.qkv_bias) == (False, True) and len(study.seeds) == 10
+    grid = script.order(study)
+    assert len(grid) == 100 and {(c.variant, c.lr) for c in grid[:30]} == {(v, 1.0) for v in script.CLAIM_VARIANTS}
+    assert {c.variant for c in grid[30:50]} == {"sandwich_norm", "output_clip_100"} and {c.lr for c in grid[:50]} == {1.0}
+    trained = []
+    monkeypatch.setattr(study_pkg, "run_cell", lambda s, c, root: trained.append((c.variant, c.lr, c.seed)) or {})
+    assert script.main(["--workdir", str(tmp_path), "--lr", "1.0", "--part", "1/2"]) == 0
+    assert len(trained) == 25 and {lr for _, lr, _ in trained} == {1.0}
+    assert trained[:2] == [("sdpa_elementwise_ffn_matched", 1.0, 0), ("baseline", 1.0, 1)]
+    with pytest.raises(SystemExit):
+        script.main(["--workdir", str(tmp_path), "--lr", "0.3"])
