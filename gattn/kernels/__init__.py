@@ -30,16 +30,20 @@ from gattn.kernels.sharded import on_context_mesh, shard_attention
 
 def attention_pallas(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
                      sm_scale: float | None = None, block_q: int = 512, block_k: int = 512,
-                     return_probs: bool = False, interpret: bool | None = None):
-    """The fused kernel behind the dispatcher's keyword set."""
+                     return_probs: bool = False, interpret: bool | None = None,
+                     kv_segment_ids=None, return_lse: bool = False):
+    """The fused kernel behind the dispatcher's keyword set (`kv_segment_ids`, `return_lse`: see
+    `gated_flash_attention`)."""
     if return_probs:
         raise ValueError("attention impl 'pallas' never forms the attention matrix; "
                          "use impl 'xla' to return probabilities")
     if interpret is not False and standin_enabled(jax.default_backend()):
-        return attention_xla(q, k, v, gate, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale)
+        return attention_xla(q, k, v, gate, causal=causal, segment_ids=segment_ids, sm_scale=sm_scale,
+                             kv_segment_ids=kv_segment_ids, return_lse=return_lse)
     return gated_flash_attention(q, k, v, gate, causal=causal, segment_ids=segment_ids,
                                  sm_scale=sm_scale, block_sizes=BlockSizes(block_q, block_k),
-                                 interpret=interpret)
+                                 interpret=interpret, kv_segment_ids=kv_segment_ids,
+                                 return_lse=return_lse)
 
 
 def attention_pallas_gpu(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,

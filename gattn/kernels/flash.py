@@ -29,6 +29,12 @@ attends to nothing and outputs exactly 0 (so do its gradients). Causal blocks th
 masked are skipped, and their index maps are clamped so their K/V (or Q) blocks are not fetched.
 Masked scores are excluded with `where`, never by a large negative bias alone, so a fully masked
 row is 0 rather than NaN or a uniform average.
+
+Pieces of a sequence (context parallelism). `kv_segment_ids` gives the keys their own ids, so the
+queries may be one piece of a sequence and the keys another; `return_lse` also returns the rows'
+log-sum-exp, which merges such pieces (see `gated_flash_attention`). Its cotangent enters the
+backward through the row term: lse's derivative in score ij is p_ij, so
+ds = p * (dP - D) + p * dlse = p * (dP - (D - dlse)), and the dK/dV and dQ kernels get D - dlse.
 """
 
 from __future__ import annotations
@@ -301,15 +307,37 @@ def _flash_fwd(st, gate, shape, kv_shape, q, k, v, seg, g):
     return y, (q, k, v, seg, g, y, lse)
 
 
-def _flash_bwd(st, gate, shape, kv_shape, res, dy):
+def _flash_bwd(st, gate, shape, kv_shape, res, dy, dlse=None):
     q, k, v, seg, g, y, lse = res
     dd, do, dg = _prep(st, y, dy, g, gate, shape, kv_shape)
+    if dlse is not None:  # the row term the dK/dV and dQ kernels use; the gate's dg keeps D
+        dd = dd - dlse
     dk, dv = _dkv(st, q, k, v, seg, do, lse, dd, shape, kv_shape)
     dq = _dq(st, q, k, v, seg, do, lse, dd, shape, kv_shape)
     return dq, dk, dv, None, dg
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _flash_lse(st, gate, shape, kv_shape, q, k, v, seg, g):
+    """`_flash` that also returns the log-sum-exp residual [B, Hq, 1, S_padded] as an output; a
+    function of its own, so the plain call's program has no extra output or cotangent."""
+    return _forward(st, q, k, v, seg, g, gate, shape, kv_shape)
+
+
+def _flash_lse_fwd(st, gate, shape, kv_shape, q, k, v, seg, g):
+    y, lse = _forward(st, q, k, v, seg, g, gate, shape, kv_shape)
+    return (y, lse), (q, k, v, seg, g, y, lse)
+
+
+def _flash_lse_bwd(st, gate, shape, kv_shape, res, cotangents):
+    dy, dlse = cotangents
+    return _flash_bwd(st, gate, shape, kv_shape, res, dy, dlse)
+
+
+_flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
 
 
 # ---------------------------------------------------------------- public entry point
@@ -327,21 +355,22 @@ def dense_segment_ids(segment_ids_BxS):
     return jnp.where(segment_ids_BxS == 0, 0, dense_BxS)
 
 
-def _check_segment_values(segment_ids) -> None:
+def _check_segment_values(segment_ids, name: str = "segment_ids") -> None:
     if isinstance(segment_ids, jax.core.Tracer):
         return  # under jit the values are unknown here: see the module docstring
     ids = np.asarray(segment_ids)
     if ids.size and (ids.max() >= MAX_SEGMENT_ID or ids.min() <= -MAX_SEGMENT_ID):
         bad = ids.max() if ids.max() >= MAX_SEGMENT_ID else ids.min()
-        raise ValueError(f"segment_ids hold {bad}: the pallas kernel is exact only for |id| < 2**24 = "
+        raise ValueError(f"{name} hold {bad}: the pallas kernel is exact only for |id| < 2**24 = "
                          f"{MAX_SEGMENT_ID} (ids cross it as float32); renumber them per row "
                          "(gattn.kernels.flash.dense_segment_ids)")
 
 
-def _check(q, k, v, segment_ids, gate, causal) -> str | None:
-    kind = check_inputs(q, k, v, segment_ids, gate)
-    if segment_ids is not None:
-        _check_segment_values(segment_ids)
+def _check(q, k, v, segment_ids, gate, causal, kv_segment_ids=None) -> str | None:
+    kind = check_inputs(q, k, v, segment_ids, gate, kv_segment_ids)
+    for name, ids in (("segment_ids", segment_ids), ("kv_segment_ids", kv_segment_ids)):
+        if ids is not None:
+            _check_segment_values(ids, name)
     if causal and q.shape[1] > k.shape[1]:
         raise ValueError(f"causal attention needs at least as many keys as queries; got "
                          f"q length {q.shape[1]} > k length {k.shape[1]}")
@@ -350,19 +379,25 @@ def _check(q, k, v, segment_ids, gate, causal) -> str | None:
 
 def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_ids=None,
                           sm_scale: float | None = None, block_sizes: BlockSizes | None = None,
-                          interpret: bool | None = None):
+                          interpret: bool | None = None, kv_segment_ids=None,
+                          return_lse: bool = False):
     """softmax(q k^T * sm_scale + mask) v * sigmoid(gate), gate fused into the kernel.
 
     q [B, S, Hq, K]; k, v [B, T, Hk, K] (GQA: query head h reads kv head h // (Hq // Hk));
     gate: None (plain attention), logits [B, S, Hq, K] (elementwise) or [B, S, Hq] /
-    [B, S, Hq, 1] (headwise). segment_ids [B, S] int, self-attention only: 0 = padding (attends
-    to nothing, outputs 0). Queries are padded to a multiple of the query block and keys to one of
-    the key block internally (`flash_blocks.layout`). sm_scale defaults to K ** -0.5. `interpret`
-    defaults to True off TPU (the platform of the context mesh, if one is set). Differentiable in
-    q, k, v and gate.
-    Returns [B, S, Hq, K] in q's dtype.
+    [B, S, Hq, 1] (headwise). segment_ids [B, S] int: 0 = padding (attends to nothing, outputs
+    0); alone they need self-attention (T = S), with kv_segment_ids [B, T] (the keys' ids) they
+    are the queries' ids and T is free. Queries are padded to a multiple of the query block and
+    keys to one of the key block internally (`flash_blocks.layout`). sm_scale defaults to
+    K ** -0.5. `interpret` defaults to True off TPU (the platform of the context mesh, if one is
+    set). Differentiable in q, k, v and gate.
+    Returns [B, S, Hq, K] in q's dtype; with `return_lse` (y, lse): lse [B, S, Hq] float32, the
+    log-sum-exp of the scaled scores over the keys each query sees (-1e30 where it sees none),
+    differentiable too. Attentions of the same queries over pieces of the keys merge by it:
+    lse = logaddexp(lse_1, lse_2), y = exp(lse_1 - lse) y_1 + exp(lse_2 - lse) y_2 (the gate
+    scales every piece's y alike, so gated pieces merge too).
     """
-    kind = _check(q, k, v, segment_ids, gate, causal)
+    kind = _check(q, k, v, segment_ids, gate, causal, kv_segment_ids)
     b, s, hq, d = q.shape
     t, hk = k.shape[1], k.shape[2]
     bs = block_sizes or BlockSizes()
@@ -382,11 +417,14 @@ def gated_flash_attention(q, k, v, gate=None, *, causal: bool = True, segment_id
     seg = g = None
     if segment_ids is not None:
         ids = segment_ids.astype(jnp.int32)  # padded per side: queries to sp, keys to tp
-        seg = (pad(ids, sp)[:, None, :], pad(ids, tp)[:, None, :])
+        kv_ids = ids if kv_segment_ids is None else kv_segment_ids.astype(jnp.int32)
+        seg = (pad(ids, sp)[:, None, :], pad(kv_ids, tp)[:, None, :])
     if kind == "elementwise":
         g = fb.tiles(pad(gate, sp), st.lanes)
     elif kind == "headwise":
         g = pad(gate.reshape(b, s, hq), sp).transpose(0, 2, 1)[:, :, None]
-    y = _flash(st, kind, shape, kv_shape, fb.tiles(q_p, st.lanes), fb.tiles(k_p, st.lanes),
-               fb.tiles(v_p, st.lanes), seg, g)
-    return fb.untiles(y, shape, st.lanes)[:, :s]
+    args = (fb.tiles(q_p, st.lanes), fb.tiles(k_p, st.lanes), fb.tiles(v_p, st.lanes), seg, g)
+    if not return_lse:
+        return fb.untiles(_flash(st, kind, shape, kv_shape, *args), shape, st.lanes)[:, :s]
+    y, lse = _flash_lse(st, kind, shape, kv_shape, *args)
+    return fb.untiles(y, shape, st.lanes)[:, :s], lse[:, :, 0, :s].transpose(0, 2, 1)
