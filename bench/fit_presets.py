@@ -22,7 +22,7 @@ multiple of the batch shards, data x fsdp x expert (as `trainer.validate` pads t
 validation the optimizer state stays in HBM beside the eval step's own buffers, so the eval
 step's fit counts it too (`eval.resident_gib`: the eval step's total + the AdamW moments per chip).
 
---mesh is (data, expert, model), or (data, fsdp, expert, model) in sharding.AXES order, and must
+--mesh is (data, expert, model), (data, fsdp, expert, model) or (data, fsdp, context, expert, model), and must
 multiply to the topology's chip count; without it the preset's own mesh (data = -1 takes what the
 others leave). Note gcloud's accelerator types count TensorCores for v5p (2 per chip): v5p-32 is
 16 chips (v5p:2x2x4 / 4x4x1), v5p-64 is 32 chips (v5p:4x4x2), v5p-128 is 64 chips (v5p:4x4x4);
@@ -139,14 +139,15 @@ def topology_devices(topology: str, slices: int = 1):
 
 def resolve_mesh(cfg, n: int, mesh_shape=None) -> tuple[int, ...]:
     """The mesh's axis sizes in sharding.AXES order on `n` chips: `mesh_shape` if given, as
-    (data, expert, model) or in AXES order (as many numbers as AXES), else the preset's mesh."""
+    (data, expert, model), (data, fsdp, expert, model) or in AXES order (data, fsdp, context,
+    expert, model), else the preset's mesh."""
     if mesh_shape:
         shape = tuple(mesh_shape)
-        if len(shape) == 3 and len(sharding.AXES) != 3:  # (data, expert, model): no other axis
-            sizes = dict(zip(("data", "expert", "model"), shape))
-            shape = tuple(sizes.get(a, 1) for a in sharding.AXES)
-        if len(shape) != len(sharding.AXES):
-            raise ConfigError("mesh", mesh_shape, f"data,expert,model or {','.join(sharding.AXES)}")
+        named = {3: ("data", "expert", "model"), 4: ("data", "fsdp", "expert", "model"), 5: sharding.AXES}
+        if len(shape) not in named:
+            raise ConfigError("mesh", mesh_shape, f"data,expert,model or data,fsdp,expert,model or {','.join(sharding.AXES)}")
+        sizes = dict(zip(named[len(shape)], shape))
+        shape = tuple(sizes.get(a, 1) for a in sharding.AXES)
     else:
         shape = tuple(sharding.mesh_shape(cfg.mesh, n))
     if math.prod(shape) != n:
@@ -248,7 +249,7 @@ def fit(cfg, topology: str, mesh_shape=None, *, eval_step: bool = True, train_st
 
     out = {"preset": None, "variant": cfg.variant, "topology": topology, "slices": slices, "device": kind,
            "chips": len(devices),
-           "hbm_gib": aot.HBM_GIB.get(kind), "mesh": dict(zip(sharding.AXES, shape)),
+           "hbm_gib": aot.HBM_GIB.get(kind), "mesh": {a: v for a, v in zip(sharding.AXES, shape) if a != "context" or v > 1},
            "global_batch": t.batch_size, "seq_len": t.seq_len, "microbatches": t.microbatches,
            "rows_per_shard_per_microbatch": t.batch_size // shards // t.microbatches,
            "loss_chunk": cfg.exec.loss_chunk,
@@ -320,7 +321,7 @@ def main(argv=None):
     ap.add_argument("--slices", type=int, default=1, help="slices of the topology, joined by DCN (the data axis "
                     "spans them: --config.mesh.data=SLICES)")
     ap.add_argument("--mesh", default=None,
-                    help=f"data,expert,model or {','.join(sharding.AXES)} (default: the preset's mesh)")
+                    help=f"data,expert,model or data,fsdp,expert,model or {','.join(sharding.AXES)} (default: the preset's mesh)")
     ap.add_argument("--no-eval", action="store_true", help="compile the train step only")
     ap.add_argument("--eval-only", action="store_true", help="compile the eval step (the forward pass) only")
     ap.add_argument("--all", action="store_true", help="every row of the table (ROWS)")

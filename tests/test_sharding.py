@@ -13,11 +13,11 @@ import multidevice
 
 
 def test_mesh_shape_fills_data_and_rejects_a_wrong_product():
-    assert sharding.AXES == ("data", "fsdp", "expert", "model")
-    assert sharding.mesh_shape(MeshConfig(), 8) == (8, 1, 1, 1)
-    assert sharding.mesh_shape(MeshConfig(expert=2, model=2), 8) == (2, 1, 2, 2)
-    assert sharding.mesh_shape(MeshConfig(data=1, fsdp=-1, model=2), 8) == (1, 4, 1, 2)
-    assert sharding.mesh_shape(MeshConfig(data=2, fsdp=4), 8) == (2, 4, 1, 1)
+    assert sharding.AXES == ("data", "fsdp", "context", "expert", "model")
+    assert sharding.mesh_shape(MeshConfig(), 8) == (8, 1, 1, 1, 1)
+    assert sharding.mesh_shape(MeshConfig(expert=2, model=2), 8) == (2, 1, 1, 2, 2)
+    assert sharding.mesh_shape(MeshConfig(data=1, fsdp=-1, model=2), 8) == (1, 4, 1, 1, 2)
+    assert sharding.mesh_shape(MeshConfig(data=2, fsdp=4), 8) == (2, 4, 1, 1, 1)
     with pytest.raises(ConfigError, match="multiply to the 8 devices"):
         sharding.mesh_shape(MeshConfig(data=3), 8)
     with pytest.raises(ConfigError, match="'data' = 0"):
@@ -27,15 +27,15 @@ def test_mesh_shape_fills_data_and_rejects_a_wrong_product():
 
 
 def test_logical_rules_and_divisibility_fallback():
-    mesh = jax.sharding.AbstractMesh((2, 1, 2, 4), sharding.AXES)
+    mesh = jax.sharding.AbstractMesh((2, 1, 1, 2, 4), sharding.AXES)
     assert sharding.spec(("embed", "heads"), (32, 16), mesh) == P(None, "model")
     assert sharding.spec(("expert", "embed", "mlp"), (8, 32, 64), mesh) == P("expert", None, "model")
     assert sharding.spec(("batch", None), (8, 16), mesh) == P(("data", "expert"), None)
     assert sharding.spec(("embed", "kv_heads"), (32, 2), mesh) == P(None, None)  # 2 kv heads, model 4
-    one = jax.sharding.AbstractMesh((1, 1, 1, 1), sharding.AXES)
+    one = jax.sharding.AbstractMesh((1, 1, 1, 1, 1), sharding.AXES)
     assert sharding.spec(("vocab", "embed"), (64, 32), one) == P(None, None)
     # FSDP: every weight's embed dimension over fsdp (experts stay on expert), rows over all three.
-    fsdp = jax.sharding.AbstractMesh((2, 4, 2, 2), sharding.AXES)
+    fsdp = jax.sharding.AbstractMesh((2, 4, 1, 2, 2), sharding.AXES)
     assert sharding.spec(("embed", "heads"), (32, 16), fsdp) == P("fsdp", "model")
     assert sharding.spec(("heads", "embed"), (16, 32), fsdp) == P("model", "fsdp")
     assert sharding.spec(("expert", "embed", "mlp"), (8, 32, 64), fsdp) == P("expert", "fsdp", "model")
@@ -82,7 +82,7 @@ def test_on_several_slices_the_data_axis_spans_them():
 
     devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu", num_slices=2).devices
     mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=-1), devices)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "expert": 1, "model": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "context": 1, "expert": 1, "model": 1}
     assert [{d.slice_index for d in row.flat} for row in mesh.devices] == [{0}, {1}]
     with pytest.raises(ConfigError, match="'mesh.data' = 1"):
         sharding.make_mesh(MeshConfig(data=1, fsdp=-1), devices)

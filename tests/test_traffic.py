@@ -372,8 +372,9 @@ def test_fit_presets_takes_a_mesh_of_three_or_all_axes():
     fit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fit)
     cfg = fit.cli.load("dense_1p7b")
-    assert fit.sharding.AXES == ("data", "fsdp", "expert", "model")
-    assert fit.resolve_mesh(cfg, 32, (8, 1, 4)) == (8, 1, 1, 4)  # data, expert, model: fsdp 1
-    assert fit.resolve_mesh(cfg, 32, (1, 8, 1, 4)) == (1, 8, 1, 4)  # every axis, in AXES order
+    assert fit.sharding.AXES == ("data", "fsdp", "context", "expert", "model")
+    assert fit.resolve_mesh(cfg, 32, (8, 1, 4)) == (8, 1, 1, 1, 4)  # data, expert, model: fsdp 1
+    assert fit.resolve_mesh(cfg, 32, (1, 8, 1, 4)) == (1, 8, 1, 1, 4)  # data, fsdp, expert, model
+    assert fit.resolve_mesh(cfg, 32, (1, 8, 2, 1, 2)) == (1, 8, 2, 1, 2)  # every axis, in AXES order
     with pytest.raises(fit.ConfigError, match="mesh"):
         fit.resolve_mesh(cfg, 32, (8, 1, 2))

@@ -84,6 +84,14 @@ class Config:
             raise ConfigError("exec.accumulate", self.exec.accumulate,
                               "'sharded' for a MoE: 'gathered' sums each fsdp shard's own rows, and the MoE's "
                               "global-batch LBL counts every shard's tokens")
+        ctx = self.mesh.context
+        if ctx > 1 and self.train.seq_len % (2 * ctx):
+            raise ConfigError("mesh.context", ctx, f"a context axis whose 2 x {ctx} chunks divide train.seq_len "
+                              f"({self.train.seq_len}): each device holds an early and a late chunk of every row")
+        if ctx > 1 and self.model.hybrid and self.train.seq_len // (2 * ctx) < self.model.linear_attention.conv_kernel - 1:
+            raise ConfigError("mesh.context", ctx, f"chunks of at least conv_kernel - 1 = "
+                              f"{self.model.linear_attention.conv_kernel - 1} tokens (train.seq_len / (2 x context) "
+                              f"= {self.train.seq_len // (2 * ctx)}): the conv's left context comes from one chunk")
         if self.train.mtp_loss_weight and not self.model.mtp_layers:
             raise ConfigError("train.mtp_loss_weight", self.train.mtp_loss_weight,
                               "0 unless model.mtp_layers = 1 (there is no MTP layer to train)")

@@ -130,21 +130,24 @@ class ExecConfig:
 MOVED_TO_EXEC = tuple(f.name for f in dataclasses.fields(ExecConfig))
 
 
-MESH_AXES = ("data", "fsdp", "expert", "model")  # the device mesh's axes, outermost first
+MESH_AXES = ("data", "fsdp", "context", "expert", "model")  # the device mesh's axes, outermost first
 BATCH_AXES = ("data", "fsdp", "expert")  # the axes a batch's rows are split over
 
 
 @dataclass(frozen=True)
 class MeshConfig:
     """Device mesh axes (gattn/model/sharding.py): data parallel, expert parallel, model (tensor)
-    parallel, and fsdp: data parallel with the parameters, their gradients and the optimizer
-    state sharded over it too (gathered layer by layer). Their product is the device count; one of
-    data and fsdp may be -1, taking what the others leave."""
+    parallel, fsdp: data parallel with the parameters, their gradients and the optimizer
+    state sharded over it too (gathered layer by layer), and context: each row's sequence split
+    over it, in a load-balanced causal layout (gattn/model/context.py; the parameters are split
+    over it as over fsdp). Their product is the device count; one of data and fsdp may be -1,
+    taking what the others leave."""
 
     data: int = -1
     expert: int = 1
     model: int = 1
     fsdp: int = 1
+    context: int = 1  # context parallelism: the sequence split over this axis (gattn/model/context.py)
 
     def __post_init__(self):
         for name in ("data", "fsdp"):
@@ -156,3 +159,4 @@ class MeshConfig:
                               "the others leave): set data=1 to shard everything over fsdp")
         _integer("expert", self.expert)
         _integer("model", self.model)
+        _integer("context", self.context)

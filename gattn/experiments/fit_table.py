@@ -98,7 +98,8 @@ class Row:
         return f"{gcloud_name(self.where)} ({self.where.topology}), {self.where.chips} chips, {self.hosts} hosts"
 
     def mesh_cell(self) -> str:
-        return ", ".join(str(v) for v in self.mesh.values())
+        cell = ", ".join(str(self.mesh[a]) for a in ("data", "fsdp", "expert", "model"))
+        return cell + (f" (context {self.mesh['context']})" if "context" in self.mesh else "")
 
     def microbatch_cell(self) -> str:
         t, shards = self.cfg.train, self.mesh["data"] * self.mesh["fsdp"] * self.mesh["expert"]

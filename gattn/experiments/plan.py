@@ -114,6 +114,8 @@ def resolved_mesh(cfg: Config, chips: int) -> dict:
     """The preset's mesh on `chips` chips, in sharding.AXES order (data=-1 or fsdp=-1 takes what the
     others leave, as sharding.mesh_shape does)."""
     axes = {a: getattr(cfg.mesh, a) for a in ("data", "fsdp", "expert", "model")}
+    if cfg.mesh.context != 1:  # (listed only when used: the fits before the axis have none)
+        axes["context"] = cfg.mesh.context
     known = math.prod(v for v in axes.values() if v != -1)
     return {a: (chips // known if v == -1 else v) for a, v in axes.items()}
 

@@ -132,7 +132,7 @@ def rehearse(preset: str, processes: int, devices: int, *, variant: str | None =
         from gattn.model.sharding import mesh_shape  # noqa: PLC0415 (JAX only past the config)
 
         shape = mesh_shape(cfg.mesh, chips)
-        print(f"rehearsing {preset} on {processes} x {devices} = {chips} CPU devices, mesh (data, fsdp, expert, model) "
+        print(f"rehearsing {preset} on {processes} x {devices} = {chips} CPU devices, mesh (data, fsdp, context, expert, model) "
               f"= {shape}, global batch {cfg.train.batch_size}, eval batch {cfg.data.eval_batch_size}, "
               f"microbatches {cfg.train.microbatches}; shrunk:", flush=True)
         for line in lines:

@@ -18,6 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from gattn import kernels
 from gattn.config import ExecConfig, ModelConfig
+from gattn.model import context
 from gattn.model.capture import NOTHING, Capture
 from gattn.model.gates import Gate, sdpa_nonlinearity
 from gattn.model.layers import DTYPES, apply_rope, dense, norm_scale, param, rms_norm
@@ -155,10 +156,18 @@ class Attention(nnx.Module):
         options = {"xla": dict(block_q=ex.attention_block_q, query_chunk=ex.attention_query_chunk,
                                prefix_ids=prefix_ids_BxSxK),
                    "pallas": dict(block_q=ex.flash_block_q, block_k=ex.flash_block_k)}.get(impl, {})
-        out = kernels.attention(
-            q.reshape(b, s, hq, hd), k.reshape(b, s, hk, hd), v.reshape(b, s, hk, hd), gate_logits,
-            impl=impl, causal=True, segment_ids=segment_ids_BxS,
-            return_probs=capture.attn_probs, **options)
+        q_BxSxHxK, k_BxSxHxK, v_BxSxHxK = q.reshape(b, s, hq, hd), k.reshape(b, s, hk, hd), v.reshape(b, s, hk, hd)
+        if context.size() > 1:  # the sequence split over the mesh's context axis (rows arranged)
+            if prefix_ids_BxSxK is not None or capture.attn_probs:
+                raise ValueError("context parallelism (mesh.context > 1) runs causal attention over arranged "
+                                 "rows only: no shared prefix ids, no captured attention matrix")
+            options.pop("prefix_ids", None)
+            options.pop("query_chunk", None)
+            out = context.attention(kernels.IMPLS[impl], q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, gate_logits,
+                                    segment_ids_BxS=segment_ids_BxS, **options)
+        else:
+            out = kernels.attention(q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, gate_logits, impl=impl, causal=True,
+                                    segment_ids=segment_ids_BxS, return_probs=capture.attn_probs, **options)
         if capture.attn_probs:
             out, probs_BxHxSxS = out
             self.sow(nnx.Intermediate, "attn_probs", probs_BxHxSxS)

@@ -37,6 +37,7 @@ from gattn.config import ConfigError
 from gattn.kernels import gdn as gdn_kernel
 from gattn.kernels.flash_blocks import on_tpu
 from gattn.kernels.standin import enabled as standin_enabled
+from gattn.model import context
 from gattn.model.layers import dense, param, rms_norm
 
 # The rule's contractions run in full float32 on every backend (TPU and GPU default to bf16 /
@@ -241,19 +242,24 @@ def chunk_gated_delta_rule(q_BxSxGxK, k_BxSxGxK, v_BxSxHxV, g_BxSxH, beta_BxSxH,
 # --------------------------------------------------------------------------- the conv
 
 
-def causal_conv1d(x_BxSxM, w_WxM, segment_ids_BxS=None, state_BxW1xM=None) -> tuple[jax.Array, jax.Array]:
+def causal_conv1d(x_BxSxM, w_WxM, segment_ids_BxS=None, state_BxW1xM=None,
+                  state_segment_ids_BxW1=None) -> tuple[jax.Array, jax.Array]:
     """SiLU of a depthwise causal conv: y_t = silu(sum_j w_j x_{t-W+1+j}), w_{W-1} on the current
     token (transformers' conv1d weight [M, 1, W] transposed). The W-1 inputs before the first token
     come from `state` (default zeros); with segment ids a tap reads only inputs of the token's own
-    segment (the state counts as the first token's). Returns (y [B, S, M] float32, the state after
-    the last token [B, W-1, M]: the last W-1 inputs of the last token's segment, zeros before it)."""
+    segment (the state counts as the first token's, unless `state_segment_ids` give its inputs'
+    own: a chunk of a longer row, gattn/model/context.py). Returns (y [B, S, M] float32, the state
+    after the last token [B, W-1, M]: the last W-1 inputs of the last token's segment, zeros
+    before it)."""
     b, s, m = x_BxSxM.shape
     width = w_WxM.shape[0]
     past = jnp.zeros((b, width - 1, m), jnp.float32) if state_BxW1xM is None else state_BxW1xM
     xs_BxTxM = jnp.concatenate([past.astype(jnp.float32), x_BxSxM.astype(jnp.float32)], axis=1)
     w = w_WxM.astype(jnp.float32)
     if segment_ids_BxS is not None:
-        ids_BxT = jnp.concatenate([jnp.repeat(segment_ids_BxS[:, :1], width - 1, axis=1), segment_ids_BxS], axis=1)
+        past_ids = (jnp.repeat(segment_ids_BxS[:, :1], width - 1, axis=1) if state_segment_ids_BxW1 is None
+                    else state_segment_ids_BxW1.astype(segment_ids_BxS.dtype))
+        ids_BxT = jnp.concatenate([past_ids, segment_ids_BxS], axis=1)
     y_BxSxM = jnp.zeros((b, s, m), jnp.float32)
     for j in range(width):
         tap_BxSxM = xs_BxTxM[:, j:j + s] * w[j]
@@ -326,7 +332,11 @@ class GatedDeltaNet(nnx.Module):
         return self.spec.init_state(batch)
 
     def __call__(self, x_BxSxD: jax.Array, segment_ids_BxS: jax.Array | None = None) -> jax.Array:
-        """The training forward pass (chunked rule); segment ids as gattn's pipeline packs rows."""
+        """The training forward pass (chunked rule); segment ids as gattn's pipeline packs rows.
+        With a context axis on the mesh the rows are arranged (gattn/model/context.py) and split
+        over it."""
+        if context.size() > 1:
+            return self._mix(x_BxSxD, segment_ids_BxS, None, self._chunked, over_context=True)[0]
         return self.prefill(x_BxSxD, segment_ids_BxS)[0]
 
     def prefill(self, x_BxSxD, segment_ids_BxS=None, state: GDNState | None = None) -> tuple[jax.Array, GDNState]:
@@ -345,12 +355,22 @@ class GatedDeltaNet(nnx.Module):
             return gdn_kernel.gated_delta_rule_on_mesh(*args, chunk_size=self.chunk_size)
         return chunk_gated_delta_rule(*args, chunk_size=self.chunk_size)
 
-    def _mix(self, x_BxSxD, segment_ids_BxS, state, rule):
-        """Project, conv, the rule (`rule`: chunked or recurrent), gated norm, output projection."""
+    def _split(self, qkv_BxSxM):
+        """The conv's output -> q, k [B, S, G, K] (L2-normalised) and v [B, S, H, V]."""
+        spec, (b, s) = self.spec, qkv_BxSxM.shape[:2]
+        g, dk = spec.num_k_heads, spec.head_k_dim
+        q, k, v = jnp.split(qkv_BxSxM, [g * dk, 2 * g * dk], axis=-1)
+        return (l2_normalize(q.reshape(b, s, g, dk)), l2_normalize(k.reshape(b, s, g, dk)),
+                v.reshape(b, s, spec.num_v_heads, spec.head_v_dim))
+
+    def _mix(self, x_BxSxD, segment_ids_BxS, state, rule, over_context: bool = False):
+        """Project, conv, the rule (`rule`: chunked or recurrent), gated norm, output projection.
+        `over_context`: the sequence part split over the mesh's context axis (no state in or
+        out: the returned state is None)."""
         spec, (b, s) = self.spec, x_BxSxD.shape[:2]
         g, h, dk, dv = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
         x_NxD = x_BxSxD.reshape(b * s, -1)
-        state = self.init_state(b) if state is None else state
+        state = self.init_state(b) if state is None and not over_context else state
 
         def project(w, out_dtype=None, name=None):  # (names: exec.remat's, gattn/model/transformer.py)
             y = dense(x_NxD, w, self.dtype, out_dtype).reshape(b, s, -1)
@@ -359,22 +379,26 @@ class GatedDeltaNet(nnx.Module):
         qkv_BxSxM = jnp.concatenate([project(self.wq, name="query_proj"), project(self.wk, name="key_proj"),
                                      project(self.wv, name="value_proj")], axis=-1)
         w_WxM = jnp.concatenate([self.conv_q[...], self.conv_k[...], self.conv_v[...]], axis=-1)
-        qkv_BxSxM, conv_state = causal_conv1d(qkv_BxSxM, w_WxM, segment_ids_BxS, state.conv_BxW1xM)
-        q, k, v = jnp.split(qkv_BxSxM, [g * dk, 2 * g * dk], axis=-1)
-        q_BxSxGxK, k_BxSxGxK = l2_normalize(q.reshape(b, s, g, dk)), l2_normalize(k.reshape(b, s, g, dk))
         beta_BxSxH = jax.nn.sigmoid(project(self.wb, jnp.float32))
         a_BxSxH = project(self.wa, jnp.float32) + self.dt_bias[...].astype(jnp.float32)
         g_BxSxH = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(a_BxSxH)
-        resets_BxS = None if segment_ids_BxS is None else document_starts(segment_ids_BxS)
-        o_BxSxHxV, recurrent = rule(q_BxSxGxK, k_BxSxGxK, v.reshape(b, s, h, dv), g_BxSxH, beta_BxSxH,
-                                    resets_BxS, state.recurrent_BxHxKxV)
+        if over_context:
+            o_BxSxHxV = context.gdn(causal_conv1d, self._split, rule, qkv_BxSxM, w_WxM, g_BxSxH, beta_BxSxH,
+                                    segment_ids_BxS)
+            conv_state = recurrent = None
+        else:
+            qkv_BxSxM, conv_state = causal_conv1d(qkv_BxSxM, w_WxM, segment_ids_BxS, state.conv_BxW1xM)
+            q_BxSxGxK, k_BxSxGxK, v_BxSxHxV = self._split(qkv_BxSxM)
+            resets_BxS = None if segment_ids_BxS is None else document_starts(segment_ids_BxS)
+            o_BxSxHxV, recurrent = rule(q_BxSxGxK, k_BxSxGxK, v_BxSxHxV, g_BxSxH, beta_BxSxH,
+                                        resets_BxS, state.recurrent_BxHxKxV)
         if segment_ids_BxS is not None:  # padding outputs zero (the gated norm and W_O keep it so)
             o_BxSxHxV = jnp.where((segment_ids_BxS != 0)[..., None, None], o_BxSxHxV, 0.0)
         z_BxSxHxV = project(self.wz, jnp.float32, "gate_proj").reshape(b, s, h, dv)
         y_BxSxHxV = rms_norm(o_BxSxHxV, self.norm[...], spec.norm_eps) * jax.nn.silu(z_BxSxHxV)
         y_NxD = checkpoint_name(dense(checkpoint_name(y_BxSxHxV.reshape(b * s, h * dv), "attn_out"), self.wo,
                                       self.dtype), "out_proj")
-        return y_NxD.reshape(b, s, -1), GDNState(conv_state, recurrent)
+        return y_NxD.reshape(b, s, -1), None if over_context else GDNState(conv_state, recurrent)
 
 
 # --------------------------------------------------------------------------- transformers' tensors

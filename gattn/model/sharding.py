@@ -4,8 +4,9 @@ Parameters carry logical names only (`gattn.layers.param`); `RULES` says which m
 name is split over, as MaxText's logical axis rules do:
 
     batch     -> (data, fsdp, expert)  tokens: data parallel; fsdp and expert carry data too
-    embed     -> fsdp                  FSDP: every weight's model dimension, so parameters, their
-                                       gradients and the AdamW moments are split over fsdp
+    embed     -> (fsdp, context)       FSDP: every weight's model dimension, so parameters, their
+                                       gradients and the AdamW moments are split over fsdp (and
+                                       over context, whose devices hold pieces of the same rows)
     heads     -> model                 query heads (attention, the SDPA gate)
     kv_heads  -> model                 key/value heads
     mlp       -> model                 FFN width (dense FFN and each expert's width)
@@ -34,10 +35,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from gattn.config import BATCH_AXES, MESH_AXES, ConfigError, MeshConfig
 
-AXES = MESH_AXES  # ("data", "fsdp", "expert", "model")
+AXES = MESH_AXES  # ("data", "fsdp", "context", "expert", "model")
 RULES: dict[str, tuple[str, ...] | str | None] = {
     "batch": BATCH_AXES,
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),
     "heads": "model",
     "kv_heads": "model",
     "mlp": "model",
@@ -48,16 +49,17 @@ RULES: dict[str, tuple[str, ...] | str | None] = {
 }
 
 
-def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, int, int, int]:
-    """The axis sizes in AXES order, (data, fsdp, expert, model), for `n_devices`; data or fsdp
-    = -1 takes the devices the others leave."""
-    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "expert": cfg.expert, "model": cfg.model}
+def mesh_shape(cfg: MeshConfig, n_devices: int) -> tuple[int, ...]:
+    """The axis sizes in AXES order, (data, fsdp, context, expert, model), for `n_devices`; data
+    or fsdp = -1 takes the devices the others leave."""
+    sizes = {"data": cfg.data, "fsdp": cfg.fsdp, "context": cfg.context, "expert": cfg.expert, "model": cfg.model}
     rest = [a for a, n in sizes.items() if n == -1]
     fixed = math.prod(n for n in sizes.values() if n != -1)
     if rest:
         sizes[rest[0]] = n_devices // fixed
     if math.prod(sizes.values()) != n_devices:
-        raise ConfigError("mesh", f"data={cfg.data}, fsdp={cfg.fsdp}, expert={cfg.expert}, model={cfg.model}",
+        raise ConfigError("mesh", f"data={cfg.data}, fsdp={cfg.fsdp}, context={cfg.context}, expert={cfg.expert}, "
+                          f"model={cfg.model}",
                           f"the axes must multiply to the {n_devices} devices present "
                           "(data=-1 or fsdp=-1 takes what the others leave)")
     return tuple(sizes[a] for a in AXES)
@@ -104,13 +106,13 @@ def spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) ->
 
 def gathered(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     """`x` (a weight with these logical axes) laid out as a layer computes with it on the context
-    mesh (`jax.set_mesh`): split as the rules say but not over fsdp. For a weight used in every
+    mesh (`jax.set_mesh`): split as the rules say but not over fsdp (or context). For a weight used in every
     step of a loop (the LM head in the chunked loss): gathered once before it, not per step. No
     mesh, or no fsdp axis: `x` as it is."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.shape.get("fsdp", 1) == 1:
+    if mesh.empty or mesh.shape.get("fsdp", 1) * mesh.shape.get("context", 1) == 1:
         return x
-    axes = [tuple(a for a in ((p,) if isinstance(p, str) else (p or ())) if a != "fsdp") or None
+    axes = [tuple(a for a in ((p,) if isinstance(p, str) else (p or ())) if a not in ("fsdp", "context")) or None
             for p in spec(logical, x.shape, mesh)]
     return jax.lax.with_sharding_constraint(x, P(*(a[0] if a and len(a) == 1 else a for a in axes)))
 
@@ -121,13 +123,15 @@ def rows(x: jax.Array) -> jax.Array:
     residual stream's layout, pinned at the embedding and after every block as MaxText pins its
     activations. Left to propagation alone, XLA may lay the stream out as the embedding table is
     split (d_model over fsdp) and then all-reduce every layer's full-batch activations: the
-    hybrid qwen3_5_2b on v5p-32 sent 9,018 GiB per chip per step that way. No mesh, or inside a
-    shard_map over every batch axis: `x` as it is."""
+    hybrid qwen3_5_2b on v5p-32 sent 9,018 GiB per chip per step that way. With a context axis
+    the tokens of each row are split over it too (row-major [B, S] tokens: the batch axes split
+    the rows, context each row's sequence). No mesh, or inside a shard_map over every batch axis:
+    `x` as it is."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
     manual = set(mesh.manual_axes)
-    axes = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1 and a not in manual)
+    axes = tuple(a for a in BATCH_AXES + ("context",) if mesh.shape.get(a, 1) > 1 and a not in manual)
     if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
         return x
     return jax.lax.with_sharding_constraint(x, P(axes[0] if len(axes) == 1 else axes, *([None] * (x.ndim - 1))))

@@ -28,7 +28,7 @@ from gattn.config import ExecConfig, ModelConfig
 from gattn.model.attention import Attention
 from gattn.model.capture import NOTHING, Capture
 from gattn.model.gdn import GatedDeltaNet, GDNSpec, GDNState
-from gattn.model import sharding
+from gattn.model import context, sharding
 from gattn.model.layers import DTYPES, RMSNorm, SwiGLU, dense, param
 from gattn.model.moe import MoE
 from gattn.model.mtp import MTP
@@ -228,6 +228,9 @@ class Transformer(nnx.Module):
         ex = self.ex
         b, s = tokens_BxS.shape
         if positions_BxS is None:
+            if context.size() > 1:
+                raise ValueError("context parallelism (mesh.context > 1): pass the positions of rows arranged "
+                                 "for it (gattn.model.context.arrange; gattn/train/loss.py does)")
             positions_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
         positions_N = positions_BxS.reshape(-1)
         x_NxD = self._embed(tokens_BxS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gattn.model import sharding
+from gattn.model import context, sharding
 from gattn.model.transformer import head_logits
 
 
@@ -99,6 +99,10 @@ def _next_token_nll(model, tokens_BxS, segment_ids_BxS, positions_BxS, hidden_to
     seg_in = weights = None
     if segment_ids_BxS is not None:
         seg_in, weights = segment_ids_BxS[:, :-1], target_weights(segment_ids_BxS)
+    if context.size() > 1:  # every per-token array in the context axis's layout (a sum over tokens follows)
+        if pos is None:
+            pos = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+        inputs, targets, pos, seg_in, weights = context.arrange(inputs, targets, pos, seg_in, weights)
     x_NxD, aux = model.hidden(inputs, positions_BxS=pos, segment_ids_BxS=seg_in)
     nll = _head_nll(model, x_NxD, targets)
     return (nll, weights, aux, x_NxD) if hidden_too else (nll, weights, aux)
@@ -128,12 +132,17 @@ def lm_and_mtp_loss(model, tokens_BxS: jax.Array, segment_ids_BxS: jax.Array | N
     next_BxS = tokens_BxS[:, 1:]  # x_{t+1}, the MTP input beside h_t
     pos = None if positions_BxS is None else positions_BxS[:, :-1]
     seg_in = None if segment_ids_BxS is None else segment_ids_BxS[:, :-1]
-    y_NxD, mtp_aux = model.mtp_hidden(x_NxD, next_BxS, pos, seg_in)
     mtp_targets = jnp.pad(tokens_BxS[:, 2:], ((0, 0), (0, 1)))  # (the last position's target is cut below)
     if segment_ids_BxS is not None:
         mtp_weights = mtp_target_weights(segment_ids_BxS)
     else:
         mtp_weights = jnp.pad(jnp.ones_like(tokens_BxS[:, 2:], bool), ((0, 0), (0, 1)))
+    if context.size() > 1:  # as the main model's (`_next_token_nll`): shifted first, then arranged
+        if pos is None:
+            pos = jnp.broadcast_to(jnp.arange(next_BxS.shape[1]), next_BxS.shape)
+        next_BxS, pos, seg_in, mtp_targets, mtp_weights = context.arrange(next_BxS, pos, seg_in, mtp_targets,
+                                                                          mtp_weights)
+    y_NxD, mtp_aux = model.mtp_hidden(x_NxD, next_BxS, pos, seg_in)
     mtp = _weighted_mean(_head_nll(model, y_NxD, mtp_targets), mtp_weights)
     if aux:
         aux = jax.tree.map(lambda main, extra: jnp.concatenate([main, extra[None]]), aux, mtp_aux)

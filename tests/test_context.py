@@ -1,0 +1,68 @@
+"""Context parallelism (mesh.context, gattn/model/context.py): the layout, the config's refusals,
+and on 8 simulated CPU devices (tests/multidevice/context_step.py) the loss and gradients of a
+dense gated model, a Qwen3.5-style hybrid with MTP and a hybrid MoE with the sequence split over
+context 2, 4 and 8 (and context x fsdp, context x data) equal to one device's, on packed rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import multidevice
+from gattn.config import Config, ConfigError, LinearAttentionSpec, MeshConfig, TrainConfig, hybrid_layer_types
+from gattn.model import context, sharding
+
+from conftest import tiny_model
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_order_is_a_balanced_permutation(n):
+    length = 64
+    idx = context.order(length, n)
+    assert sorted(idx.tolist()) == list(range(length))
+    c = length // (2 * n)
+    per_device = idx.reshape(n, 2 * c)
+    for r in range(n):  # an early chunk and a late one, each contiguous
+        assert per_device[r, :c].tolist() == list(range(r * c, (r + 1) * c))
+        assert per_device[r, c:].tolist() == list(range((2 * n - 1 - r) * c, (2 * n - r) * c))
+    # equal causal work: the keys each device's queries see, summed, are the same on every device
+    work = [(per_device[r] + 1).sum() for r in range(n)]
+    assert len(set(work)) == 1
+
+
+def test_arrange_and_restore_round_trip():
+    x = np.arange(2 * 32).reshape(2, 32)
+    (arranged,) = context.arrange(x, n=4)
+    assert not np.array_equal(np.asarray(arranged), x)
+    np.testing.assert_array_equal(np.asarray(context.restore(arranged, n=4)), x)
+    assert context.arrange(x, None, n=1) == (x, None)
+
+
+def test_order_refuses_a_length_the_chunks_do_not_divide():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        context.order(30, 4)
+
+
+def test_config_refuses_context_that_does_not_divide_the_sequence():
+    with pytest.raises(ConfigError, match="mesh.context"):
+        Config(mesh=MeshConfig(context=3), train=TrainConfig(seq_len=128))
+    hybrid = tiny_model(num_layers=4, layer_types=hybrid_layer_types(4), linear_attention=LinearAttentionSpec())
+    with pytest.raises(ConfigError, match="conv_kernel"):
+        Config(model=hybrid, mesh=MeshConfig(context=16), train=TrainConfig(seq_len=32))
+    Config(model=hybrid, mesh=MeshConfig(context=4), train=TrainConfig(seq_len=32))  # chunks of 4: fine
+    with pytest.raises(ConfigError, match="context"):
+        MeshConfig(context=0)
+
+
+def test_mesh_shape_has_the_context_axis():
+    assert sharding.AXES == ("data", "fsdp", "context", "expert", "model")
+    assert sharding.mesh_shape(MeshConfig(context=4), 8) == (2, 1, 4, 1, 1)
+    assert sharding.mesh_shape(MeshConfig(data=1, fsdp=-1, context=2), 8) == (1, 4, 2, 1, 1)
+    with pytest.raises(ConfigError, match="context=3"):
+        sharding.mesh_shape(MeshConfig(data=1, context=3), 8)
+
+
+def test_context_parallel_step_equals_one_device():
+    out = multidevice.run("context_step")
+    oks = [line for line in out.splitlines() if line.startswith("ok ")]
+    assert len(oks) == 9, out
