@@ -62,7 +62,19 @@ def test_mesh_shape_has_the_context_axis():
         sharding.mesh_shape(MeshConfig(data=1, context=3), 8)
 
 
-def test_context_parallel_step_equals_one_device():
-    out = multidevice.run("context_step")
+def test_context_parallel_hybrid_step_equals_one_device():
+    """The default set's cousin of the slow matrix below: the Qwen3.5-style hybrid (Gated DeltaNet,
+    gated attention, MTP) on context 4 x fsdp 2."""
+    out = multidevice.run("context_step", "--models", "hybrid", "--meshes", "1,2,4")
+    assert [line for line in out.splitlines() if line.startswith("ok ")] == ["ok hybrid (1, 2, 4)"], out
+
+
+@pytest.mark.slow
+def test_context_parallel_step_equals_one_device_for_every_model_and_mesh(tmp_path):
+    """Dense, hybrid and hybrid MoE on context 2 x data 4, context 4 x fsdp 2 and context 8; and a
+    checkpoint saved without the context axis restores onto two layouts with it, whose next
+    trainer step gives the same loss and gradient norm."""
+    out = multidevice.run("context_step", "--checkpoint", tmp_path / "ckpt", timeout=1800)
     oks = [line for line in out.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 9, out
+    assert len(oks) == 9 + 2, out
+    assert sum(line.startswith("ok checkpoint") for line in oks) == 2, out

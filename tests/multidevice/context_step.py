@@ -82,19 +82,25 @@ def check_checkpoint(workdir: Path) -> None:
         if i == 0:
             checkpoint.save(mngr, 0, state, {}, {}, force=True)
             mngr.wait_until_finished()
-        else:  # the saved state, restored onto this mesh's layout
+            saved = jax.device_get(state)
+        else:  # the saved state, restored onto this mesh's layout: the same numbers, split over context
             state = checkpoint.restore(mngr, trainer.abstract_state(cfg, mesh), 0)[0]
             assert any("context" in str(x.sharding.spec) for x in jax.tree.leaves(state["params"])), mesh_cfg
+            for a, r in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(saved)):
+                np.testing.assert_array_equal(a, r)
         mngr.close()
         step = trainer.make_train_step(cfg, graphdef, jax.tree.map(lambda x: x.sharding, state), mesh)
         b = {k: trainer.global_array(v, sharding.batch_sharding(mesh)) for k, v in batch.items()}
         with jax.set_mesh(mesh):
             state, report = step(state, b)
-        results[i] = (float(report["loss"]), jax.device_get(state["params"]))
+        results[i] = (float(report["loss"]), float(report["grad_norm"]), jax.device_get(state["params"]))
     for i in (1, 2):
-        np.testing.assert_allclose(results[i][0], results[0][0], rtol=2e-5)
-        for a, r in zip(jax.tree.leaves(results[i][1]), jax.tree.leaves(results[0][1])):
-            np.testing.assert_allclose(a, r, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(results[i][:2], results[0][:2], rtol=2e-5)
+        # (AdamW divides by the gradient's own size: where a gradient is ~1e-9 (A_log's) its rounding
+        # moves the first update by up to ~1e-3 of the LR's 5e-3; the gradients themselves are
+        # compared to 2e-5 by main's check)
+        for a, r in zip(jax.tree.leaves(results[i][2]), jax.tree.leaves(results[0][2])):
+            np.testing.assert_allclose(a, r, atol=1e-3)
         print("ok checkpoint data 8 ->", ("data 2 fsdp 2 context 2", "context 8")[i - 1], flush=True)
 
 
