@@ -1,7 +1,8 @@
 """Context parallelism (mesh.context, gattn/model/context.py): the layout, the config's refusals,
 and on 8 simulated CPU devices (tests/multidevice/context_step.py) the loss and gradients of a
 dense gated model, a Qwen3.5-style hybrid with MTP and a hybrid MoE with the sequence split over
-context 2, 4 and 8 (and context x fsdp, context x data) equal to one device's, on packed rows."""
+context 2, 4 and 8 (and context x fsdp, context x data) equal to one device's, on packed rows;
+also through the Pallas kernels (interpret mode) and across a checkpoint moved between layouts."""
 
 from __future__ import annotations
 
@@ -78,3 +79,12 @@ def test_context_parallel_step_equals_one_device_for_every_model_and_mesh(tmp_pa
     oks = [line for line in out.splitlines() if line.startswith("ok ")]
     assert len(oks) == 9 + 2, out
     assert sum(line.startswith("ok checkpoint") for line in oks) == 2, out
+
+
+@pytest.mark.slow
+def test_context_parallel_step_through_the_pallas_kernels_equals_one_device():
+    """The fused flash kernel (its lse merging the chunk pairs) and the GDN rule's kernel, in
+    interpret mode, for the dense model and the hybrid on context 4 x fsdp 2 (~1 min of CPU)."""
+    out = multidevice.run("context_step", "--models", "dense_pallas", "hybrid_pallas", "--meshes", "1,2,4")
+    assert [line for line in out.splitlines() if line.startswith("ok ")] == [
+        "ok dense_pallas (1, 2, 4)", "ok hybrid_pallas (1, 2, 4)"], out

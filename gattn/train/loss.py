@@ -83,8 +83,12 @@ def _head_nll(model, x_NxD, targets_BxS):
     exec.loss_chunk positions per row at a time (`chunked_token_nll`)."""
     b, s = targets_BxS.shape
     if model.ex.loss_chunk:
-        return chunked_token_nll(x_NxD.reshape(b, s, -1), model.head_weight(), targets_BxS, model.dtype,
-                                 model.ex.loss_chunk)
+        # On a context axis of n, each row's n pieces are rows of their own, so that every chunk
+        # holds positions of every device's piece (a chunk of the arranged sequence would sit on one).
+        n = context.size() if s % context.size() == 0 else 1
+        nll = chunked_token_nll(x_NxD.reshape(b * n, s // n, -1), model.head_weight(),
+                                targets_BxS.reshape(b * n, s // n), model.dtype, max(1, model.ex.loss_chunk // n))
+        return nll.reshape(b, s)
     return token_nll(head_logits(x_NxD, model.head_weight(), model.dtype).reshape(b, s, -1), targets_BxS)
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gattn.config import Config, GateSpec, LinearAttentionSpec, MeshConfig, MoESpec, TrainConfig, hybrid_layer_types
+from gattn.config import Config, ExecConfig, GateSpec, LinearAttentionSpec, MeshConfig, MoESpec, TrainConfig, hybrid_layer_types
 from gattn.model import sharding
 from gattn.train import checkpoint, trainer
 from gattn.model.transformer import Transformer
@@ -32,15 +32,20 @@ from gattn.train.loss import aux_loss, lm_and_mtp_loss, lm_loss_and_aux
 from conftest import tiny_model
 from multidevice import check_devices, shape
 
-MODELS = ("dense", "hybrid", "hybrid_moe")
+MODELS = ("dense", "hybrid", "hybrid_moe", "dense_pallas", "hybrid_pallas")
+# How each model is computed: the dense model's loss a chunk of positions at a time (each device's
+# pieces in every chunk, gattn/train/loss.py); *_pallas run the fused flash kernel (both kinds of
+# chunk pair, merged by the kernel's lse) and the GDN rule's kernel, in interpret mode.
+PALLAS = ExecConfig(attention_impl="pallas", flash_block_q=8, flash_block_k=8, gdn_impl="pallas", gdn_chunk=8)
+EXEC = {"dense": ExecConfig(loss_chunk=16), "dense_pallas": PALLAS, "hybrid_pallas": PALLAS}
 ROWS, LENGTH = 8, 64  # 64 input positions: chunks of 4 on a context axis of 8 (the conv's 3 inputs fit)
 
 
 def config(name: str):
     gdn = LinearAttentionSpec(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
-    if name == "dense":
+    if name in ("dense", "dense_pallas"):
         return tiny_model(vocab_size=64, gate=GateSpec(), qk_norm=True)
-    if name == "hybrid":  # Qwen3.5's dense pattern, with its MTP layer
+    if name in ("hybrid", "hybrid_pallas"):  # Qwen3.5's dense pattern, with its MTP layer
         return tiny_model(vocab_size=64, num_layers=4, layer_types=hybrid_layer_types(4), qk_norm=True,
                           zero_centered_norm=True, gate=GateSpec(), linear_attention=gdn, mtp_layers=1)
     return tiny_model(vocab_size=64, num_layers=4, layer_types=hybrid_layer_types(4), qk_norm=True,
@@ -106,7 +111,7 @@ def check_checkpoint(workdir: Path) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS[:3]))
     ap.add_argument("--meshes", nargs="+", type=shape, default=[(4, 1, 2), (1, 2, 4), (1, 1, 8)])
     ap.add_argument("--checkpoint", type=Path, default=None, help="also: the checkpoint check, in this folder")
     args = ap.parse_args(argv)
@@ -116,7 +121,7 @@ def main(argv=None):
     batch = packed_batch()
     for name in args.models:
         cfg = config(name)
-        graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+        graphdef, params = nnx.split(Transformer(cfg, EXEC.get(name, ExecConfig()), rngs=nnx.Rngs(0)), nnx.Param)
 
         def loss(params, tokens, seg, pos, graphdef=graphdef, cfg=cfg):
             model = nnx.merge(graphdef, params)
