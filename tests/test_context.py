@@ -88,3 +88,16 @@ def test_context_parallel_step_through_the_pallas_kernels_equals_one_device():
     out = multidevice.run("context_step", "--models", "dense_pallas", "hybrid_pallas", "--meshes", "1,2,4")
     assert [line for line in out.splitlines() if line.startswith("ok ")] == [
         "ok dense_pallas (1, 2, 4)", "ok hybrid_pallas (1, 2, 4)"], out
+
+
+@pytest.mark.parametrize("preset, chips, seq_len", [("qwen3_5_2b_64k", 8, 64), ("qwen3_5_2b_256k", 16, 96)])
+def test_the_rehearsal_shrinks_a_context_preset_to_chunks_the_conv_fits(preset, chips, seq_len):
+    """The rehearsal's 64 tokens are 2 per device on a context axis of 16, fewer than the conv's 3
+    of left context: it takes 96 there (the shrunk config must load)."""
+    from gattn import cli
+    from gattn.experiments.rehearse import shrink
+
+    overrides, _ = shrink(preset, None, [], chips)
+    cfg = cli.load(preset, overrides)
+    assert cfg.train.seq_len == seq_len and cfg.mesh.context == cli.load(preset).mesh.context
+    assert sharding.mesh_shape(cfg.mesh, chips)[2] == cfg.mesh.context

@@ -63,6 +63,19 @@ def shrink(preset: str, variant: str | None, overrides: list[str], chips: int) -
             small.pop("model.moe.micro_batches", None)
     else:
         small.pop("model.moe.expert_width")
+    if cfg.model.hybrid:  # one period of the layer pattern (3 Gated DeltaNet : 1 attention), small heads
+        la, period = cfg.model.linear_attention, cfg.model.layer_period
+        small.update({"model.num_layers": period, "model.layer_types": tuple(cfg.model.layer_types[:period]),
+                      "model.linear_attention.num_k_heads": 2,
+                      "model.linear_attention.num_v_heads": 2 * la.num_v_heads // la.num_k_heads,
+                      "model.linear_attention.head_k_dim": 8, "model.linear_attention.head_v_dim": 8})
+    if cfg.model.rope_dim:  # RoPE on the same share of the smaller heads (Qwen3.5's quarter)
+        share = cfg.model.rope_dim / cfg.model.head_dim
+        small["model.rope_dim"] = max(2, 2 * round(share * SMALL["model.head_dim"] / 2))
+    ctx = cfg.mesh.context
+    if ctx > 1:  # 2 x context chunks of at least the conv's left context (and of 64 tokens in all)
+        least = cfg.model.linear_attention.conv_kernel - 1 if cfg.model.hybrid else 1
+        small["train.seq_len"] = 2 * ctx * max(least, -(-SMALL["train.seq_len"] // (2 * ctx)))
     peak, floor, warmup = cfg.train.schedule  # (the preset's own, through lr_preset)
     small.update({"train.steps": STEPS, "train.eval_every": EVAL_EVERY, "train.checkpoint_every": CHECKPOINT_EVERY,
                   "train.log_every": 1, "train.keep_checkpoints": STEPS})
