@@ -179,12 +179,22 @@ def memory(compiled, kind: str) -> dict:
 
 def model_tflops(cfg, chips: int) -> float:
     """Training FLOPs per chip of one step, the usual count: 6 x activated parameters (less the
-    input embedding, a lookup) x tokens, plus causal attention's 6 x 2 x L x H x d x S / 2 per
-    token (forward 2 matmuls of 2 FLOPs, backward twice that); remat's recomputation not counted."""
+    input embedding, a lookup) x tokens, plus causal attention's 6 x 2 x H x d x S / 2 per token
+    and attention layer (forward 2 matmuls of 2 FLOPs, backward twice that), plus a hybrid's Gated
+    DeltaNet rule, 3 x (6 C K + 4 C V + 6 K V) per token and value head of each such layer (the
+    chunked form's forward: scores, solve products and the state's three K x V products, C =
+    exec.gdn_chunk; backward twice that); remat's recomputation not counted. (Before 2026-12-06
+    every layer of a hybrid was counted as attention: 4x the attention term of Qwen3.5's 3:1
+    pattern, an MFU above 1 at 64k.)"""
     m, t = cfg.model, cfg.train
     n = param_counts.activated_params(m) - (m.vocab_size * m.d_model if not m.tie_embeddings else 0)
     tokens = t.batch_size * t.seq_len
-    attn = 6 * 2 * m.num_layers * m.q_heads * m.head_dim * t.seq_len / 2
+    full = sum(m.layer_type(i) == "full_attention" for i in range(m.num_layers))
+    attn = 6 * 2 * full * m.q_heads * m.head_dim * t.seq_len / 2
+    if m.hybrid:
+        la, c = m.linear_attention, cfg.exec.gdn_chunk
+        k, v = la.head_k_dim, la.head_v_dim
+        attn += 3 * (6 * c * k + 4 * c * v + 6 * k * v) * la.num_v_heads * (m.num_layers - full)
     return round((6 * n + attn) * tokens / chips / 1e12, 2)
 
 

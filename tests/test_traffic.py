@@ -378,3 +378,27 @@ def test_fit_presets_takes_a_mesh_of_three_or_all_axes():
     assert fit.resolve_mesh(cfg, 32, (1, 8, 2, 1, 2)) == (1, 8, 2, 1, 2)  # every axis, in AXES order
     with pytest.raises(fit.ConfigError, match="mesh"):
         fit.resolve_mesh(cfg, 32, (8, 1, 2))
+
+
+def test_the_model_flops_of_a_hybrid_count_attention_in_its_attention_layers_only():
+    """Qwen3.5-2B's 24 layers are 18 Gated DeltaNet and 6 attention: the term that grows with the
+    sequence is 6 layers' causal attention (it counted all 24 before, an MFU of 1.18 at 64k)."""
+    import dataclasses
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "fit_presets.py"
+    spec = importlib.util.spec_from_file_location("fit_presets", path)
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    cfg = fit.cli.load("qwen3_5_2b_64k")
+    m, tokens = cfg.model, 16 * 65_536
+
+    def per_token(seq):  # FLOPs per token at this sequence length, the same tokens a step
+        c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq, batch_size=tokens // seq,
+                                                               microbatches=1))
+        return fit.model_tflops(c, 1) * 1e12 / tokens
+
+    layers = (per_token(65_536) - per_token(4_096)) / (6 * 2 * m.q_heads * m.head_dim * (65_536 - 4_096) / 2)
+    assert round(layers, 3) == 6
+    gdn = per_token(4_096) - 6 * fit.param_counts.activated_params(m) - 6 * 2 * 6 * m.q_heads * m.head_dim * 2_048
+    assert 0 < gdn < 0.05 * 6 * fit.param_counts.activated_params(m)  # the rule: ~1% of the matmuls'

@@ -26,7 +26,7 @@ at a time. The slice, the mesh, the microbatches and the rematerialisation are t
 bench/fit_presets.py --preset qwen3_5_2b --topology v5p:2x2x4`, docs/presets.md, issue 58): on
 v5p-32 (v5p:2x2x4, 16 chips) with FSDP over all 16, 4 gathered microbatches of 4 rows per chip
 (`exec.accumulate=gathered`) and no rematerialisation, the step model gives 2.54 s a step
-(compute-bound, MFU 0.72) at 86.3 GiB per chip of 95, 17.0 GiB sent per chip per step; as
+(compute-bound, MFU 0.68) at 86.3 GiB per chip of 95, 17.0 GiB sent per chip per step; as
 configured before (the jnp GDN rule, full remat, ZeRO-3 accumulation) it was 5.02 s, HBM-bound.
 """
 
