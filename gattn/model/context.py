@@ -138,15 +138,17 @@ def _attention_body(fn, n, options, q, k, v, gate, seg):
                           kv_segment_ids=take(seg_nat), return_lse=True, **options)
     o_pair, lse_pair = o_pair.reshape(b, 2 * n - 1, c, hq, d), lse_pair.reshape(b, 2 * n - 1, c, hq)
 
-    outs = []
-    for p in range(2):
-        sel_J = (piece_J == p)[None, :, None, None]
-        lse_J = jnp.where(sel_J, lse_pair.astype(jnp.float32), _FAR)
-        total = jnp.logaddexp(lse_diag[:, p].astype(jnp.float32), jax.nn.logsumexp(lse_J, axis=1))
-        w_diag = jnp.exp(lse_diag[:, p] - total)[..., None]
-        w_J = jnp.where(sel_J, jnp.exp(lse_J - total[:, None]), 0.0)[..., None]
-        outs.append(w_diag * o_diag[:, p].astype(jnp.float32) + jnp.sum(w_J * o_pair.astype(jnp.float32), axis=1))
-    o = jnp.stack(outs, axis=1).reshape(b, s2, hq, d)
+    # Each piece's log-sum-exp over its diagonal pair and its earlier pairs; then one contraction
+    # over the pairs (no float32 copy of the 2n - 1 pair outputs per piece).
+    onehot_JxP = jax.nn.one_hot(piece_J, 2, dtype=jnp.float32)
+    lse_J = lse_pair.astype(jnp.float32)
+    masked_BxPxJ = jnp.where(onehot_JxP.T[None, :, :, None, None] > 0, lse_J[:, None], _FAR)
+    total_BxP = jnp.logaddexp(lse_diag.astype(jnp.float32), jax.nn.logsumexp(masked_BxPxJ, axis=2))
+    w_diag = jnp.exp(lse_diag - total_BxP)[..., None]
+    w_J = jnp.exp(lse_J - jnp.take(total_BxP, piece_J, axis=1))  # [B, J, C, Hq]
+    pairs = jnp.einsum("bjchd,bjch,jp->bpchd", o_pair, w_J.astype(o_pair.dtype), onehot_JxP.astype(o_pair.dtype),
+                       preferred_element_type=jnp.float32)
+    o = (w_diag * o_diag.astype(jnp.float32) + pairs).reshape(b, s2, hq, d)
     if gate is not None:
         o = o * jax.nn.sigmoid(gate.reshape(b, s2, hq, -1).astype(jnp.float32))
     return o.astype(q.dtype)
