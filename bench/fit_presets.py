@@ -73,6 +73,8 @@ ROWS = {
         ("extend_1p7b_32k", "v5p:4x4x2", None, ()),
         ("dense_1p7b_48l", "v5p:4x4x2", None, ()),
         ("qwen3_5_2b", "v5p:2x2x4", None, ()),
+        ("qwen3_5_2b_64k", "v5p:2x2x4", None, ()),
+        ("qwen3_5_2b_256k", "v5p:2x2x4", None, ()),
         ("qwen3_next_80b", "v5p:4x4x4", None, ()),
     ],
     # The meshes and microbatches tried for dense_1p7b, moe_15a2b and qwen3_next_80b on their slice

@@ -29,7 +29,8 @@ from gattn import cli
 from gattn.config import ConfigError
 from gattn.experiments import plan
 
-PRESETS = ("dense_1p7b", "dense_1p7b_48l", "extend_1p7b_32k", "moe_15a2b", "qwen3_5_2b", "qwen3_next_80b")
+PRESETS = ("dense_1p7b", "dense_1p7b_48l", "extend_1p7b_32k", "moe_15a2b", "qwen3_5_2b", "qwen3_5_2b_64k",
+           "qwen3_5_2b_256k", "qwen3_next_80b")
 ROOT = plan.ROOT
 BENCH = ROOT / "bench" / "fit_presets.py"
 MAXTEXT_BENCH = ROOT / "bench" / "maxtext_side.py"
@@ -39,12 +40,15 @@ MAXTEXT_SIDE = ROOT / "docs" / "maxtext-side"
 # presets no MaxText config can express, and why
 NO_MAXTEXT = {"qwen3_5_2b": "MaxText 0.2.5 has no dense Qwen3.5 config (its qwen3.5 models are the 35B-A3B and "
                             "397B-A17B MoE)"}
+NO_MAXTEXT["qwen3_5_2b_64k"] = NO_MAXTEXT["qwen3_5_2b_256k"] = NO_MAXTEXT["qwen3_5_2b"]
 PAGES = ("docs/presets.md", "docs/pod-slice.md", "docs/moe-and-mesh.md", "README.md")
 BLOCK = re.compile(r"<!-- begin fit_table:(?P<name>[^>]*?) \(.*?\) -->\n(?P<body>.*?)"
                    r"<!-- end fit_table:(?P=name) -->\n", re.S)
 # The presets that continue another run (train.init_from), and what from.
 STARTS = {"extend_1p7b_32k": "`--init-from $BUCKET/runs/dense_1p7b` (a finished `dense_1p7b` run)",
           "qwen3_5_2b": "`--init-from` the released model converted (`python -m gattn.convert from-hf`)",
+          "qwen3_5_2b_64k": "`--init-from` the released model converted, or a `qwen3_5_2b` run",
+          "qwen3_5_2b_256k": "`--init-from $BUCKET/runs/qwen3_5_2b_64k` (a finished `qwen3_5_2b_64k` run)",
           "qwen3_next_80b": "`--init-from` the released model converted (`python -m gattn.convert from-hf`)"}
 
 
