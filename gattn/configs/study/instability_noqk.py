@@ -60,57 +60,10 @@ def order(study: Study) -> list:
     return sorted(cells(study), key=lambda c: (-c.lr, c.variant not in CLAIM_VARIANTS, c.seed, rank[c.variant]))
 
 
-def finished(study: Study, root: Path) -> list[dict]:
-    """The records of the cells finished in `root` (cell.json), in the study's own order."""
-    import json  # noqa: PLC0415
-
-    from gattn.experiments.study import cells  # noqa: PLC0415
-
-    return [json.loads((root / c.path / "cell.json").read_text()) for c in cells(study)
-            if (root / c.path / "cell.json").is_file()]
-
-
 def main(argv=None) -> int:
-    import argparse  # noqa: PLC0415
+    from gattn.experiments.study import ordered  # noqa: PLC0415
 
-    from gattn.experiments.study import run_cell, write_report  # noqa: PLC0415
-    from gattn.experiments.study.runner import STOPPED, _check_same_study, write_study  # noqa: PLC0415
-
-    ap = argparse.ArgumentParser(description="the no-QK-norm instability verdict in its order (see the docstring)")
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--report", action="store_true", help="write the report from the finished cells; train nothing")
-    ap.add_argument("--part", default="0/1", help="K/N: train only every N-th cell of the order from the K-th "
-                    "(N processes side by side, one per core, K = 0..N-1)")
-    ap.add_argument("--lr", type=float, default=None, help="train only the cells at this peak learning rate "
-                    "(one of LEARNING_RATES)")
-    args = ap.parse_args(argv)
-    if args.lr is not None and args.lr not in LEARNING_RATES:
-        ap.error(f"--lr {args.lr:g}: expected one of the study's learning rates {', '.join(map(str, LEARNING_RATES))}")
-    k, _, n = args.part.partition("/")
-    if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
-        ap.error(f"--part {args.part!r}: expected K/N with 0 <= K < N")
-    study, root = get_study(), Path(args.workdir)
-    root.mkdir(parents=True, exist_ok=True)
-    _check_same_study(study, root)  # (the same check, and study.json, as python -m gattn.study)
-    write_study(study, root)
-    grid = order(study)
-    todo = [c for c in grid if args.lr is None or c.lr == args.lr]
-    stopped = False
-    for i, cell in enumerate([] if args.report else todo, 1):
-        if (i - 1) % int(n) != int(k):
-            continue
-        done = (root / cell.path / "cell.json").is_file()
-        print(f"[{i}/{len(todo)}] {cell.variant} lr={cell.lr:g} seed={cell.seed}: "
-              + ("finished earlier, skipped" if done else "training"), flush=True)
-        if run_cell(study, cell, root) is None:
-            print(STOPPED, flush=True)
-            stopped = True
-            break
-    records = finished(study, root)
-    if records:
-        write_report(study, records, root)
-        print(f"report of {len(records)}/{len(grid)} finished cells: {root / 'report.md'}", flush=True)
-    return 1 if stopped else 0
+    return ordered.main(get_study(), order, argv, description="the no-QK-norm instability verdict in its order (see the docstring)")
 
 
 if __name__ == "__main__":
