@@ -85,7 +85,9 @@ def test_fit_refuses_a_batch_the_shards_and_microbatches_do_not_divide():
 
 @pytest.mark.slow  # full depth at the real batch: minutes of compiling each
 @pytest.mark.parametrize("part, preset, topology, mesh, overrides",
-                         [(part, *row) for part, rows in fit.ROWS.items() for row in rows])
+                         # (not ROWS["candidates"]: the meshes and microbatches a fit chose among,
+                         # some of them beyond HBM by design, e.g. dense_1p7b in one pass)
+                         [(part, *row) for part, rows in fit.ROWS.items() if part != "candidates" for row in rows])
 def test_preset_fits_its_slice_at_the_real_batch(part, preset, topology, mesh, overrides):
     out = fit.run_row(preset, topology, mesh, overrides)
     assert out["global_batch"] == cli.load(preset).train.batch_size
