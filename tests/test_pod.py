@@ -221,7 +221,8 @@ def test_ctrl_c_to_the_launcher_saves_on_every_host_and_a_relaunch_resumes(runs,
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-2000:] + err[-2000:]
-    assert "SIGTERM: saved step" in out and "KeyboardInterrupt" not in out + err
+    # (named as the user sent it since b04038a: "Ctrl-C (SIGINT): saved step N", no longer "SIGTERM")
+    assert "Ctrl-C (SIGINT): saved step" in out and "KeyboardInterrupt" not in out + err, out[-2000:]
     saved = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert 3 <= saved < 16
     out = run_launched(runs["config"], workdir, 2, 2)
