@@ -368,7 +368,7 @@ class GatedDeltaNet(nnx.Module):
         `over_context`: the sequence part split over the mesh's context axis (no state in or
         out: the returned state is None)."""
         spec, (b, s) = self.spec, x_BxSxD.shape[:2]
-        g, h, dk, dv = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
+        h, dv = spec.num_v_heads, spec.head_v_dim
         x_NxD = x_BxSxD.reshape(b * s, -1)
         state = self.init_state(b) if state is None and not over_context else state
 
