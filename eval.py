@@ -61,7 +61,7 @@ def main(argv=None):
     ap.add_argument("--batch-rows", type=int, help="rows per forward pass of the measurements (lower it "
                     "for long sequences: each layer's [rows, heads, S, S] attention is in memory at once; "
                     "default: a whole batch per pass)")
-    ap.add_argument("--tasks", help="comma-separated few-shot task files (JSONL, see README)")
+    ap.add_argument("--tasks", help="comma-separated few-shot task files (JSONL, docs/evaluation.md; needs the lm-eval extra)")
     ap.add_argument("--shots", type=int, help="in-context examples per few-shot prompt (default: 0 for "
                     "--tasks, each task's own for --lm-eval)")
     ap.add_argument("--limit", type=int, help="evaluate only the first N examples of each task")
