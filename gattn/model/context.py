@@ -194,8 +194,10 @@ def _gdn_body(n, conv, split, rule, qkv, w, g, beta, seg):
     seg_p = _pieces(seg)
     x_p, _ = conv(_pieces(qkv), w, seg_p, left.reshape(b * 2, width - 1, m), left_ids.reshape(b * 2, width - 1))
 
-    # A document that starts at a chunk's first token (its previous token: the previous chunk's last).
-    before_first = jnp.where(first, seg.reshape(b, 2, c)[:, :, 0], jnp.take(tail_ids[:, :, -1], prev, axis=1))
+    # A document that starts at a chunk's first token (its previous token: the previous chunk's last;
+    # a conv of width 1 has no tail to read it from).
+    last_ids = tail_ids[:, :, -1] if width > 1 else _natural_chunks(seg.reshape(b, 2, c)[:, :, -1], n)[:, :, 0]
+    before_first = jnp.where(first, seg.reshape(b, 2, c)[:, :, 0], jnp.take(last_ids, prev, axis=1))
     resets = jnp.concatenate([(seg_p[:, 0] != before_first.reshape(-1))[:, None], seg_p[:, 1:] != seg_p[:, :-1]],
                              axis=1)
     q, k, v = split(x_p)

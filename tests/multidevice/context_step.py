@@ -1,11 +1,11 @@
 """Context parallelism equals one device: for a dense gated model, a Qwen3.5-style hybrid (3 Gated
 DeltaNet : 1 gated attention, more value heads than key heads, an MTP layer) and a hybrid MoE
-(Qwen3-Next-shaped), the loss and every gradient of the jitted step with the sequence split over
+(Qwen3-Next-shaped), and a hybrid whose conv has width 1, the loss and every gradient of the jitted step with the sequence split over
 the mesh's context axis equal the single-device values (float32), on packed rows whose documents
 cross the chunk boundaries (segment ids and positions restarting per document, padding at the
 end of some rows).
 
-    python -m multidevice.context_step [--models dense hybrid hybrid_moe] [--meshes 4,1,2 1,2,4 1,1,8]
+    python -m multidevice.context_step [--models dense hybrid hybrid_moe hybrid_w1] [--meshes 4,1,2 1,2,4 1,1,8]
 
 Meshes are (data, fsdp, context). Prints "ok MODEL MESH" per pair (tests/test_context.py counts
 them). `--checkpoint DIR` also runs the trainer's step on the hybrid: a train state saved with
@@ -32,7 +32,7 @@ from gattn.train.loss import aux_loss, lm_and_mtp_loss, lm_loss_and_aux
 from conftest import tiny_model
 from multidevice import check_devices, shape
 
-MODELS = ("dense", "hybrid", "hybrid_moe", "dense_pallas", "hybrid_pallas")
+MODELS = ("dense", "hybrid", "hybrid_moe", "dense_pallas", "hybrid_pallas", "hybrid_w1")
 # How each model is computed: the dense model's loss a chunk of positions at a time (each device's
 # pieces in every chunk, gattn/train/loss.py); *_pallas run the fused flash kernel (both kinds of
 # chunk pair, merged by the kernel's lse) and the GDN rule's kernel, in interpret mode.
@@ -45,6 +45,9 @@ def config(name: str):
     gdn = LinearAttentionSpec(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
     if name in ("dense", "dense_pallas"):
         return tiny_model(vocab_size=64, gate=GateSpec(), qk_norm=True)
+    if name == "hybrid_w1":  # a conv of width 1: no left context to carry (a reset is still seen)
+        return tiny_model(vocab_size=64, num_layers=4, layer_types=hybrid_layer_types(4), qk_norm=True,
+                          gate=GateSpec(), linear_attention=dataclasses.replace(gdn, conv_kernel=1))
     if name in ("hybrid", "hybrid_pallas"):  # Qwen3.5's dense pattern, with its MTP layer
         return tiny_model(vocab_size=64, num_layers=4, layer_types=hybrid_layer_types(4), qk_norm=True,
                           zero_centered_norm=True, gate=GateSpec(), linear_attention=gdn, mtp_layers=1)
@@ -111,7 +114,7 @@ def check_checkpoint(workdir: Path) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS[:3]))
+    ap.add_argument("--models", nargs="+", choices=MODELS, default=[m for m in MODELS if "pallas" not in m])
     ap.add_argument("--meshes", nargs="+", type=shape, default=[(4, 1, 2), (1, 2, 4), (1, 1, 8)])
     ap.add_argument("--checkpoint", type=Path, default=None, help="also: the checkpoint check, in this folder")
     args = ap.parse_args(argv)
