@@ -6,12 +6,19 @@ also through the Pallas kernels (interpret mode) and across a checkpoint moved b
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import multidevice
-from gattn.config import Config, ConfigError, LinearAttentionSpec, MeshConfig, TrainConfig, hybrid_layer_types
+from gattn import kernels
+from gattn.config import (Config, ConfigError, ExecConfig, LinearAttentionSpec, MeshConfig, MoESpec, TrainConfig,
+                          hybrid_layer_types)
 from gattn.model import context, sharding
+from gattn.model.transformer import Transformer
 
 from conftest import tiny_model
 
@@ -53,6 +60,32 @@ def test_config_refuses_context_that_does_not_divide_the_sequence():
     Config(model=hybrid, mesh=MeshConfig(context=4), train=TrainConfig(seq_len=32))  # chunks of 4: fine
     with pytest.raises(ConfigError, match="context"):
         MeshConfig(context=0)
+
+
+def test_config_refuses_what_context_parallelism_cannot_run():
+    """The GPU kernels take neither the keys' own segment ids nor return the lse (before: a
+    TypeError while tracing); a capacity MoE keeps each expert's first tokens in token order, which
+    the context layout reorders (before: silently other tokens dropped than at context 1)."""
+    for impl in ("pallas_gpu", "cudnn"):
+        with pytest.raises(ConfigError, match="exec.attention_impl"):
+            Config(mesh=MeshConfig(context=2), train=TrainConfig(seq_len=128),
+                   exec=ExecConfig(attention_impl=impl))
+    capacity = tiny_model(moe=MoESpec(num_experts=4, top_k=2, expert_width=16, capacity_factor=1.25))
+    with pytest.raises(ConfigError, match="capacity_factor"):
+        Config(model=capacity, mesh=MeshConfig(context=2), train=TrainConfig(seq_len=128))
+    Config(model=capacity, train=TrainConfig(seq_len=128))  # (without context: fine)
+    Config(model=dataclasses.replace(capacity, moe=dataclasses.replace(capacity.moe, capacity_factor=None)),
+           mesh=MeshConfig(context=2), train=TrainConfig(seq_len=128))  # dropless: fine
+
+
+def test_auto_attention_that_resolves_to_a_gpu_kernel_is_refused_under_context(monkeypatch):
+    """`auto` on a GPU resolves to a kernel the context pairs cannot use: one line naming the field."""
+    monkeypatch.setattr(context, "size", lambda: 2)
+    monkeypatch.setattr(kernels, "resolve", lambda impl, platform=None: "pallas_gpu")
+    model = Transformer(tiny_model(), ExecConfig(attention_impl="auto"), rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((1, 16), jnp.int32)
+    with pytest.raises(ConfigError, match="exec.attention_impl.*'pallas_gpu'"):
+        model(tokens, jnp.broadcast_to(jnp.arange(16), (1, 16)))
 
 
 def test_mesh_shape_has_the_context_axis():

@@ -92,6 +92,15 @@ class Config:
             raise ConfigError("mesh.context", ctx, f"chunks of at least conv_kernel - 1 = "
                               f"{self.model.linear_attention.conv_kernel - 1} tokens (train.seq_len / (2 x context) "
                               f"= {self.train.seq_len // (2 * ctx)}): the conv's left context comes from one chunk")
+        if ctx > 1 and self.exec.attention_impl in ("pallas_gpu", "cudnn"):
+            raise ConfigError("exec.attention_impl", self.exec.attention_impl, "xla, pallas or auto on TPU with "
+                              f"mesh.context > 1 (now {ctx}): its chunk pairs need a kernel that takes the keys' "
+                              "own segment ids and returns its log-sum-exp")
+        if ctx > 1 and moe is not None and moe.capacity_factor is not None:
+            raise ConfigError("mesh.context", ctx, "1 for a MoE with model.moe.capacity_factor set "
+                              f"({moe.capacity_factor}): an expert keeps its first tokens in token order, which "
+                              "the context layout reorders (another run's tokens would be dropped); a dropless "
+                              "MoE (capacity_factor None) runs under context parallelism")
         if self.train.mtp_loss_weight and not self.model.mtp_layers:
             raise ConfigError("train.mtp_loss_weight", self.train.mtp_loss_weight,
                               "0 unless model.mtp_layers = 1 (there is no MTP layer to train)")

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from gattn import kernels
-from gattn.config import ExecConfig, ModelConfig
+from gattn.config import ConfigError, ExecConfig, ModelConfig
 from gattn.model import context
 from gattn.model.capture import NOTHING, Capture
 from gattn.model.gates import Gate, sdpa_nonlinearity
@@ -161,6 +161,10 @@ class Attention(nnx.Module):
             if prefix_ids_BxSxK is not None or capture.attn_probs:
                 raise ValueError("context parallelism (mesh.context > 1) runs causal attention over arranged "
                                  "rows only: no shared prefix ids, no captured attention matrix")
+            if impl not in ("xla", "pallas"):  # (`auto` on a GPU; the config refuses the names themselves)
+                raise ConfigError("exec.attention_impl", ex.attention_impl, f"xla or pallas with mesh.context > 1 "
+                                  f"(it runs {impl!r} here): the chunk pairs need the keys' own segment ids and "
+                                  "the log-sum-exp, which only those take and return")
             options.pop("prefix_ids", None)
             options.pop("query_chunk", None)
             out = context.attention(kernels.IMPLS[impl], q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, gate_logits,
