@@ -45,6 +45,14 @@ def test_logical_rules_and_divisibility_fallback():
     assert sharding.spec(("batch", None), (16, 16), fsdp) == P(("data", "fsdp", "expert"), None)
     assert sharding.batch_shards(fsdp) == 16 and sharding.batch_shards(mesh) == 4
     assert sharding.spec(("embed", "embed"), (32, 32), fsdp) == P("fsdp", None)  # an axis splits one dimension
+    # Several axes on one dimension that together do not divide it: the leading ones that do (before:
+    # none, so a d_model that fsdp 4 divides but fsdp 4 x context 4 does not was whole on every chip).
+    ctx = jax.sharding.AbstractMesh((1, 4, 4, 1, 1), sharding.AXES)
+    assert sharding.spec(("embed", None), (12, 8), ctx) == P("fsdp", None)
+    assert sharding.spec(("embed", None), (32, 8), ctx) == P(("fsdp", "context"), None)
+    assert sharding.spec(("embed", None), (6, 8), ctx) == P(None, None)
+    assert sharding.spec(("batch", None), (4, 8), fsdp) == P("data", None) and \
+        sharding.spec(("batch", None), (1, 8), fsdp) == P(None, None)
 
 
 def test_sharded_loss_and_gradients_equal_one_device():

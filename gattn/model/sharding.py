@@ -97,8 +97,8 @@ def spec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh) ->
         axes = RULES.get(name) if name else None
         axes = (axes,) if isinstance(axes, str) else (axes or ())
         axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1 and a not in used)
-        if axes and size % math.prod(mesh.shape[a] for a in axes):
-            axes = ()  # not divisible: replicate this dimension
+        while axes and size % math.prod(mesh.shape[a] for a in axes):
+            axes = axes[:-1]  # not divisible: the longest leading run of the axes that divides (or none)
         used.update(axes)
         out.append(axes[0] if len(axes) == 1 else (axes or None))
     return P(*out)
