@@ -18,7 +18,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from gattn import kernels
 from gattn.config import ConfigError, ExecConfig, ModelConfig
-from gattn.model import context
+from gattn.model import context, sharding
 from gattn.model.capture import NOTHING, Capture
 from gattn.model.gates import Gate, sdpa_nonlinearity
 from gattn.model.layers import DTYPES, apply_rope, dense, norm_scale, param, rms_norm
@@ -151,12 +151,13 @@ class Attention(nnx.Module):
         # capture of the ungated SDPA output or of the gate keeps the gate outside.
         fused = (self.gate is not None and self.gate.spec.fusable and cfg.sdpa_nonlinearity == "none"
                  and not (capture.sdpa_out or capture.gate))
-        gate_logits = self.gate.logits(x_NxD).reshape(b, s, hq, -1) if fused else None
+        # (tokens in the residual stream's order, sharding.stream; rows [B, S] for the attention)
+        gate_logits = sharding.unstream(self.gate.logits(x_NxD), b, s).reshape(b, s, hq, -1) if fused else None
         # The flash blocks are the TPU kernel's; the GPU kernel and cuDNN keep their own defaults.
         options = {"xla": dict(block_q=ex.attention_block_q, query_chunk=ex.attention_query_chunk,
                                prefix_ids=prefix_ids_BxSxK),
                    "pallas": dict(block_q=ex.flash_block_q, block_k=ex.flash_block_k)}.get(impl, {})
-        q_BxSxHxK, k_BxSxHxK, v_BxSxHxK = q.reshape(b, s, hq, hd), k.reshape(b, s, hk, hd), v.reshape(b, s, hk, hd)
+        q_BxSxHxK, k_BxSxHxK, v_BxSxHxK = (sharding.unstream(t, b, s) for t in (q, k, v))
         if context.size() > 1:  # the sequence split over the mesh's context axis (rows arranged)
             if prefix_ids_BxSxK is not None or capture.attn_probs:
                 raise ValueError("context parallelism (mesh.context > 1) runs causal attention over arranged "
@@ -175,7 +176,7 @@ class Attention(nnx.Module):
         if capture.attn_probs:
             out, probs_BxHxSxS = out
             self.sow(nnx.Intermediate, "attn_probs", probs_BxHxSxS)
-        y = out.reshape(n, hq, hd)
+        y = sharding.stream(out).reshape(n, hq, hd)
         if capture.sdpa_out:
             self.sow(nnx.Intermediate, "sdpa_out", y)
         return self._output(y, x_NxD, sdpa_gate=not fused, capture=capture)

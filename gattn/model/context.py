@@ -5,8 +5,10 @@ device r holds chunks r and 2n-1-r: an early and a late one, so that every devic
 causal attention work (r + 1 and 2n - r chunk pairs: 2n + 1 in all). `arrange` puts a batch's
 per-token arrays (tokens, targets, positions, segment ids, loss weights) in that order once, in
 the loss (gattn/train/loss.py), before the model; the residual stream is then split over context
-as [B, S] row-major tokens (sharding.rows), and every per-token layer (projections, norms, FFN,
-MoE, the LM head and the loss, a sum over tokens) runs on its tokens with no change. RoPE reads
+(sharding.rows, its tokens in `sharding.stream` order: each device holds its rows' pieces), and
+every per-token layer (projections, norms, FFN, the LM head and the loss, a sum over tokens) runs
+on its tokens with no change; an expert-parallel MoE takes context as one of its token axes
+(gattn/model/expert_parallel.py `token_axes`), so each device routes its own tokens. RoPE reads
 the positions it is given (arranged with the tokens), and targets are shifted before arranging,
 so the loss and the MTP layer's t+2 targets cross chunk boundaries correctly.
 

@@ -4,7 +4,7 @@ With an expert axis of 1 (pure FSDP, as MaxText's FSDP MoE configs run) nothing 
 every device gathers every expert's weights (their FSDP shards, as any weight) and runs its own
 tokens through them with the grouped matmul, dropless.
 
-Each device holds the tokens of its (data, expert) shard and the E / n experts of its expert
+Each device holds the tokens of its (data, fsdp, expert, context) shard and the E / n experts of its expert
 shard (each expert's width split over `model`). Per device, with M = N_local * k routed rows:
 
     route, permute     its own tokens, sorted by expert: rows [M, D], group sizes [E]
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from gattn.kernels.grouped_matmul import grouped_dot, padded_rows
-from gattn.model.expert_parallel import BATCH_AXES, micro_groups_per_shard, shard_aux
+from gattn.model.expert_parallel import micro_groups_per_shard, shard_aux, token_axes
 from gattn.model.moe_ops import permute, route, router_logits, unpermute
 
 
@@ -135,8 +135,8 @@ def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh, moe_buf
     device = getattr(getattr(mesh, "abstract_mesh", mesh), "abstract_device", None)
     platform = getattr(device, "platform", None) or jax.default_backend()  # TPU in an AOT compile
     model = "model" if mesh.shape.get("model", 1) > 1 else None
-    batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)  # includes "expert"
-    groups_per_shard = micro_groups_per_shard(spec, math.prod(mesh.shape[a] for a in batch))
+    batch = token_axes(mesh)  # includes "expert" and "context": each device its own tokens
+    groups_per_shard = micro_groups_per_shard(spec, mesh)
     mlp_ok = model is not None and spec.expert_width % mesh.shape["model"] == 0
     experts_over = "expert" if n_exp > 1 else None  # (a size-1 axis would make the output vary over it)
     w13_spec = P(experts_over, None, "model" if mlp_ok else None)

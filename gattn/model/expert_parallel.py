@@ -1,7 +1,8 @@
 """Expert parallelism with an explicit token exchange: the MoE layer inside `shard_map`.
 
-Each device holds the tokens of its (data, expert) shard and the E / n experts of its expert
-shard (each expert's width split over `model`). Per device:
+Each device holds the tokens of its (data, fsdp, expert, context) shard (`token_axes`: on a context
+axis, its piece of the residual stream, gattn/model/sharding.py `rows`) and the E / n experts of
+its expert shard (each expert's width split over `model`). Per device:
 
     route        its own tokens (the router is replicated)
     dispatch     each expert's first C rows into a [n, E/n, C, D] buffer, C = ceil(c N_local k / E)
@@ -44,19 +45,34 @@ def context_mesh(spec):
     return mesh
 
 
-def micro_groups_per_shard(spec, n_shards: int) -> int:
-    """LBL groups (micro-batches) per data x expert shard: 1 for the global scope."""
+def token_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that split the MoE's tokens [N, D] as the residual stream is
+    split (gattn/model/sharding.py `rows`): the batch axes, then context. Each device routes and
+    exchanges its own tokens only; without context here, every context device would gather its
+    batch shard's tokens and repeat their whole MoE."""
+    return tuple(a for a in BATCH_AXES + ("context",) if mesh.shape.get(a, 1) > 1)
+
+
+def micro_groups_per_shard(spec, mesh) -> int:
+    """LBL groups (micro-batches) per token shard (`token_axes`): 1 for the global scope. A shard
+    holds whole micro-batches (whole rows) when their count is a multiple of the shards'; on a
+    context axis it holds pieces of rows, so the per-micro-batch LBL is refused there."""
     if spec.lbl_scope != "micro":
         return 1
+    if mesh.shape.get("context", 1) > 1:
+        raise ConfigError("moe.lbl_scope", spec.lbl_scope, "'global' with mesh.context > 1 and exec.moe_impl "
+                          "'all_to_all' or 'ragged': a device holds pieces of rows there, not whole micro-batches "
+                          "(exec.moe_impl='partitioned' computes the per-micro-batch LBL under context)")
+    n_shards = math.prod(mesh.shape[a] for a in token_axes(mesh))
     if spec.micro_batches % n_shards:
         raise ConfigError("moe.micro_batches", spec.micro_batches,
                           f"with experts split over the mesh, a multiple of the {n_shards} "
-                          "data x expert shards (each shard holds whole micro-batches)")
+                          "data x fsdp x expert shards (each shard holds whole micro-batches)")
     return spec.micro_batches // n_shards
 
 
 def shard_aux(spec, logits_NxE, probs_NxE, experts_NxP, counts_E, dropped, batch, groups_per_shard: int):
-    """The aux values of one shard's tokens inside `shard_map` over the `batch` axes, as one device
+    """The aux values of one shard's tokens inside `shard_map` over the `batch` axes (`token_axes`), as one device
     computes them for the whole batch (every expert-parallel path uses this): the global-batch LBL
     from expert counts and router probabilities psummed over the batch axes, or the per-micro-batch
     one averaged; z-loss; load [E]; dropped rows."""
@@ -77,9 +93,8 @@ def moe_forward(weights: dict, spec, act, dtype, x_NxD: jax.Array, mesh):
     experts split over the mesh's `expert` axis; same contract as `MoE.__call__`."""
     n_exp = mesh.shape["expert"]
     model = "model" if mesh.shape.get("model", 1) > 1 else None
-    batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)  # includes "expert"
-    n_shards = math.prod(mesh.shape[a] for a in batch)
-    groups_per_shard = micro_groups_per_shard(spec, n_shards)
+    batch = token_axes(mesh)  # includes "expert" and "context"
+    groups_per_shard = micro_groups_per_shard(spec, mesh)
     mlp_ok = model is not None and spec.expert_width % mesh.shape["model"] == 0
     w13_spec = P("expert", None, "model" if mlp_ok else None)
     w2_spec = P("expert", "model" if mlp_ok else None, None)

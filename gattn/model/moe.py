@@ -38,7 +38,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from gattn.config import ExecConfig, ModelConfig
-from gattn.model import dropless_ep, expert_parallel
+from gattn.model import dropless_ep, expert_parallel, sharding
 from gattn.model.layers import DTYPES, FFN_ACTIVATIONS, SwiGLU, dense, param
 from gattn.model.moe_ops import (batched_swiglu, capacity, combine, dispatch, load_balancing_loss, permute,
                                  route, router_logits, router_z_loss, unpermute)
@@ -141,4 +141,6 @@ class MoE(nnx.Module):
             return load_balancing_loss(probs_NxE, experts_NxP)
         if num_rows % self.spec.micro_batches:
             return jnp.full((), jnp.nan, jnp.float32)
+        n, s = probs_NxE.shape[0], probs_NxE.shape[0] // num_rows  # (rows from the stream's token order)
+        probs_NxE, experts_NxP = (sharding.unstream(a, num_rows, s).reshape(n, -1) for a in (probs_NxE, experts_NxP))
         return load_balancing_loss(probs_NxE, experts_NxP, self.spec.micro_batches)

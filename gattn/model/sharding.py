@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -124,7 +125,7 @@ def rows(x: jax.Array) -> jax.Array:
     activations. Left to propagation alone, XLA may lay the stream out as the embedding table is
     split (d_model over fsdp) and then all-reduce every layer's full-batch activations: the
     hybrid qwen3_5_2b on v5p-32 sent 9,018 GiB per chip per step that way. With a context axis
-    the tokens of each row are split over it too (row-major [B, S] tokens: the batch axes split
+    the tokens of each row are split over it too (tokens in `stream` order: the batch axes split
     the rows, context each row's sequence). No mesh, or inside a shard_map over every batch axis:
     `x` as it is."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -135,6 +136,59 @@ def rows(x: jax.Array) -> jax.Array:
     if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
         return x
     return jax.lax.with_sharding_constraint(x, P(axes[0] if len(axes) == 1 else axes, *([None] * (x.ndim - 1))))
+
+
+def _stream_split(b: int, s: int) -> tuple[int, int] | None:
+    """(batch shards, context devices) when the residual stream's token order differs from
+    row-major for [B, S] = [b, s] tokens on the context mesh: a context axis and more than one row
+    per batch shard. None otherwise (and with no mesh, inside a shard_map over the axes, or when
+    they do not divide the rows and the sequence)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    manual = set(mesh.manual_axes)
+    ctx = 1 if "context" in manual else mesh.shape.get("context", 1)
+    shards = math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES if a not in manual)
+    if ctx == 1 or b % shards or s % ctx or b // shards == 1:
+        return None
+    return shards, ctx
+
+
+def stream(x_BxSx: jax.Array) -> jax.Array:
+    """[B, S, ...] -> [B * S, ...] in the residual stream's token order: row-major, except with a
+    context axis and R > 1 rows per batch shard, where it is shard-major (batch shard, context
+    device, row in the shard, position in the device's piece), so that splitting the tokens into
+    contiguous blocks (`rows`) gives each device exactly its rows' pieces of the sequence: the
+    layout of the context shard_maps (batch axes split the rows, context each row), reached from the
+    stream by local transposes. A row-major stream would put R / context whole rows on a device
+    and every attention and Gated DeltaNet layer would reshard (all-to-all) in and out."""
+    b, s = x_BxSx.shape[:2]
+    rest = x_BxSx.shape[2:]
+    split = _stream_split(b, s)
+    if split is None:
+        return x_BxSx.reshape(b * s, *rest)
+    shards, ctx = split
+    x = x_BxSx.reshape(shards, b // shards, ctx, s // ctx, *rest)
+    return jnp.swapaxes(x, 1, 2).reshape(b * s, *rest)
+
+
+def unstream(x_Nx: jax.Array, b: int, s: int) -> jax.Array:
+    """The inverse of `stream`: stream-ordered tokens [b * s, ...] as rows [b, s, ...]."""
+    rest = x_Nx.shape[1:]
+    split = _stream_split(b, s)
+    if split is None:
+        return x_Nx.reshape(b, s, *rest)
+    shards, ctx = split
+    x = x_Nx.reshape(shards, ctx, b // shards, s // ctx, *rest)
+    return jnp.swapaxes(x, 1, 2).reshape(b, s, *rest)
+
+
+def row_major(x_Nx: jax.Array, b: int, s: int) -> jax.Array:
+    """Stream-ordered tokens [b * s, ...] in row-major order (what a caller of the model reads),
+    split as `rows` splits them: a no-op unless `stream` reorders."""
+    if _stream_split(b, s) is None:
+        return x_Nx
+    return rows(unstream(x_Nx, b, s).reshape(x_Nx.shape))
 
 
 def param_shardings(params: nnx.State, mesh: Mesh):

@@ -115,7 +115,7 @@ class Block(nnx.Module):
             if prefix_ids_BxSxK is not None:
                 raise ValueError("prefix_ids: a Gated DeltaNet layer's recurrence cannot share a prefix "
                                  "between segments; lay each segment out whole")
-            h = self.linear_attn(x_in.reshape(*batch, -1), segment_ids_BxS).reshape(x_NxD.shape)
+            h = sharding.stream(self.linear_attn(sharding.unstream(x_in, *batch), segment_ids_BxS))
         else:
             h = self.attn(x_in, positions_N, segment_ids_BxS, batch, capture, prefix_ids_BxSxK)
         x_NxD = x_NxD + self._branch_out(h, getattr(self, "attn_post_norm", None))
@@ -232,7 +232,7 @@ class Transformer(nnx.Module):
                 raise ValueError("context parallelism (mesh.context > 1): pass the positions of rows arranged "
                                  "for it (gattn.model.context.arrange; gattn/train/loss.py does)")
             positions_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
-        positions_N = positions_BxS.reshape(-1)
+        positions_N = sharding.stream(positions_BxS)  # (the stream's token order)
         x_NxD = self._embed(tokens_BxS)
 
         def run(block, x):  # the residual stream stays split by rows (sharding.rows)
@@ -256,7 +256,7 @@ class Transformer(nnx.Module):
                 aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
         else:
             x_NxD, aux = _run_layers(run, self.blocks, x_NxD)
-        return self.final_norm(x_NxD), aux
+        return self.final_norm(sharding.row_major(x_NxD, b, s)), aux
 
     def mtp_hidden(self, hidden_NxD: jax.Array, next_tokens_BxS: jax.Array, positions_BxS: jax.Array | None = None,
                    segment_ids_BxS: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -270,12 +270,13 @@ class Transformer(nnx.Module):
             positions_BxS = jnp.broadcast_to(jnp.arange(s), (b, s))
 
         def run(mtp, h, e):
-            return mtp(h, e, positions_BxS.reshape(-1), segment_ids_BxS, (b, s))
+            return mtp(h, e, sharding.stream(positions_BxS), segment_ids_BxS, (b, s))
 
         if self.ex.remat != "none":
             run = nnx.remat(run, policy=REMAT_POLICIES[self.ex.remat])
+        hidden_NxD = sharding.rows(sharding.stream(hidden_NxD.reshape(b, s, -1)))  # (`hidden` returns row-major)
         y_NxD, aux = run(self.mtp, hidden_NxD, self._embed(next_tokens_BxS))
-        return sharding.rows(y_NxD), aux
+        return sharding.row_major(sharding.rows(y_NxD), b, s), aux
 
     @property
     def grouped(self) -> bool:
@@ -298,7 +299,7 @@ class Transformer(nnx.Module):
         return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
     def _embed(self, tokens_BxS):
-        return sharding.rows(jnp.take(self.embed[...], tokens_BxS.reshape(-1), axis=0).astype(self.dtype))
+        return sharding.rows(jnp.take(self.embed[...], sharding.stream(tokens_BxS), axis=0).astype(self.dtype))
 
     def init_cache(self, batch: int, max_len: int) -> dict:
         """An empty kv cache: k and v per layer, [B, Hk, T, K] in the compute dtype (what SDPA
