@@ -231,10 +231,42 @@ def test_study_json_is_never_written_in_place(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["study.json"]  # no temporary file left
 
 
-@pytest.mark.slow
-def test_the_instability_verdict_study(tmp_path):
-    """The whole preset study (100 cells; its time on 2 shared cores: docs/instability.md)."""
-    from gattn.experiments.study import load, run
+@pytest.mark.slow  # two cells trained: ~4-10 min on 2 shared cores
+def test_the_instability_verdict_study_reproduces_its_records(tmp_path):
+    """The preset study's recorded cells (docs/instability-study/cells-*.tar.gz: 80 of its 100, the
+    controls at 3e-1 not yet run) give a report with a claim per variant, and two of them trained
+    again here (the baseline and the elementwise SDPA gate, FFN-matched, at 3e-1, seed 1, where neither diverges)
+    end within 2% of their recorded final loss and leave every claim as it was. The whole study is
+    ~6 hours of one core (`python configs/study/instability_verdict.py`; before, this test ran all
+    100 cells from nothing and never finished in a session). XLA's CPU runs are not bit for bit
+    reproducible across sessions (docs/instability.md), hence the tolerance."""
+    import tarfile
+    from pathlib import Path
 
-    report = run(load("instability_verdict"), tmp_path)
-    assert {r["variant"] for r in report["stability_rule"]} == set(load("instability_verdict").variants) - {"baseline"}
+    from gattn.experiments.study import load, runner
+    from gattn.experiments.study.report import write_report
+
+    study = load("instability_verdict")
+    for archive in sorted((Path(__file__).parents[1] / "docs" / "instability-study").glob("cells-*.tar.gz")):
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp_path, filter="data")
+    runner._check_same_study(study, tmp_path)  # the records are this study's
+    recorded = {c: json.loads((tmp_path / c.path / "cell.json").read_text()) for c in runner.cells(study)
+                if (tmp_path / c.path / "cell.json").is_file()}
+    assert len(recorded) == 80
+
+    def claims(records):
+        report = write_report(study, list(records.values()), tmp_path)
+        return {r["variant"]: r["claim"] for r in report["stability_rule"]}
+
+    before = claims(recorded)
+    assert set(before) == set(study.variants) - {"baseline"}
+    again = [c for c in recorded if c.lr == 0.3 and c.seed == 1 and c.variant in ("baseline", "sdpa_elementwise_ffn_matched")]
+    assert len(again) == 2
+    for cell in again:
+        (tmp_path / cell.path / "cell.json").unlink()
+        record = runner.run_cell(study, cell, tmp_path)
+        assert record["diverged"] is None, (cell, record["diverged"])
+        np.testing.assert_allclose(record["final_loss"], recorded[cell]["final_loss"], rtol=0.02, err_msg=str(cell))
+        recorded[cell] = record
+    assert claims(recorded) == before
