@@ -38,12 +38,24 @@ def test_a_small_rehearsal_passes_every_stage(tmp_path, capsys):
     assert "resume: ok (1 x 4" in out
 
 
+def test_the_config_stage_refuses_a_batch_the_chips_do_not_divide(tmp_path, capsys):
+    """extend_1p7b_32k's 64 rows in 2 microbatches fill its v5p-64 (32 chips, fsdp 32); on 64
+    chips fsdp 64 x 2 does not divide them. Before: "config: ok", then every process of the
+    training stage failed on it and the later stages reported what that left missing."""
+    results = rehearse.rehearse("extend_1p7b_32k", 8, 8, variant="sdpa_elementwise", workdir=tmp_path)
+    assert results["config"].startswith("error") and "'train.batch_size' = 64" in results["config"], results
+    assert "fsdp" in results["config"] and "train.microbatches (2)" in results["config"], results
+    assert all(v.startswith("not run") for k, v in results.items() if k != "config"), results
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset, processes, devices", [
-    ("dense_1p7b", 8, 8),       # 64 chips: fsdp 64
+    ("dense_1p7b", 8, 8),       # 64 chips: fsdp 64 (the batch of 1,024 in 16 microbatches divides)
     ("dense_1p7b_48l", 8, 8),
-    ("moe_15a2b", 8, 8),        # 64 chips: data 2 x fsdp 4 x expert 8
-    ("extend_1p7b_32k", 8, 8),
+    ("moe_15a2b", 8, 4),        # its v5p-64: 8 hosts x 4 chips, fsdp 32 (at 8 x 8 the resume's 4
+                                # processes of 16 devices outgrew the 24 GiB of 2-core machines)
+    ("extend_1p7b_32k", 8, 4),  # its v5p-64 (at 64 chips its 64 rows in 2 microbatches do not divide)
 ])
 def test_every_paper_preset_rehearses_on_16_batch_shards(preset, processes, devices, tmp_path, capsys):
     """At 16 or more batch shards the presets' eval batch of 8 is not a multiple of the shards (the

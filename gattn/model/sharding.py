@@ -191,6 +191,18 @@ def row_major(x_Nx: jax.Array, b: int, s: int) -> jax.Array:
     return rows(unstream(x_Nx, b, s).reshape(x_Nx.shape))
 
 
+def check_batch(batch_size: int, microbatches: int, sizes: dict[str, int]) -> None:
+    """Refuses a global batch that the mesh's batch shards (data x fsdp x expert; `sizes`: axis ->
+    size) times the microbatches do not divide, by name (the trainer, and the rehearsal's config
+    stage before any process starts)."""
+    shards = math.prod(sizes.get(a, 1) for a in BATCH_AXES)
+    if batch_size % (shards * microbatches):
+        raise ConfigError("train.batch_size", batch_size,
+                          f"a multiple of the {shards} data x fsdp x expert shards of the mesh {sizes}"
+                          + (f" times train.microbatches ({microbatches}): every shard holds rows of each "
+                             "microbatch" if microbatches > 1 else ""))
+
+
 def param_shardings(params: nnx.State, mesh: Mesh):
     """NamedShardings for a state of parameters (arrays or abstract), from their logical axes."""
     logical = nnx.get_partition_spec(params)

@@ -575,12 +575,7 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
            source_step: int | None) -> dict:
     t = cfg.train
     mesh = sharding.make_mesh(cfg.mesh)
-    shards = sharding.batch_shards(mesh)
-    if t.batch_size % (shards * t.microbatches):
-        raise ConfigError("train.batch_size", t.batch_size,
-                          f"a multiple of the {shards} data x fsdp x expert shards of the mesh {dict(mesh.shape)}"
-                          + (f" times train.microbatches ({t.microbatches}): every shard holds rows of each "
-                             "microbatch" if t.microbatches > 1 else ""))
+    sharding.check_batch(t.batch_size, t.microbatches, dict(mesh.shape))
     startup = Startup(progress and hosts.primary())
     tokenizer, tokenizer_file, earlier = prepare(cfg, workdir, source_step, allow_corpus_change, startup)
     pipeline = data_source(cfg)
