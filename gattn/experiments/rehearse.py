@@ -142,10 +142,12 @@ def rehearse(preset: str, processes: int, devices: int, *, variant: str | None =
     try:
         small, lines = shrink(preset, variant, list(overrides), chips)
         cfg = cli.load(preset, list(overrides) + small, variant=variant)
-        from gattn.model.sharding import AXES, check_batch, mesh_shape  # noqa: PLC0415 (JAX only past the config)
+        import jax  # noqa: PLC0415 (JAX only past the config)
+
+        from gattn.model.sharding import AXES, check_batch, mesh_shape  # noqa: PLC0415
 
         shape = mesh_shape(cfg.mesh, chips)
-        check_batch(cfg.train.batch_size, cfg.train.microbatches, dict(zip(AXES, shape)))
+        check_batch(cfg.train.batch_size, cfg.train.microbatches, jax.sharding.AbstractMesh(shape, AXES))
         print(f"rehearsing {preset} on {processes} x {devices} = {chips} CPU devices, mesh (data, fsdp, context, expert, model) "
               f"= {shape}, global batch {cfg.train.batch_size}, eval batch {cfg.data.eval_batch_size}, "
               f"microbatches {cfg.train.microbatches}; shrunk:", flush=True)

@@ -8,7 +8,7 @@ the loss (gattn/train/loss.py), before the model; the residual stream is then sp
 (sharding.rows, its tokens in `sharding.stream` order: each device holds its rows' pieces), and
 every per-token layer (projections, norms, FFN, the LM head and the loss, a sum over tokens) runs
 on its tokens with no change; an expert-parallel MoE takes context as one of its token axes
-(gattn/model/expert_parallel.py `token_axes`), so each device routes its own tokens. RoPE reads
+(gattn/model/sharding.py `token_axes`), so each device routes its own tokens. RoPE reads
 the positions it is given (arranged with the tokens), and targets are shifted before arranging,
 so the loss and the MTP layer's t+2 targets cross chunk boundaries correctly.
 

@@ -42,8 +42,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from gattn.kernels.grouped_matmul import grouped_dot, padded_rows
-from gattn.model.expert_parallel import micro_groups_per_shard, shard_aux, token_axes
+from gattn.model.expert_parallel import micro_groups_per_shard, shard_aux
 from gattn.model.moe_ops import permute, route, router_logits, unpermute
+from gattn.model.sharding import token_axes
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,

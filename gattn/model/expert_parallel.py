@@ -1,7 +1,7 @@
 """Expert parallelism with an explicit token exchange: the MoE layer inside `shard_map`.
 
-Each device holds the tokens of its (data, fsdp, expert, context) shard (`token_axes`: on a context
-axis, its piece of the residual stream, gattn/model/sharding.py `rows`) and the E / n experts of
+Each device holds the tokens of its (data, fsdp, expert, context) shard (gattn/model/sharding.py
+`token_axes`: on a context axis, its piece of the residual stream) and the E / n experts of
 its expert shard (each expert's width split over `model`). Per device:
 
     route        its own tokens (the router is replicated)
@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from gattn.config import BATCH_AXES, ConfigError
+from gattn.config import ConfigError
 from gattn.model.moe_ops import (balance, batched_swiglu, capacity, combine, dispatch, load_balancing_loss,
                                  permute, route, router_logits, router_z_loss, unpermute)
+from gattn.model.sharding import token_axes
 
 
 
@@ -43,14 +44,6 @@ def context_mesh(spec):
                          f"(here {n or 'none'}) is > 1 and divides the {spec.num_experts} experts, with a "
                          "capacity factor; use exec.moe_impl='partitioned' otherwise")
     return mesh
-
-
-def token_axes(mesh) -> tuple[str, ...]:
-    """The mesh axes (of size > 1) that split the MoE's tokens [N, D] as the residual stream is
-    split (gattn/model/sharding.py `rows`): the batch axes, then context. Each device routes and
-    exchanges its own tokens only; without context here, every context device would gather its
-    batch shard's tokens and repeat their whole MoE."""
-    return tuple(a for a in BATCH_AXES + ("context",) if mesh.shape.get(a, 1) > 1)
 
 
 def micro_groups_per_shard(spec, mesh) -> int:

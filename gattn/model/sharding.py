@@ -118,6 +118,14 @@ def gathered(x: jax.Array, logical: tuple[str | None, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, P(*(a[0] if a and len(a) == 1 else a for a in axes)))
 
 
+def token_axes(mesh) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that split the residual stream's tokens [N, D] (`rows`): the
+    batch axes, then context. The expert-parallel MoE splits its tokens over the same axes, so
+    each device routes and exchanges its own tokens only (without context there, every context
+    device would gather its batch shard's tokens and repeat their whole MoE)."""
+    return tuple(a for a in BATCH_AXES + ("context",) if mesh.shape.get(a, 1) > 1)
+
+
 def rows(x: jax.Array) -> jax.Array:
     """`x` (activations whose leading axis is the batch's rows, or tokens flattened row by row)
     split over the batch axes on the context mesh (`jax.set_mesh`), the rest of it whole: the
@@ -132,7 +140,7 @@ def rows(x: jax.Array) -> jax.Array:
     if mesh.empty:
         return x
     manual = set(mesh.manual_axes)
-    axes = tuple(a for a in BATCH_AXES + ("context",) if mesh.shape.get(a, 1) > 1 and a not in manual)
+    axes = tuple(a for a in token_axes(mesh) if a not in manual)
     if not axes or x.shape[0] % math.prod(mesh.shape[a] for a in axes):
         return x
     return jax.lax.with_sharding_constraint(x, P(axes[0] if len(axes) == 1 else axes, *([None] * (x.ndim - 1))))
@@ -191,14 +199,14 @@ def row_major(x_Nx: jax.Array, b: int, s: int) -> jax.Array:
     return rows(unstream(x_Nx, b, s).reshape(x_Nx.shape))
 
 
-def check_batch(batch_size: int, microbatches: int, sizes: dict[str, int]) -> None:
-    """Refuses a global batch that the mesh's batch shards (data x fsdp x expert; `sizes`: axis ->
-    size) times the microbatches do not divide, by name (the trainer, and the rehearsal's config
-    stage before any process starts)."""
-    shards = math.prod(sizes.get(a, 1) for a in BATCH_AXES)
+def check_batch(batch_size: int, microbatches: int, mesh) -> None:
+    """Refuses a global batch that the mesh's batch shards (`batch_shards`) times the microbatches
+    do not divide, by name (the trainer, and the rehearsal's config stage on an abstract mesh
+    before any process starts)."""
+    shards = batch_shards(mesh)
     if batch_size % (shards * microbatches):
         raise ConfigError("train.batch_size", batch_size,
-                          f"a multiple of the {shards} data x fsdp x expert shards of the mesh {sizes}"
+                          f"a multiple of the {shards} data x fsdp x expert shards of the mesh {dict(mesh.shape)}"
                           + (f" times train.microbatches ({microbatches}): every shard holds rows of each "
                              "microbatch" if microbatches > 1 else ""))
 

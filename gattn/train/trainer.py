@@ -575,7 +575,7 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
            source_step: int | None) -> dict:
     t = cfg.train
     mesh = sharding.make_mesh(cfg.mesh)
-    sharding.check_batch(t.batch_size, t.microbatches, dict(mesh.shape))
+    sharding.check_batch(t.batch_size, t.microbatches, mesh)
     startup = Startup(progress and hosts.primary())
     tokenizer, tokenizer_file, earlier = prepare(cfg, workdir, source_step, allow_corpus_change, startup)
     pipeline = data_source(cfg)
