@@ -53,8 +53,7 @@ def test_the_config_stage_refuses_a_batch_the_chips_do_not_divide(tmp_path, caps
 @pytest.mark.parametrize("preset, processes, devices", [
     ("dense_1p7b", 8, 8),       # 64 chips: fsdp 64 (the batch of 1,024 in 16 microbatches divides)
     ("dense_1p7b_48l", 8, 8),
-    ("moe_15a2b", 8, 4),        # its v5p-64: 8 hosts x 4 chips, fsdp 32 (at 8 x 8 the resume's 4
-                                # processes of 16 devices outgrew the 24 GiB of 2-core machines)
+    ("moe_15a2b", 8, 4),        # its v5p-64: 8 hosts x 4 chips, fsdp 32
     ("extend_1p7b_32k", 8, 4),  # its v5p-64 (at 64 chips its 64 rows in 2 microbatches do not divide)
 ])
 def test_every_paper_preset_rehearses_on_16_batch_shards(preset, processes, devices, tmp_path, capsys):

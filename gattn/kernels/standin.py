@@ -4,9 +4,9 @@ Off a TPU the Pallas kernels run in interpret mode, whose cost grows with the wh
 grid step: one step of a rehearsal at a preset's batch of 1024 rows took minutes per layer on
 2 CPU cores. With GATTN_PALLAS_STANDIN=1 in the environment, a program compiled for CPU keeps
 everything around the kernels (exec settings, the shard_map over batch and heads, the MoE's
-buffers and exchanges) and computes their bodies with the XLA reference (flash attention ->
-`attention_xla`, megablox -> `jax.lax.ragged_dot`), the functions the kernels are tested equal to.
-A program compiled for TPU is never affected.
+buffers and exchanges) and computes their bodies with XLA (flash attention -> `attention_xla`,
+megablox -> `grouped_matmul.scanned_dot`, ragged_dot's result one group at a time), functions the
+kernels are tested equal to. A program compiled for TPU is never affected.
 """
 
 from __future__ import annotations
