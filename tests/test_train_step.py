@@ -140,6 +140,12 @@ def test_runs_that_differ_in_steps_or_lr_compile_the_same_program():
     assert hlo(cfg) == hlo(other)
 
 
+# The tiny preset narrower for the TPU compiles below (~40% less compile time): 78% of its
+# parameters in the scanned layers (42% at the preset's width), so a per-microbatch reduction of
+# the layers' gradients shows the more.
+SMALL = ("model.vocab_size=512", "model.d_model=64", "model.d_ff=128")
+
+
 def jax_shardings(state):
     import jax
 
@@ -152,9 +158,10 @@ def test_the_gradient_is_reduced_over_data_once_whatever_the_microbatches(mesh):
     """The trainer's step compiled for v5p:2x2x1 (libtpu, no TPU): the bytes each chip sends per
     step over the data axis (gattn/experiments/traffic.py, from the HLO with loop trip counts) do
     not grow with the microbatches, 1 or 8 (before, the scanned layers' gradients were all-reduced
-    in every microbatch: 8 microbatches sent 3.9x, 41.7 MB against 10.7); with fsdp, under the
-    default exec.accumulate = "sharded", its per-microbatch gathers and reduce-scatters stay (ZeRO-3's
-    price for not holding the whole model), on the fsdp axis ("gathered": the test below)."""
+    in every microbatch: 8 microbatches sent 3.9x, 41.7 MB against 10.7 at the tiny preset's
+    width); with fsdp, under the default exec.accumulate = "sharded", its per-microbatch gathers
+    and reduce-scatters stay (ZeRO-3's price for not holding the whole model), on the fsdp axis
+    ("gathered": the test below)."""
     import importlib.util
     from pathlib import Path
 
@@ -173,8 +180,9 @@ def test_the_gradient_is_reduced_over_data_once_whatever_the_microbatches(mesh):
     layout = sharding.make_mesh(MeshConfig(*mesh), devices)
     data = {}
     for m in (1, 8):
+        # (scanned as the presets are: XLA hoists an unscanned model's reduction)
         cfg = cli.load("tiny", [f"train.microbatches={m}", "train.seq_len=64", "exec.scan_layers=true",
-                                "exec.remat=full"])  # (as the presets: XLA hoists an unscanned model's reduction)
+                                "exec.remat=full", *SMALL])
         compiled = aot.compile_step(cfg, "v5p:2x2x1", mesh, batch_per_device=8)[0]
         by_axes = traffic.count_bytes(compiled.as_text(), devices=layout)["by_axes"]
         data[m] = sum(v for axes, v in by_axes.items() if "data" in axes.split(","))
@@ -202,7 +210,7 @@ def _fsdp_bytes(mesh, microbatches, accumulate):
     spec.loader.exec_module(aot)
     devices = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu").devices
     cfg = cli.load("tiny", [f"train.microbatches={microbatches}", "train.seq_len=64", "exec.scan_layers=true",
-                            "exec.remat=full", f"exec.accumulate={accumulate}"])
+                            "exec.remat=full", f"exec.accumulate={accumulate}", *SMALL])
     compiled = aot.compile_step(cfg, "v5p:2x2x1", mesh, batch_per_device=8)[0]
     return traffic.count_bytes(compiled.as_text(), devices=sharding.make_mesh(MeshConfig(*mesh), devices))
 
@@ -210,9 +218,10 @@ def _fsdp_bytes(mesh, microbatches, accumulate):
 def test_gathered_accumulation_sends_the_same_bytes_whatever_the_microbatches():
     """Issue 44: under FSDP (fsdp 4 on v5p:2x2x1), exec.accumulate = "gathered" gathers the weights
     once per step and reduce-scatters the summed gradients once, so 2 and 8 microbatches send the
-    same bytes (measured: 12.4 MB a step at 4 and 8; the plain one-pass step, m = 1, sends 7.4, XLA
-    all-reducing these small gradients where it reduce-scatters the big ones); "sharded" (ZeRO-3)
-    gathers and reduce-scatters in every microbatch (57.6 MB at 8)."""
+    same bytes (measured at SMALL's width: 1.33 MB a step at 2 and 8; the plain one-pass step, m = 1,
+    sends 2.25); "sharded" (ZeRO-3) gathers and reduce-scatters in every microbatch (16.6 MB at 8).
+    At the preset's width: 12.4 MB at 4 and 8, 7.4 at m = 1 (XLA all-reducing these small gradients
+    where it reduce-scatters the big ones), 57.6 sharded at 8."""
     mesh = (1, 1, 1, 4)
     gathered = {m: _fsdp_bytes(mesh, m, "gathered")["total"] for m in (2, 8)}
     sharded = _fsdp_bytes(mesh, 8, "sharded")["total"]
