@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import logging
 import os
 import math
 import subprocess
@@ -168,3 +169,26 @@ def test_presets_work_after_a_plain_install_from_any_directory(tmp_path):
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["config"]["params"] > 10e9
+
+
+def test_an_eagerly_built_model_has_the_values_of_a_jitted_one_from_few_sampler_programs(caplog):
+    """Built outside jit, each new weight shape compiled its own truncated-normal sampler (~0.5 s
+    each on 2 cores: 22 of test_model.py's compiles, 21 s); gattn.model.layers draws a power-of-two
+    count and cuts it. The values are jax.random.truncated_normal's for the shape, bit for bit (as
+    the jitted init draws them), and 6 new weight shapes of 2 size classes compile 2 samplers."""
+    from gattn.model import layers
+
+    cfg = ModelConfig(vocab_size=61, d_model=40, num_layers=2, q_heads=4, kv_heads=2, head_dim=8, d_ff=72)
+    eager = nnx.state(Transformer(cfg, rngs=nnx.Rngs(3)), nnx.Param)
+    jitted = jax.jit(lambda: nnx.state(Transformer(cfg, rngs=nnx.Rngs(3)), nnx.Param))()
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
+        assert a.shape == b.shape and bool((a == b).all())
+
+    shapes = [(37, 29), (29, 37), (33, 33), (41, 47), (70, 30), (45, 45)]  # 1,073-2,100 elements
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        got = [layers.param("weight", nnx.Rngs(5), shape, ("embed", "mlp"), std=0.02)[...] for shape in shapes]
+    samplers = [r for r in caplog.records if "compilation of jit(_truncated_normal)" in r.getMessage()]
+    assert len(samplers) <= 2, len(samplers)  # the 2,048 and 4,096 classes (before: one per shape, 6)
+    for shape, g in zip(shapes, got, strict=True):
+        want = 0.02 * jax.random.truncated_normal(nnx.Rngs(5).params(), -2.0, 2.0, shape)
+        assert g.shape == shape and bool((g == want).all()), shape

@@ -38,10 +38,29 @@ def param(role: str, rngs: nnx.Rngs | None, shape, axes: tuple[str, ...], *, std
     if len(axes) != len(shape):
         raise ValueError(f"axes {axes} do not match shape {shape}")
     if std > 0:
-        init = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+        init = _truncated_normal(rngs.params(), tuple(shape), std)
     else:
         init = jnp.full(shape, value, jnp.float32)
-    return nnx.Param(init.astype(dtype), out_sharding=axes, eager_sharding=False, role=role)
+    return nnx.Param(jnp.asarray(init).astype(dtype), out_sharding=axes, eager_sharding=False, role=role)
+
+
+EAGER_DRAW_MAX = 1 << 22
+
+
+def _truncated_normal(key: jax.Array, shape: tuple[int, ...], std: float):
+    """std * jax.random.truncated_normal(key, -2, 2, shape), the same float32 values. Built eagerly
+    (a model made outside jit: tests, notebooks, conversions), every new shape compiled its own
+    sampler, ~0.5 s each on 2 cores; threefry's partitionable bits depend on an element's flat
+    index only, so a draw of the next power of two elements, cut, gives the same numbers from one
+    program per size class. Inside a trace (trainer.init_state's jit, eval_shape, the scanned
+    layers' vmap), with another PRNG, or past 4M elements (a draw's own time outweighs a compile):
+    the direct draw."""
+    if (isinstance(key, jax.core.Tracer) or math.prod(shape) > EAGER_DRAW_MAX
+            or not jax.config.jax_threefry_partitionable or str(jax.random.key_impl(key)) != "threefry2x32"):
+        return std * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
+    n = math.prod(shape)
+    flat = jax.random.truncated_normal(key, -2.0, 2.0, (1 << max(n - 1, 0).bit_length(),), jnp.float32)
+    return np.float32(std) * np.asarray(flat)[:n].reshape(shape)
 
 
 def dense(x_NxI: jax.Array, w_IxO: nnx.Param | jax.Array, dtype, out_dtype=None) -> jax.Array:
