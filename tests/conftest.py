@@ -151,9 +151,12 @@ def pytest_collection_modifyitems(config, items):
 
 # The compiles each test file makes in the test process (issue 59, docs/testing.md): with
 # GATTN_COMPILE_COUNTS=PREFIX, each pytest process (each xdist worker) writes PREFIX.<worker>.json,
-# {test file: [compiles, compile seconds]}, from JAX's backend-compile events. Programs a test
-# starts (train.py, the multi-device scripts) compile in their own processes and are not counted.
+# {test file: [compiles, compile seconds]}, from JAX's backend-compile events, and under
+# "(programs)" {program name: [compiles, seconds]} over all files (an eager op compiles one program
+# per shape: jit(_randint), jit(multiply), ...). Programs a test starts (train.py, the
+# multi-device scripts) compile in their own processes and are not counted.
 _COMPILES: dict = {}
+_PROGRAMS: dict = {}
 _CURRENT = ["(collection)"]
 
 
@@ -161,10 +164,11 @@ def pytest_configure(config):
     if os.environ.get("GATTN_COMPILE_COUNTS"):
         import jax.monitoring
 
-        def on_event(event, duration, **_):
+        def on_event(event, duration, fun_name="?", **_):
             if event == "/jax/core/compile/backend_compile_duration":
-                n, s = _COMPILES.get(_CURRENT[0], (0, 0.0))
-                _COMPILES[_CURRENT[0]] = (n + 1, s + duration)
+                for table, key in ((_COMPILES, _CURRENT[0]), (_PROGRAMS, fun_name)):
+                    n, s = table.get(key, (0, 0.0))
+                    table[key] = (n + 1, s + duration)
         jax.monitoring.register_event_duration_secs_listener(on_event)
 
 
@@ -179,4 +183,6 @@ def pytest_sessionfinish(session, exitstatus):
 
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(f"{prefix}.{worker}.json", "w") as f:
-            json.dump({k: [n, round(s, 2)] for k, (n, s) in sorted(_COMPILES.items())}, f, indent=1)
+            programs = {k: [n, round(s, 2)] for k, (n, s) in sorted(_PROGRAMS.items(), key=lambda kv: -kv[1][1])}
+            json.dump({**{k: [n, round(s, 2)] for k, (n, s) in sorted(_COMPILES.items())}, "(programs)": programs},
+                      f, indent=1)
