@@ -44,79 +44,105 @@ def rms(x, w, eps):
     return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * (1 + w)
 
 
-def test_the_mtp_layer_computes_norm_fc_concat_block_norm_and_shares_the_head():
-    cfg = tiny_model(vocab_size=64, **NEXT)
-    model = perturbed(Transformer(cfg, rngs=nnx.Rngs(0)))
+@pytest.fixture(scope="module")
+def next_model():
+    """The perturbed tiny Qwen3-Next kind (NEXT) the first tests read (none changes it)."""
+    return perturbed(Transformer(tiny_model(vocab_size=64, **NEXT), rngs=nnx.Rngs(0)))
+
+
+# The model's methods as one compiled program each (run op by op, the two tests below compiled
+# ~350 small programs, one per operation and shape).
+_mtp_hidden = nnx.jit(lambda model, *a: model.mtp_hidden(*a))
+
+
+def test_the_mtp_layer_computes_norm_fc_concat_block_norm_and_shares_the_head(next_model):
+    model = next_model
+    cfg = model.cfg
     b, s, d = 2, 12, cfg.d_model
     rng = np.random.default_rng(1)
     h_NxD = rng.normal(size=(b * s, d)).astype(np.float32)
     next_BxS = rng.integers(0, 64, (b, s))
     seg_BxS = np.array([[1] * 5 + [2] * 7, [1] * 12])
     pos_BxS = np.array([list(range(5)) + list(range(7)), list(range(12))])
-    y_NxD, _ = model.mtp_hidden(jnp.asarray(h_NxD), jnp.asarray(next_BxS), jnp.asarray(pos_BxS), jnp.asarray(seg_BxS))
+    y_NxD, _ = _mtp_hidden(model, jnp.asarray(h_NxD), jnp.asarray(next_BxS), jnp.asarray(pos_BxS), jnp.asarray(seg_BxS))
 
     m, eps = model.mtp, cfg.norm_eps
     e_NxD = np.asarray(model.embed[...])[next_BxS.reshape(-1)]
     x_Nx2D = np.concatenate([rms(e_NxD, np.asarray(m.pre_fc_norm_embedding.scale[...]), eps),
                              rms(h_NxD, np.asarray(m.pre_fc_norm_hidden.scale[...]), eps)], -1)  # embedding first
-    z_NxD, _ = m.block(jnp.asarray(x_Nx2D @ np.asarray(m.fc[...])), jnp.asarray(pos_BxS.reshape(-1)),
-                       jnp.asarray(seg_BxS), (b, s))  # the model's own block (tests/test_model.py)
+    block = nnx.jit(lambda blk, *a: blk(*a, (b, s)))
+    z_NxD, _ = block(m.block, jnp.asarray(x_Nx2D @ np.asarray(m.fc[...])), jnp.asarray(pos_BxS.reshape(-1)),
+                     jnp.asarray(seg_BxS))  # the model's own block (tests/test_model.py)
     want = rms(np.asarray(z_NxD), np.asarray(m.norm.scale[...]), eps)
     np.testing.assert_allclose(np.asarray(y_NxD), want, rtol=1e-5, atol=1e-5)
 
     # causal and per document: changing row 0's second document leaves its first unchanged
     h2 = h_NxD.copy()
     h2[7] += 1.0
-    y2, _ = model.mtp_hidden(jnp.asarray(h2), jnp.asarray(next_BxS), jnp.asarray(pos_BxS), jnp.asarray(seg_BxS))
+    y2, _ = _mtp_hidden(model, jnp.asarray(h2), jnp.asarray(next_BxS), jnp.asarray(pos_BxS), jnp.asarray(seg_BxS))
     np.testing.assert_array_equal(np.asarray(y2)[:7], np.asarray(y_NxD)[:7])
     assert not np.allclose(np.asarray(y2)[7], np.asarray(y_NxD)[7])
 
     # the cached path (speculative decoding) computes what the training path does
-    cache = model.init_mtp_cache(1, 16)
-    logits_1xSxV, _ = model.mtp_decode(jnp.asarray(h_NxD[s:]), jnp.asarray(next_BxS[1:]), jnp.asarray(pos_BxS[1:]), cache)
+    decode_mtp = nnx.jit(lambda model, *a: model.mtp_decode(*a, model.init_mtp_cache(1, 16)))
+    logits_1xSxV, _ = decode_mtp(model, jnp.asarray(h_NxD[s:]), jnp.asarray(next_BxS[1:]), jnp.asarray(pos_BxS[1:]))
     want_logits = np.asarray(y_NxD)[s:] @ np.asarray(model.head_weight())
     np.testing.assert_allclose(np.asarray(logits_1xSxV[0]), want_logits, rtol=1e-4, atol=1e-5)
 
 
-def test_the_mtp_loss_predicts_token_t_plus_2_within_each_document():
-    seg = jnp.asarray([[1, 1, 1, 1, 2, 2, 2, 0, 0], [3, 3, 3, 3, 3, 3, 3, 3, 3]])
-    want = [[1, 1, 0, 0, 1, 0, 0, 0, 0][:8], [1, 1, 1, 1, 1, 1, 1, 0][:8]]
-    np.testing.assert_array_equal(np.asarray(mtp_target_weights(seg)), np.asarray(want, bool))
-
-    cfg = tiny_model(vocab_size=64, **NEXT)
-    model = perturbed(Transformer(cfg, rngs=nnx.Rngs(0)))
-    tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, seg.shape))
-    pos = jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 0, 0], list(range(9))])
-    _, mtp, _ = lm_and_mtp_loss(model, tokens, seg, pos)
-    # by hand: the MTP layer on the main model's hidden states, token t+2 at position t, the mask above
+@nnx.jit
+def _by_hand(model, tokens, pos, seg):
+    """(log-probabilities [2, 8, V], y_NxD): the MTP layer on the main model's hidden states."""
     x_NxD, _ = model.hidden(tokens[:, :-1], pos[:, :-1], seg[:, :-1])
     y_NxD, _ = model.mtp_hidden(x_NxD, tokens[:, 1:], pos[:, :-1], seg[:, :-1])
-    logp = jax.nn.log_softmax(head_logits(y_NxD, model.head_weight(), jnp.float32).reshape(2, 8, -1))
-    targets = np.pad(np.asarray(tokens[:, 2:]), ((0, 0), (0, 1)))
+    return jax.nn.log_softmax(head_logits(y_NxD, model.head_weight(), jnp.float32).reshape(2, 8, -1)), y_NxD
+
+
+def test_the_mtp_loss_predicts_token_t_plus_2_within_each_document(next_model):
+    seg = jnp.asarray([[1, 1, 1, 1, 2, 2, 2, 0, 0], [3, 3, 3, 3, 3, 3, 3, 3, 3]])
+    want = [[1, 1, 0, 0, 1, 0, 0, 0, 0][:8], [1, 1, 1, 1, 1, 1, 1, 0][:8]]
+    np.testing.assert_array_equal(np.asarray(jax.jit(mtp_target_weights)(seg)), np.asarray(want, bool))
+
+    model = next_model
+    tokens_np = np.random.default_rng(2).integers(0, 64, seg.shape)
+    tokens = jnp.asarray(tokens_np)
+    pos = jnp.asarray([[0, 1, 2, 3, 0, 1, 2, 0, 0], list(range(9))])
+    _, mtp, _ = nnx.jit(lm_and_mtp_loss)(model, tokens, seg, pos)
+    # by hand: the MTP layer on the main model's hidden states, token t+2 at position t, the mask above
+    logp, y_NxD = _by_hand(model, tokens, pos, seg)
+    targets = np.pad(tokens_np[:, 2:], ((0, 0), (0, 1)))
     nll = -np.take_along_axis(np.asarray(logp), targets[..., None], -1)[..., 0]
     w = np.asarray(want, np.float32)
     np.testing.assert_allclose(float(mtp), (nll * w).sum() / w.sum(), rtol=1e-6)
 
     # the next document's first token reaches only the MTP output whose target is cut (t = 3)
-    changed = tokens.at[0, 4].set((tokens[0, 4] + 1) % 64)
-    y_a = np.asarray(model.mtp_hidden(*_inputs(model, tokens, pos, seg))[0]).reshape(2, 8, -1)
-    y_b = np.asarray(model.mtp_hidden(*_inputs(model, changed, pos, seg))[0]).reshape(2, 8, -1)
+    changed = tokens_np.copy()
+    changed[0, 4] = (changed[0, 4] + 1) % 64
+    y_a = np.asarray(y_NxD).reshape(2, 8, -1)
+    y_b = np.asarray(_by_hand(model, jnp.asarray(changed), pos, seg)[1]).reshape(2, 8, -1)
     np.testing.assert_array_equal(y_a[0, :3], y_b[0, :3])
     assert not np.allclose(y_a[0, 3], y_b[0, 3]) and not w[0, 3]
 
 
-def _inputs(model, tokens, pos, seg):
-    x_NxD, _ = model.hidden(tokens[:, :-1], pos[:, :-1], seg[:, :-1])
-    return x_NxD, tokens[:, 1:], pos[:, :-1], seg[:, :-1]
+_INITIAL: dict = {}  # (model, exec, seed) -> the initial parameters
+
+
+def _initial_params(cfg: Config):
+    """The parameters trainer.init_state(cfg) starts from (the model built from train.seed), made
+    once per model, exec config and seed, all they depend on (init_state compiles the
+    initialisation and the optimizer's state anew at every call)."""
+    key = (cfg.model, cfg.exec, cfg.train.seed)
+    if key not in _INITIAL:
+        _INITIAL[key] = nnx.state(Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(cfg.train.seed)), nnx.Param)
+    return _INITIAL[key]
 
 
 def _grads(cfg: Config, batch, params_of: Config | None = None):
     """(loss, aux, flat grads) of one step at cfg's initial parameters, or at those of `params_of`
     (a config of the same model whose initialisation differs, a scanned stack's: laid out as cfg's)."""
-    graphdef, state = trainer.init_state(cfg)
-    params = state["params"]
-    if params_of is not None:
-        params = relayout(trainer.init_state(params_of)[1]["params"], params)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg.model, cfg.exec, rngs=nnx.Rngs(cfg.train.seed)))
+    graphdef, like = nnx.split(abstract, nnx.Param)  # (as trainer.init_state splits it)
+    params = _initial_params(cfg) if params_of is None else relayout(_initial_params(params_of), like)
     (loss, aux), grads = jax.jit(lambda p, b: trainer.loss_and_grads(cfg, graphdef, p, b))(params, batch)
     return float(loss), aux, dict(nnx.to_flat_state(grads))
 
@@ -157,14 +183,10 @@ def test_training_with_the_mtp_loss_reaches_its_parameters_and_a_zero_weight_cha
         np.testing.assert_allclose(np.asarray(grads2[path][...]), np.asarray(grads[path][...]), rtol=2e-4, atol=1e-6)
 
 
-def test_a_run_with_the_mtp_loss_logs_it(tmp_path):
-    cfg = Config(model=tiny_model(vocab_size=64, num_layers=1, mtp_layers=1),
-                 train=TrainConfig(batch_size=2, seq_len=16, steps=2, warmup_steps=1, log_every=1, eval_every=100,
-                                   checkpoint_every=100, mtp_loss_weight=0.3),
-                 data=DataConfig(source="synthetic", eval_batches=1, eval_batch_size=2))
-    trainer.train(cfg, tmp_path / "run", progress=False)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2] and all(r["mtp/loss"] > 0 for r in rows)
+def test_a_run_with_the_mtp_loss_logs_it(mtp_run):
+    """The saved run below (trained with the MTP loss, every step logged): each step logs it."""
+    rows = [json.loads(line) for line in (mtp_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 21)) and all(r["mtp/loss"] > 0 for r in rows)
 
 
 def bigram_drafter(model: Transformer, main_scale: float) -> Transformer:
@@ -198,9 +220,10 @@ def test_speculative_decoding_gives_greedy_tokens_exactly(kind):
     eos = greedy[1][6]  # stopping mid-way, at a token an accepted pair may hold
     assert speculative.generate(model, prompts, max_new_tokens=24, eos_id=eos) == \
         decode.generate(model, prompts, max_new_tokens=24, eos_id=eos)
-    # a random MTP layer drafts badly, and the tokens are still greedy's
+    # a random MTP layer drafts badly, and the tokens are still greedy's (the calls above's shapes:
+    # their compiled programs)
     rand = Transformer(cfg, rngs=nnx.Rngs(2))
-    assert speculative.generate(rand, prompts[:2], max_new_tokens=8) == decode.generate(rand, prompts[:2], max_new_tokens=8)
+    assert speculative.generate(rand, prompts, max_new_tokens=24) == decode.generate(rand, prompts, max_new_tokens=24)
 
 
 def test_the_mtp_tensors_map_to_gattn_and_back_bit_for_bit():
@@ -253,12 +276,12 @@ def test_mtp_refusals_name_the_field():
 
 @pytest.fixture(scope="module")
 def mtp_run(tmp_path_factory):
-    """A tiny saved run with an MTP layer trained by the MTP loss: a few steps on Bigram-Backcopy
-    (a character tokenizer: nothing to train or read but the run itself)."""
+    """A tiny saved run with an MTP layer trained by the MTP loss: 20 steps on Bigram-Backcopy
+    (a character tokenizer: nothing to train or read but the run itself), each logged."""
     kind = {k: NEXT[k] for k in ("gate", "qk_norm", "rope_dim")}
     cfg = Config(model=tiny_model(vocab_size=21, mtp_layers=1, **kind),
                  train=TrainConfig(batch_size=4, seq_len=32, steps=20, warmup_steps=2, learning_rate=1e-2,
-                                   log_every=10, eval_every=100, checkpoint_every=100, mtp_loss_weight=0.5),
+                                   log_every=1, eval_every=100, checkpoint_every=100, mtp_loss_weight=0.5),
                  data=DataConfig(source="bigram_backcopy", backcopy=BackcopySpec(chars=20, triggers="0|1,2",
                                                                                  offsets="1,3"),
                                  eval_batches=1, eval_batch_size=4))
@@ -295,11 +318,13 @@ def test_generate_speculative_gives_greedy_text_and_reports_acceptance_and_speed
 
 
 def test_bench_decode_speculative_reports_the_speedup_and_acceptance(mtp_run):
-    """bench/decode.py --mode speculative on a saved run with data prompts: its JSON."""
+    """bench/decode.py --mode speculative on a saved run with data prompts: its JSON. (The shapes of
+    the --compare-greedy call above: 3 rows of at most 16 tokens, 20 new ones, a cache of 64 slots,
+    so the programs it compiled are read from the session's compilation cache.)"""
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, str(root / "bench" / "decode.py"), "--mode", "speculative", "--workdir",
-                           str(mtp_run), "--prompts-from-data", "--batch", "2", "--prompt-len", "12", "--new-tokens",
-                           "10", "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=root)
+                           str(mtp_run), "--prompts-from-data", "--batch", "3", "--prompt-len", "12", "--new-tokens",
+                           "20", "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["same_tokens"] is True and out["prompts"] == "data"
