@@ -230,17 +230,25 @@ def inputs(cfg, b=B, s=S, seed=0):
     return x, positions
 
 
-def run_layer(attn, x, positions, segment_ids, batch, capture=NOTHING):
+_jitted_layer = nnx.jit(lambda attn, x, pos, seg, batch, capture: attn(x, pos, seg, batch, capture),
+                        static_argnums=(4, 5))
+
+
+def run_layer(attn, x, positions, segment_ids, batch, capture=NOTHING, jit=False):
+    """The layer's output as numpy; `jit`: as one compiled program (for shapes no other test runs,
+    where running eagerly would compile each op for them), else op by op (whose compiled ops the
+    many same-shaped tests share)."""
     seg = None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32)
-    return np.asarray(attn(jnp.asarray(x), jnp.asarray(positions), seg, batch, capture))
+    call = _jitted_layer if jit else (lambda attn, *args: attn(*args))
+    return np.asarray(call(attn, jnp.asarray(x), jnp.asarray(positions), seg, batch, capture))
 
 
-def assert_matches_reference(cfg, seed=0, b=B, s=S, segment_ids=None, positions=None, ex=ExecConfig()):
+def assert_matches_reference(cfg, seed=0, b=B, s=S, segment_ids=None, positions=None, ex=ExecConfig(), jit=False):
     attn = make_attention(cfg, seed, ex=ex)
     x, pos = inputs(cfg, b, s, seed)
     if positions is not None:
         pos = positions
-    got = run_layer(attn, x, pos, segment_ids, (b, s))
+    got = run_layer(attn, x, pos, segment_ids, (b, s), jit=jit)
     want = np_attention(cfg, params_of(attn), x, pos, segment_ids, (b, s))
     assert got.shape == (b * s, cfg.d_model)
     assert np.all(np.isfinite(got))
@@ -347,7 +355,7 @@ def test_layer_with_positions_offset_and_blocked_queries_matches_reference():
     cfg = dataclasses.replace(BASE, gate=gate(position="sdpa"))
     b, s = 2, 16
     pos = (np.tile(np.arange(s), b) + np.repeat([0, 37], s)).astype(np.int32)
-    assert_matches_reference(cfg, seed=3, b=b, s=s, positions=pos, ex=ExecConfig(attention_block_q=4))
+    assert_matches_reference(cfg, seed=3, b=b, s=s, positions=pos, ex=ExecConfig(attention_block_q=4), jit=True)
 
 
 def test_rope_is_applied_with_the_given_positions():
@@ -377,7 +385,7 @@ def test_sown_intermediates_match_reference(case):
     x, _ = inputs(cfg, b=b, s=s, seed=7)
     pos = packed_positions(PACKED)
     capture = Capture(attn_probs=True, sdpa_out=True, gate=True)
-    got = run_layer(attn, x, pos, PACKED, (b, s), capture)
+    got = run_layer(attn, x, pos, PACKED, (b, s), capture, jit=True)
     inter = nnx.pop(attn, nnx.Intermediate)
     trace = {}
     want = np_attention(cfg, params_of(attn), x, pos, PACKED, (b, s), trace=trace)
@@ -547,9 +555,9 @@ def test_packed_row_equals_documents_run_separately(case):
     b, s = PACKED.shape
     x, _ = inputs(cfg, b=b, s=s, seed=5)
     pos = packed_positions(PACKED)
-    packed = run_layer(attn, x, pos, PACKED, (b, s))
+    packed = run_layer(attn, x, pos, PACKED, (b, s), jit=True)
     for lo, hi in [(0, 4), (4, 9), (s, 2 * s)]:  # doc 1, doc 2 of row 0; the whole of row 1
-        alone = run_layer(attn, x[lo:hi], np.arange(hi - lo, dtype=np.int32), None, (1, hi - lo))
+        alone = run_layer(attn, x[lo:hi], np.arange(hi - lo, dtype=np.int32), None, (1, hi - lo), jit=True)
         np.testing.assert_allclose(packed[lo:hi], alone, rtol=RTOL, atol=ATOL)
 
 
@@ -564,20 +572,20 @@ def test_prefix_ids_let_choices_share_a_context(options):
     """With prefix ids each choice's queries see the shared context and their own earlier keys,
     never another choice's: the same output as the explicit mask, and as the context and that
     choice laid out alone (keys in the same order); padding rows stay zero."""
-    q, k, v = (jnp.asarray(a[:1]) for a in kernel_inputs(b=1, s=16, seed=7))
+    q, k, v = kernel_inputs(b=1, s=16, seed=7)  # (numpy; each call below is one jitted program)
     seg, pre = jnp.asarray(SHARED_SEG), jnp.asarray(SHARED_PRE)
-    got = np.asarray(attention_xla(q, k, v, segment_ids=seg, prefix_ids=pre, **options))
+    got = np.asarray(_kernel(q, k, v, segment_ids=seg, prefix_ids=pre, **options))
     i = np.arange(16)
     visible = ((SHARED_SEG[0][None, :] == SHARED_SEG[0][:, None]) | (SHARED_PRE[0][:, None] == SHARED_SEG[0][None, :])
                & (SHARED_SEG[0][None, :] != 0)) & (i[None, :] <= i[:, None])
-    want = np.asarray(attention_masked(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), jnp.asarray(visible[None])))
+    want = np.asarray(_masked(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), jnp.asarray(visible[None])))
     np.testing.assert_allclose(got[0, :14], want[0, :14], rtol=1e-6, atol=1e-6)
     assert np.all(got[0, 14:] == 0)
     for choice in ([5, 6], [7], [8, 9, 10]):
         idx = [0, 1, 2, 3, 4] + choice
-        alone = np.asarray(attention_xla(q[:, idx], k[:, idx], v[:, idx]))
+        alone = np.asarray(_kernel(q[:, idx], k[:, idx], v[:, idx]))
         np.testing.assert_allclose(got[0, choice], alone[0, 5:], rtol=1e-6, atol=1e-6)
-    without = np.asarray(attention_xla(q, k, v, segment_ids=seg, **options))  # no prefix: a choice sees itself only
+    without = np.asarray(_kernel(q, k, v, segment_ids=seg, **options))  # no prefix: a choice sees itself only
     assert not np.allclose(without[0, 5:11], got[0, 5:11], atol=1e-3)
     np.testing.assert_allclose(without[0, :5], got[0, :5], rtol=1e-6, atol=1e-6)
 
@@ -588,12 +596,12 @@ def test_two_levels_of_prefix_ids_share_few_shot_examples_and_questions():
     examples, question and choice laid out alone."""
     seg = np.array([[1, 1, 1, 1, 2, 2, 3, 3, 4, 5, 5, 5, 6, 7, 7, 0]], np.int32)
     pre = np.array([[[0, 0]] * 4 + [[1, 0]] * 2 + [[2, 1]] * 3 + [[1, 0]] * 3 + [[5, 1]] * 3 + [[0, 0]]], np.int32)
-    q, k, v = (jnp.asarray(a[:1]) for a in kernel_inputs(b=1, s=16, seed=8))
-    got = np.asarray(attention_xla(q, k, v, segment_ids=jnp.asarray(seg), prefix_ids=jnp.asarray(pre), block_q=4))
+    q, k, v = kernel_inputs(b=1, s=16, seed=8)
+    got = np.asarray(_kernel(q, k, v, segment_ids=jnp.asarray(seg), prefix_ids=jnp.asarray(pre), block_q=4))
     for alone_idx, mine in [([0, 1, 2, 3, 4, 5, 6, 7], [6, 7]), ([0, 1, 2, 3, 4, 5, 8], [8]),
                             ([0, 1, 2, 3, 9, 10, 11, 12], [12]), ([0, 1, 2, 3, 9, 10, 11, 13, 14], [13, 14]),
                             ([0, 1, 2, 3, 9, 10, 11], [9, 10, 11])]:
-        alone = np.asarray(attention_xla(q[:, alone_idx], k[:, alone_idx], v[:, alone_idx]))
+        alone = np.asarray(_kernel(q[:, alone_idx], k[:, alone_idx], v[:, alone_idx]))
         np.testing.assert_allclose(got[0, mine], alone[0, -len(mine):], rtol=1e-6, atol=1e-6)
     assert np.all(got[0, 15] == 0)
 
@@ -622,7 +630,9 @@ KERNEL_SEGMENTS = {
 }
 
 
+# One jitted program per call's shapes and options (eager, each jnp op would compile its own).
 _kernel = jax.jit(attention_xla, static_argnames=("causal", "block_q", "query_chunk", "return_probs"))
+_masked = jax.jit(attention_masked)
 
 
 @pytest.mark.parametrize("hk,block_q", [(4, 4), (2, 2), (1, 8)],
