@@ -22,6 +22,9 @@ from gattn.train import rundir
 from test_convert import _flat_params, randomize, save, tokenizer_file  # noqa: F401 (a fixture)
 
 TOL = dict(rtol=1e-4, atol=1e-4)
+# The test's own programs compiled without LLVM's optimisation passes (XLA's CPU backend at -O0):
+# the same operations, a third to two fifths less compile time for programs run once on a few tokens.
+UNOPTIMIZED = {"xla_backend_optimization_level": 0}
 # 80 tokens: GDN's chunk (64 in transformers and here) is crossed, so the carried state is checked.
 TOKENS = np.random.default_rng(1).integers(0, 320, size=(2, 80))
 
@@ -59,7 +62,19 @@ def converted(tmp_path_factory, tokenizer_file):  # noqa: F811
     return model, tmp
 
 
-def test_qwen3_next_hybrid_logits_match_transformers(converted):
+@pytest.fixture(scope="module")
+def loaded(converted):
+    """The converted run as gattn loads it (rundir.load, ~2 s: once for the tests that only read it)."""
+    return rundir.load(converted[1] / "run").model
+
+
+@pytest.fixture(scope="module")
+def run_params(loaded):
+    """The converted run's parameters, {path: array} (test_convert._flat_params of the run)."""
+    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(loaded, nnx.Param))}
+
+
+def test_qwen3_next_hybrid_logits_match_transformers(converted, loaded):
     model, tmp = converted
     run = json.loads((tmp / "run" / "config.json").read_text())["model"]
     assert run["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
@@ -67,14 +82,15 @@ def test_qwen3_next_hybrid_logits_match_transformers(converted):
                                        "conv_kernel": 4}
     assert run["moe"]["shared_expert_width"] == 32 and run["moe"]["renormalize"] and run["zero_centered_norm"]
     assert run["rope_dim"] == 4 and run["gate"]["granularity"] == "elementwise"
-    graphdef, state = nnx.split(rundir.load(tmp / "run").model)
-    ours = np.asarray(jax.jit(lambda st, t: nnx.merge(graphdef, st)(t))(state, jnp.asarray(TOKENS)))
+    graphdef, state = nnx.split(loaded)
+    ours = np.asarray(jax.jit(lambda st, t: nnx.merge(graphdef, st)(t), compiler_options=UNOPTIMIZED)(
+        state, jnp.asarray(TOKENS)))
     theirs = hf_logits(model)
     assert np.abs(theirs).max() > 0.5  # (logits that carry signal)
     np.testing.assert_allclose(ours, theirs, **TOL)
 
 
-def test_qwen3_next_hybrid_round_trip_is_bit_identical(converted, tmp_path):
+def test_qwen3_next_hybrid_round_trip_is_bit_identical(converted, run_params, tmp_path):
     """HF -> gattn -> HF gives the same tensors bit for bit (the (1 + w) norms are stored as w), and
     transformers loads the export with the same logits; gattn -> HF -> gattn too."""
     from safetensors.numpy import load_file
@@ -93,13 +109,13 @@ def test_qwen3_next_hybrid_round_trip_is_bit_identical(converted, tmp_path):
     np.testing.assert_array_equal(hf_logits(again), hf_logits(model))
     assert any("linear_attn" in k for k in original)
     convert.from_hf(tmp_path / "back", tmp_path / "run2")
-    a, b = _flat_params(tmp / "run"), _flat_params(tmp_path / "run2")
+    a, b = run_params, _flat_params(tmp_path / "run2")
     assert a.keys() == b.keys()
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
 
 
-def test_cached_greedy_decoding_gives_transformers_tokens(converted):
+def test_cached_greedy_decoding_gives_transformers_tokens(converted, loaded):
     """Two prompts in one batch (left padding), prefilled 16 tokens at a time (the short prompt's
     first chunks are all padding: its state must stay empty), then recurrent steps: each row
     decodes what transformers' generate decodes for it alone."""
@@ -110,7 +126,7 @@ def test_cached_greedy_decoding_gives_transformers_tokens(converted):
         with torch.no_grad():
             out = model.generate(torch.as_tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
         theirs.append(out[0, len(prompt):].tolist())
-    ours = decode.generate(rundir.load(tmp / "run").model, prompts, max_new_tokens=10, prefill_chunk=16,
+    ours = decode.generate(loaded, prompts, max_new_tokens=10, prefill_chunk=16,
                            max_len=96)  # (room for 5 whole pieces of 16: one prefill compile)
     assert ours == theirs
     # The same checkpoint loaded with scanned layers (stacked groups of the 3:1 pattern) decodes
@@ -145,7 +161,7 @@ def test_a_packed_row_equals_its_documents_run_separately():
     for row, d in enumerate(docs, start=1):
         tokens[row, :len(d)], segments[row, :len(d)], positions[row, :len(d)] = d, 1, np.arange(len(d))
     graphdef, state = nnx.split(model)
-    logits = np.asarray(jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a))(
+    logits = np.asarray(jax.jit(lambda st, *a: nnx.merge(graphdef, st)(*a), compiler_options=UNOPTIMIZED)(
         state, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments)))
     start = 0
     for row, n in enumerate(lengths, start=1):
@@ -175,8 +191,9 @@ def test_a_scanned_hybrid_runs_its_layer_pattern_as_one_scan_over_groups():
         logits, aux = model.forward(tokens)
         return jnp.mean(jax.nn.logsumexp(logits, -1)) + jnp.sum(aux["lbl"]), (logits, aux)
 
-    # (jitted: run op by op, the two models' gradients took ~45 s of dispatching and small compiles)
-    step = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+    # (jitted: run op by op, the two models' gradients took ~45 s of dispatching and small compiles;
+    # UNOPTIMIZED: ~20 s of compiling the two programs -> ~13 s on 2 cores)
+    step = jax.jit(lambda m: nnx.value_and_grad(loss, has_aux=True)(m), compiler_options=UNOPTIMIZED)
     (l_loop, (logits_loop, aux_loop)), g_loop = step(loop)
     (l_scan, (logits_scan, aux_scan)), g_scan = step(scan)
     np.testing.assert_allclose(logits_scan, logits_loop, atol=1e-5)
@@ -301,7 +318,8 @@ def test_measurements_on_a_hybrid_cover_attention_layers_and_m_act_everywhere(tm
     assert plots.sparsity(out, tmp_path / "s.png").is_file()
 
 
-def test_the_multi_token_prediction_layer_is_kept_both_ways_and_an_incomplete_one_refused(converted, tmp_path):
+def test_the_multi_token_prediction_layer_is_kept_both_ways_and_an_incomplete_one_refused(converted, run_params,
+                                                                                           tmp_path):
     """Qwen3-Next's mtp.* tensors (the released names; transformers skips them) become the MTP
     layer (model.mtp_layers = 1) beside the same main parameters, and to-hf writes every one back
     bit for bit; a folder holding only some of them is refused naming a missing one."""
@@ -324,7 +342,7 @@ def test_the_multi_token_prediction_layer_is_kept_both_ways_and_an_incomplete_on
     save_file({**tensors, **mtp}, src / "model.safetensors", metadata={"format": "pt"})
     convert.from_hf(src, tmp_path / "run")
     assert rundir.read_config(tmp_path / "run").model.mtp_layers == 1
-    a, b = _flat_params(tmp / "run"), _flat_params(tmp_path / "run")
+    a, b = run_params, _flat_params(tmp_path / "run")
     assert all(np.array_equal(a[k], b[k]) for k in a) and {k for k in b if k[0] == "mtp"} == set(b) - set(a)
     convert.to_hf(tmp_path / "run", tmp_path / "back")
     back = {n: t for n, t in load_file(tmp_path / "back" / "model.safetensors").items() if n.startswith("mtp.")}
