@@ -151,7 +151,8 @@ def test_m_act_and_gate_score_equal_direct_computations(gate):
     maxima = [float(np.abs(h).max()) for h, _ in direct]
     assert r["overall"]["m_act"] == pytest.approx(np.mean(maxima), rel=1e-5)  # Sec. 4.3: mean over layers
     assert r["overall"]["m_act_max"] == pytest.approx(max(maxima), rel=1e-5)
-    np.testing.assert_array_equal(np.asarray(logits_and_direct_layers(model, tokens)[0]), before)  # collecting changes nothing
+    after = np.asarray(logits_and_direct_layers(model, tokens)[0])
+    np.testing.assert_array_equal(after, before)  # collecting changes nothing
 
 
 @pytest.mark.parametrize("gate", [None, GateSpec()])

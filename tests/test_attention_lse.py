@@ -105,7 +105,8 @@ def test_flash_o_and_lse_on_a_piece_match_reference(gate, d):
     q, k, v, g = _arrays(1, 2, 40, 72, 4, 2, d, gate)
     q_ids, kv_ids = _piece_ids(2, 40, 72)
     ids = dict(segment_ids=q_ids, kv_segment_ids=kv_ids)
-    plain = lambda q, k, v, g: gated_flash_attention(q, k, v, g, block_sizes=BLOCKS, interpret=True, **ids)  # noqa: E731
+    plain = lambda q, k, v, g: gated_flash_attention(  # noqa: E731
+        q, k, v, g, block_sizes=BLOCKS, interpret=True, **ids)
     (y, lse), (y_ref, lse_ref), y_plain = jax.jit(lambda *a: (_flash(**ids)(*a), _reference(**ids)(*a), plain(*a)))(
         q, k, v, g)  # (one program, not one per op)
     assert y.shape == q.shape and lse.shape == (2, 40, 4) and lse.dtype == jnp.float32
