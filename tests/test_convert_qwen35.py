@@ -6,6 +6,7 @@ so the GDN chunk of 64 is crossed."""
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import shutil
@@ -41,6 +42,16 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_
 KINDS = ("dense", "moe", "vl", "vl_moe")  # vl: the multimodal folders
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """transformers' side on one thread: these tiny models gain nothing from a second, and on a
+    busy 2-core machine waiting for it made a 10 ms forward pass take 1-2 s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def qwen35_model(kind: str, seed=0):
     """A random tiny Qwen3.5 of `kind`: every weight random, norms around 0 (they scale by 1 + w),
     the GDN decay rates A from 0.02 to 4 so some heads remember across the chunk boundary."""
@@ -65,11 +76,29 @@ def hf_logits(model, tokens=TOKENS):
         return model(input_ids=torch.as_tensor(tokens)).logits.float().numpy()
 
 
+@functools.cache
+def source_logits(model):
+    """hf_logits(model) on TOKENS, once per source model (the tests only read the model)."""
+    return hf_logits(model)
+
+
+@functools.cache
+def loaded(run):
+    """rundir.load(run).model, once per converted run: the tests only read it, and each load builds
+    the model anew (over a second)."""
+    return rundir.load(run).model
+
+
+def params_of(run):
+    """The run's parameters as flat numpy arrays (test_convert._flat_params of the loaded model)."""
+    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(loaded(run), nnx.Param))}
+
+
 _forward = jax.jit(lambda graphdef, state, tokens: nnx.merge(graphdef, state)(tokens), static_argnums=0)
 
 
 def gattn_logits(workdir, tokens=TOKENS):
-    graphdef, state = nnx.split(rundir.load(workdir).model)  # (dense and vl, moe and vl_moe share one compile)
+    graphdef, state = nnx.split(loaded(workdir))  # (dense and vl, moe and vl_moe share one compile)
     return np.asarray(_forward(graphdef, state, jnp.asarray(tokens)))
 
 
@@ -99,7 +128,7 @@ def test_logits_match_transformers(converted):
         n = sum(name.startswith("model.visual.") for name in model.state_dict())
         assert vision[0] == (f"note: skipping the vision tower of {type(model).__name__} (model.visual.*, "
                              f"{n} tensors): gattn converts the language model only") and n > 5
-    ours, theirs = gattn_logits(run), hf_logits(model)
+    ours, theirs = gattn_logits(run), source_logits(model)
     assert np.abs(theirs).max() > 1  # (logits that carry signal)
     print(f"{kind}: max |logit difference| {np.abs(ours - theirs).max():.2g} (logits up to {np.abs(theirs).max():.2g})")
     np.testing.assert_allclose(ours, theirs, **TOL)
@@ -123,9 +152,9 @@ def test_round_trip_is_bit_identical_and_loads_back_in_transformers(converted, t
         np.testing.assert_array_equal(saved[name], back[name], err_msg=name)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
     assert type(again).__name__ == arch[0]
-    np.testing.assert_array_equal(hf_logits(again), hf_logits(model))
+    np.testing.assert_array_equal(hf_logits(again), source_logits(model))
     convert.from_hf(tmp_path / "back", tmp_path / "run2")
-    a, b = _flat_params(run), _flat_params(tmp_path / "run2")
+    a, b = params_of(run), _flat_params(tmp_path / "run2")
     assert a.keys() == b.keys()
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
@@ -143,7 +172,7 @@ def test_greedy_decoding_gives_transformers_generate_tokens(converted):
             out = model.generate(input_ids=torch.as_tensor([prompt]), max_new_tokens=8, min_new_tokens=8,
                                  do_sample=False)
         theirs.append(out[0, len(prompt):].tolist())
-    ours = decode.generate(rundir.load(run).model, prompts, max_new_tokens=8, prefill_chunk=16, max_len=96)
+    ours = decode.generate(loaded(run), prompts, max_new_tokens=8, prefill_chunk=16, max_len=96)
     assert ours == theirs
 
 
@@ -166,7 +195,7 @@ def test_released_fused_experts_read_as_the_saved_ones(converted, tmp_path):
     shutil.copytree(hf_dir, src)
     save_file(fused, src / "model.safetensors", metadata={"format": "pt"})
     convert.from_hf(src, tmp_path / "run")
-    a, b = _flat_params(run), _flat_params(tmp_path / "run")
+    a, b = params_of(run), _flat_params(tmp_path / "run")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     fused["model.layers.2.mlp.experts.down_proj"] = fused["model.layers.2.mlp.experts.down_proj"][:, :, :20]
     save_file(fused, src / "model.safetensors", metadata={"format": "pt"})
@@ -227,8 +256,8 @@ def test_the_papers_measurements_on_a_converted_qwen3_5_are_transformers_own(con
     _, model, _, run, _ = converted
     ref = hf_inside(model, TOKENS)
     b, h = TOKENS.shape[0], model.config.get_text_config().num_attention_heads
-    loaded = rundir.load(run).model
-    out = analysis.summarize(loaded, TOKENS)
+    gattn_model = loaded(run)
+    out = analysis.summarize(gattn_model, TOKENS)
     rows = out["per_layer"]
     assert [r["mixer"] for r in rows] == ["linear_attention"] * 3 + ["full_attention"]
     assert out["overall"]["attention_layers"] == [3] and "Gated DeltaNet" in out["overall"]["not_measured"]
@@ -247,13 +276,13 @@ def test_the_papers_measurements_on_a_converted_qwen3_5_are_transformers_own(con
     assert attention["sink_head_share"] == np.mean(f_head > 0.3) == out["overall"]["sink_head_share"]
     # (a random model has no sink head at 0.3: a threshold between its two heads makes one of them one)
     assert abs(f_head[0] - f_head[1]) > 1e-4
-    between = analysis.summarize(loaded, TOKENS, options=analysis.Options(sink_threshold=float(f_head.mean())))
+    between = analysis.summarize(gattn_model, TOKENS, options=analysis.Options(sink_threshold=float(f_head.mean())))
     assert between["per_layer"][3]["sink_head_share"] == between["overall"]["sink_head_share"] == 0.5
 
     cfg = rundir.read_config(run)
     batch = {"tokens": TOKENS, "segment_ids": np.ones_like(TOKENS),
              "positions": np.broadcast_to(np.arange(80), (b, 80))}
-    sink = sinks.measure(loaded, cfg, [batch])  # rows of 80 = 79 inputs + a target; windows of their first 64
+    sink = sinks.measure(gattn_model, cfg, [batch])  # rows of 80 = 79 inputs + a target; windows of their first 64
     o, (row,) = sink["overall"], sink["per_layer"]
     assert (row["layer"], o["attention_layers"], o["window"], o["windows"]) == (3, [3], 64, b)
     assert "Gated DeltaNet" in o["not_measured"]
@@ -262,7 +291,7 @@ def test_the_papers_measurements_on_a_converted_qwen3_5_are_transformers_own(con
     np.testing.assert_allclose(row["alpha_1_per_head"], alpha, rtol=0, atol=1e-5)
     assert row["sink_share"] == o["sink_share"] == np.mean(alpha > 0.3)
     assert abs(alpha[0] - alpha[1]) > 1e-4  # (and at an eps between the two heads, one is a sink head)
-    assert sinks.measure(loaded, cfg, [batch], eps=float(alpha.mean()))["overall"]["sink_share"] == 0.5
+    assert sinks.measure(gattn_model, cfg, [batch], eps=float(alpha.mean()))["overall"]["sink_share"] == 0.5
     assert o["alpha_1_mean"] == pytest.approx(alpha.mean(), abs=1e-5)
     assert o["uniform_alpha_1"] == sinks.uniform_level(64)
     np.testing.assert_allclose(row["gate_score_per_head"], ref["gate"][:, :64].mean(axis=(0, 1, 3)), rtol=0, atol=1e-5)
@@ -524,10 +553,15 @@ def test_the_mtp_layer_converts_both_ways_and_gives_the_reference_mtp_logits(kin
     ours_model = rundir.load(tmp_path / "run").model
     assert ours_model.cfg.mtp_layers == 1
     tokens = TOKENS[:1, :40]
-    x_NxD, _ = ours_model.hidden(jnp.asarray(tokens))
-    h_NxD = x_NxD.reshape(1, 40, -1)[:, :-1].reshape(39, -1)
-    y_NxD, _ = ours_model.mtp_hidden(h_NxD, jnp.asarray(tokens[:, 1:]))
-    ours = np.asarray(head_logits(y_NxD, ours_model.head_weight(), ours_model.dtype)).reshape(1, 39, -1)
+
+    @nnx.jit  # (one compiled program, not one per op)
+    def mtp_logits(model, tokens):
+        x_NxD, _ = model.hidden(tokens)
+        h_NxD = x_NxD.reshape(1, 40, -1)[:, :-1].reshape(39, -1)
+        y_NxD, _ = model.mtp_hidden(h_NxD, tokens[:, 1:])
+        return head_logits(y_NxD, model.head_weight(), model.dtype).reshape(1, 39, -1)
+
+    ours = np.asarray(mtp_logits(ours_model, jnp.asarray(tokens)))
     theirs = mtp.logits(tokens)
     assert np.abs(theirs).max() > 1
     np.testing.assert_allclose(ours, theirs, **TOL)
