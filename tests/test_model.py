@@ -110,17 +110,24 @@ def test_scan_over_layers_equals_the_layer_loop(remat):
                                g_loop["blocks"][1]["attn"]["gate"]["w"][...], rtol=1e-4, atol=1e-6)
 
 
+def last_block_out(model, x):
+    """h: the last block's output, captured from the forward pass (op by op, as the other tests
+    here run the model: no program of its own to compile)."""
+    model.forward(x, capture=Capture(block_out=True))
+    return nnx.pop(model, nnx.Intermediate)["blocks"][len(model.blocks) - 1]["block_out"][0]
+
+
 def test_tied_embeddings_share_the_table():
     """With tied embeddings the head is the embedding table: logits = final_norm(h) @ E^T."""
     tied = build(dataclasses.replace(TINY, tie_embeddings=True))
     assert not hasattr(tied, "lm_head")
     x = tokens()
-    h_NxD = analysis.collect(tied, x)[-1]["block_out"]
+    h_NxD = last_block_out(tied, x)
     expected = tied.final_norm(jnp.asarray(h_NxD)) @ tied.embed[...].T
     np.testing.assert_allclose(tied(x).reshape(-1, TINY.vocab_size), expected, rtol=1e-5, atol=1e-6)
     untied = build(TINY)
     assert hasattr(untied, "lm_head")
-    h_NxD = analysis.collect(untied, x)[-1]["block_out"]
+    h_NxD = last_block_out(untied, x)
     wrong = untied.final_norm(jnp.asarray(h_NxD)) @ untied.embed[...].T
     assert not np.allclose(untied(x).reshape(-1, TINY.vocab_size), wrong, atol=1e-3)
 
@@ -169,7 +176,9 @@ def test_capturing_the_attention_matrix_needs_the_xla_attention():
     rather than switching kernels; a scanned model refuses any capture. `analysis.collect` runs
     such a model as `for_analysis` makes it (xla, unscanned) with the same parameters."""
     cfg = variants.apply("sdpa_elementwise", TINY)
-    pallas = build(cfg, attention_impl="pallas", scan_layers=True)
+    # (restacked from an unscanned model: initialising a scanned one compiles its vmapped
+    # initialisers, seconds; with_exec's own checks are in test_scan_over_layers_equals_the_layer_loop)
+    pallas = with_exec(build(cfg), dataclasses.replace(EX, attention_impl="pallas", scan_layers=True))
     unscanned_pallas = with_exec(pallas, dataclasses.replace(pallas.ex, scan_layers=False))
     with pytest.raises(ValueError, match="attention_impl='xla'"):
         unscanned_pallas.forward(tokens(), capture=Capture(attn_probs=True))
