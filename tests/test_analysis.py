@@ -105,10 +105,8 @@ def test_sparsity_before_after_the_gate_and_with_the_mean_gate():
     assert acc.result()["per_layer"][0]["sparsity"]["mean_gate_scaled"] == {"0.06": 1.0, "0.04": 0.0}
 
 
-@nnx.jit  # (one compiled program per model, not one per op)
-def logits_and_direct_layers(model, tokens_BxS):
-    """The model's logits, and the block outputs and gate scores computed by calling the blocks
-    one by one, outside `collect`."""
+def direct_layers(model, tokens_BxS):
+    """Block outputs and gate scores computed by calling the blocks one by one, outside `collect`."""
     b, s = tokens_BxS.shape
     pos = jnp.broadcast_to(jnp.arange(s), (b, s)).reshape(-1)
     x = jnp.take(model.embed[...], tokens_BxS.reshape(-1), axis=0)
@@ -117,8 +115,8 @@ def logits_and_direct_layers(model, tokens_BxS):
         normed = block.attn_norm(x)
         scores = block.attn.gate.scores(normed) if block.attn.gate is not None else None
         x, _ = block(x, pos, None, (b, s))
-        out.append((x, scores))
-    return model(tokens_BxS), out
+        out.append((np.asarray(x), None if scores is None else np.asarray(scores)))
+    return out
 
 
 GATES = [None, GateSpec(), GateSpec(position="value", granularity="headwise"),
@@ -138,8 +136,9 @@ def test_m_act_and_gate_score_equal_direct_computations(gate):
     gate = cfg.gate
     model = build(cfg, remat=remat)
     tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, TINY.vocab_size)
-    before, direct = jax.tree.map(np.asarray, logits_and_direct_layers(model, tokens))
+    before = np.asarray(model(tokens))
     r = analysis.summarize(model, tokens)
+    direct = direct_layers(model, tokens)
     for row, (h, scores) in zip(r["per_layer"], direct):
         assert row["m_act"] == pytest.approx(float(np.abs(h).max()), rel=1e-5)
         if gate is None:
@@ -151,8 +150,7 @@ def test_m_act_and_gate_score_equal_direct_computations(gate):
     maxima = [float(np.abs(h).max()) for h, _ in direct]
     assert r["overall"]["m_act"] == pytest.approx(np.mean(maxima), rel=1e-5)  # Sec. 4.3: mean over layers
     assert r["overall"]["m_act_max"] == pytest.approx(max(maxima), rel=1e-5)
-    after = np.asarray(logits_and_direct_layers(model, tokens)[0])
-    np.testing.assert_array_equal(after, before)  # collecting changes nothing
+    np.testing.assert_array_equal(np.asarray(model(tokens)), before)  # collecting changes nothing
 
 
 @pytest.mark.parametrize("gate", [None, GateSpec()])
@@ -163,22 +161,14 @@ def test_ffn_act_per_token_m_act_and_mean_abs_y_equal_hand_computations(gate):
     model = build(dataclasses.replace(TINY, gate=gate))
     tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, TINY.vocab_size)
     r = analysis.summarize(model, tokens)
-    layers = analysis.collect(model, tokens, map_layers=(0, 1, 2))  # (summarize's maps: its compiled program)
-
-    @nnx.jit  # (one compiled program, not one per op)
-    def ffn_and_block_out(model, tokens):
-        pos = jnp.broadcast_to(jnp.arange(12), (2, 12)).reshape(-1)
-        x = jnp.take(model.embed[...], tokens.reshape(-1), axis=0)
-        out = []
-        for block in model.blocks:
-            after_attn = x + block.attn(block.attn_norm(x), pos, None, (2, 12))
-            ffn_NxD = block.ffn(block.ffn_norm(after_attn))
-            x, _ = block(x, pos, None, (2, 12))
-            out.append((ffn_NxD, x))
-        return out
-
-    for i, ((ffn_NxD, x), row) in enumerate(zip(ffn_and_block_out(model, tokens), r["per_layer"])):
-        ffn_NxD = np.asarray(ffn_NxD)
+    # (summarize's attention maps: its compiled program again, not a second one)
+    layers = analysis.collect(model, tokens, map_layers=(0, 1, 2))
+    pos = jnp.broadcast_to(jnp.arange(12), (2, 12)).reshape(-1)
+    x = jnp.take(model.embed[...], tokens.reshape(-1), axis=0)
+    for i, (block, row) in enumerate(zip(model.blocks, r["per_layer"])):
+        after_attn = x + block.attn(block.attn_norm(x), pos, None, (2, 12))
+        ffn_NxD = np.asarray(block.ffn(block.ffn_norm(after_attn)))
+        x, _ = block(x, pos, None, (2, 12))
         h_NxD = np.abs(np.asarray(x))
         assert row["ffn_act"] == pytest.approx(float(np.abs(ffn_NxD).max()), rel=1e-5)
         assert row["m_act_per_token"] == pytest.approx(float(h_NxD.max(axis=1).mean()), rel=1e-5)
