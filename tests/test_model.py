@@ -1,6 +1,7 @@
 """Whole-model behaviour: equivalences the paper relies on, scan/remat/dtypes, and learning."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,16 +38,23 @@ def build(cfg, seed=0, **exec_changes):
     return Transformer(cfg, dataclasses.replace(EX, **exec_changes), rngs=nnx.Rngs(seed))
 
 
+@functools.cache
+def baseline_and_its_logits():
+    """build(TINY) and its logits on tokens(), once for the cases below (which only read them)."""
+    base = build(TINY)
+    return base, np.asarray(base(tokens()))
+
+
 @pytest.mark.parametrize("position", ["sdpa", "value", "key", "query", "dense"])
 @pytest.mark.parametrize("activation, theta", [("identity", 1.0), ("sigmoid", 40.0)])
 def test_multiplicative_gate_forced_to_one_equals_baseline(position, activation, theta):
-    base = build(TINY)
+    base, base_logits = baseline_and_its_logits()
     gate = GateSpec(position=position, activation=activation, input_dependent=False)
     gated = copy_params(base, build(dataclasses.replace(TINY, gate=gate), seed=1))
     for block in gated.blocks:
         block.attn.gate.theta[...] = jnp.full_like(block.attn.gate.theta[...], theta)
     x = tokens()
-    np.testing.assert_allclose(gated(x), base(x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(gated(x), base_logits, rtol=1e-6, atol=1e-6)
 
 
 def test_gate_changes_the_output():
@@ -217,7 +225,7 @@ def test_every_variant_builds_runs_and_has_finite_gradients(name):
     loss, grads = nnx.value_and_grad(lm_loss)(model, tokens())
     assert np.isfinite(float(loss))
     leaves = jax.tree.leaves(grads)
-    assert leaves and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+    assert leaves and all(np.isfinite(np.asarray(g)).all() for g in leaves)  # (numpy: no program per shape)
 
 
 def test_packed_loss_equals_the_loss_of_each_document_alone():
