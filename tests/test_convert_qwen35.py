@@ -530,8 +530,9 @@ class TorchMTP(torch.nn.Module):
             return main.lm_head(self.norm(x)).float().numpy()
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_the_mtp_layer_converts_both_ways_and_gives_the_reference_mtp_logits(kind, tmp_path, tokenizer_file):  # noqa: F811
+@pytest.mark.parametrize("converted", ["dense", "moe"], indirect=True)
+def test_the_mtp_layer_converts_both_ways_and_gives_the_reference_mtp_logits(converted, tmp_path,
+                                                                            tokenizer_file):  # noqa: F811
     """A Qwen3.5 folder with its MTP layer (mtp.*, as released: the MoE's experts fused): from-hf
     sets model.mtp_layers = 1 and gattn's MTP logits equal the reference built from transformers'
     modules; to-hf writes every mtp.* tensor back (bit for bit; the MoE's experts per expert) and
@@ -540,7 +541,7 @@ def test_the_mtp_layer_converts_both_ways_and_gives_the_reference_mtp_logits(kin
 
     from gattn.model.transformer import head_logits
 
-    model = qwen35_model(kind)
+    kind, model = converted[:2]  # (the source model, read only: its folder here is saved anew, with the MTP layer)
     mtp = randomize(TorchMTP(model), seed=5, norm_center=0.0)
     hf_dir = save(model, tmp_path / "hf", tokenizer_file, {"mtp_num_hidden_layers": 1,
                                                             "mtp_use_dedicated_embeddings": False})
@@ -579,7 +580,7 @@ def test_the_mtp_layer_converts_both_ways_and_gives_the_reference_mtp_logits(kin
     for name in released:
         np.testing.assert_array_equal(written[name], released[name], err_msg=name)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
-    np.testing.assert_array_equal(hf_logits(again), hf_logits(model))
+    np.testing.assert_array_equal(hf_logits(again), source_logits(model))
 
 
 def test_the_continued_pretraining_preset_is_the_converted_qwen3_5_2b():
