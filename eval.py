@@ -54,10 +54,10 @@ def main(argv=None):
     ap.add_argument("--max-batches", type=int, help="held-out batches per domain for the measurements "
                     "(default: all of the run's data.eval_batches; with --compare, the count the runs' "
                     "eval/results.json were measured over, where they agree: the main job's 1)")
-    ap.add_argument("--sink-threshold", type=float, default=0.3, help="F-Attn above which a head is a sink head")
+    ap.add_argument("--sink-threshold", type=float, help="F-Attn above which a head is a sink head (default: 0.3)")
     ap.add_argument("--map-layers", type=_layers, help="layers whose attention maps to draw, e.g. 0,5,11 "
                     "(default: first, middle, last)")
-    ap.add_argument("--map-len", type=int, default=64, help="positions covered by the attention maps")
+    ap.add_argument("--map-len", type=int, help="positions covered by the attention maps (default: 64)")
     ap.add_argument("--batch-rows", type=int, help="rows per forward pass of the measurements (lower it "
                     "for long sequences: each layer's [rows, heads, S, S] attention is in memory at once; "
                     "default: a whole batch per pass)")
@@ -72,7 +72,7 @@ def main(argv=None):
     harness.add_argument("--data-dir", help="the benchmark files of the local_* tasks (docs/evaluation.md)")
     harness.add_argument("--allow-code-execution", action="store_true", help="let local_humaneval run "
                          "the model's code (a subprocess per completion, with a timeout)")
-    harness.add_argument("--lm-batch-size", type=int, default=8, help="rows per forward pass of --lm-eval")
+    harness.add_argument("--lm-batch-size", type=int, help="rows per forward pass of --lm-eval (default: 8)")
     ruler = ap.add_argument_group("long context (RULER-style, gattn/eval/ruler.py)")
     ruler.add_argument("--ruler", action="store_true", help="run the long-context benchmark instead")
     ruler.add_argument("--lengths", type=_lengths, help="context lengths in tokens, e.g. 512,1024,2048,4096")
@@ -86,17 +86,13 @@ def main(argv=None):
         ap.error("give either --workdir DIR or --compare DIR1 DIR2 ...")
     if args.compare and args.step is not None:
         ap.error("--step applies to --workdir (a comparison uses each run's latest checkpoint)")
-    ruler_only = ("lengths", "ruler_tasks", "samples", "seed", "prefill_chunk")
-    if not args.ruler and any(getattr(args, name) is not None for name in ruler_only):
-        ap.error("--lengths, --ruler-tasks, --samples, --seed and --prefill-chunk need --ruler")
-    if args.ruler and any(getattr(args, n) is not None for n in ("max_batches", "map_layers", "batch_rows",
-                                                                 "tasks", "limit")):
-        ap.error("--ruler runs the long-context benchmark only: drop --max-batches, --map-layers, "
-                 "--batch-rows, --tasks and --limit (or run them without --ruler)")
+    _refuse_other_modes(args, ap)
     if args.ruler:
         return _ruler(args, overrides)
     if args.lm_eval or args.data_dir or args.allow_code_execution:
         return _lm_eval(args, overrides, ap)
+    args.sink_threshold = 0.3 if args.sink_threshold is None else args.sink_threshold
+    args.map_len = 64 if args.map_len is None else args.map_len
     for name in ("max_batches", "map_len", "limit", "batch_rows"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -135,6 +131,33 @@ def main(argv=None):
     return 0
 
 
+# The flags that belong to one mode of eval.py: given in another mode they would be dropped
+# without a word (before: --ruler with --lm-eval ran RULER only, --shots without --tasks did nothing).
+RULER_ONLY = ("lengths", "ruler_tasks", "samples", "seed", "prefill_chunk")
+LM_EVAL_ONLY = ("lm_eval", "data_dir", "allow_code_execution", "lm_batch_size")
+MEASURE_ONLY = ("max_batches", "sink_threshold", "map_layers", "map_len", "batch_rows", "tasks")
+
+
+def _flags(args, names) -> list[str]:
+    """The flags among `names` that the command line gave."""
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) is not None and getattr(args, n) is not False]
+
+
+def _refuse_other_modes(args, ap) -> None:
+    if not args.ruler and (given := _flags(args, RULER_ONLY)):
+        ap.error(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --ruler (the long-context benchmark)")
+    if args.ruler:
+        if given := _flags(args, MEASURE_ONLY + LM_EVAL_ONLY + ("limit", "shots")):
+            ap.error(f"--ruler runs the long-context benchmark only: drop {', '.join(given)} "
+                     "(or run them without --ruler)")
+    elif _flags(args, LM_EVAL_ONLY):
+        if given := _flags(args, MEASURE_ONLY + ("compare",)):
+            ap.error(f"--lm-eval scores lm-eval tasks on one run's checkpoint: drop {', '.join(given)}")
+    elif not args.tasks and (given := _flags(args, ("shots", "limit"))):
+        ap.error(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --tasks FILES or --lm-eval TASKS "
+                 "(the measurements take neither)")
+
+
 def _progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -150,8 +173,7 @@ def _harness_model(cfg, model, tokenizer, workdir, step):
 def _lm_eval(args, overrides, ap):
     if not args.lm_eval:
         ap.error("--data-dir and --allow-code-execution go with --lm-eval TASKS")
-    if args.compare or args.tasks or args.max_batches is not None:
-        ap.error("--lm-eval scores one run's checkpoint: drop --compare, --tasks and --max-batches")
+    args.lm_batch_size = 8 if args.lm_batch_size is None else args.lm_batch_size
     for name in ("shots", "limit", "lm_batch_size"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "shots" else 1):

@@ -269,3 +269,23 @@ def test_help_shows_the_defaults(capsys):
     assert "(default: all of the run's data.eval_batches; with --compare, the count the runs' " \
         "eval/results.json were measured over, where they agree: the main job's 1)" in text
     assert "sink head (default: 0.3)" in text and "(default: 64)" in text and "(default: 8)" in text
+
+
+@pytest.mark.parametrize("args, named", [
+    # before: RULER ran and --lm-eval was dropped without a word
+    (["--ruler", "--lengths", "512", "--lm-eval", "paper_table4", "--data-dir", "d"], "drop --lm-eval, --data-dir"),
+    (["--ruler", "--lengths", "512", "--shots", "2", "--sink-threshold", "0.2"], "drop --sink-threshold, --shots"),
+    # before: the measurements ran; --shots, --limit and the measurement options did nothing
+    (["--shots", "0"], "--shots needs --tasks FILES or --lm-eval TASKS"),
+    (["--limit", "3", "--shots", "2"], "--shots and --limit need --tasks"),
+    (["--lm-eval", "local_arc", "--map-layers", "0", "--map-len", "8"], "drop --map-layers, --map-len"),
+    (["--lm-eval", "local_arc", "--batch-rows", "2"], "drop --batch-rows"),
+    (["--seed", "0"], "--seed needs --ruler"),
+])
+def test_a_flag_another_mode_would_drop_is_refused_by_name(tmp_path, capsys, args, named):
+    """Each of eval.py's modes (the measurements, --lm-eval, --ruler) refuses the flags of the
+    others in one line (exit 2) before anything loads, instead of running without them."""
+    with pytest.raises(SystemExit) as e:
+        entry_point("eval").main(["--workdir", str(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and named in err and "Traceback" not in err, err
