@@ -2,7 +2,7 @@
 machine, with CPU devices and gloo collectives.
 
     python -m gattn.launch --processes 2 --local-devices 4 train.py --config tiny --workdir DIR
-    python -m gattn.launch --processes 2 --local-devices 4 -m gattn.main_job ...
+    python -m gattn.launch --processes 2 --local-devices 4 -m gattn.lm_eval ...
 
 Each worker is `python SCRIPT ARGS...` with JAX_COORDINATOR_ADDRESS (a free port on 127.0.0.1),
 JAX_NUM_PROCESSES, JAX_PROCESS_ID, JAX_PLATFORMS=cpu and

@@ -16,6 +16,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import lm_eval  # noqa: E402 (the test extra installs gattn[lm-eval])
 
+from gattn.config import ConfigError  # noqa: E402
 from gattn.eval import code_eval, lm_tasks  # noqa: E402
 from gattn.interop import harness  # noqa: E402
 
@@ -210,6 +211,20 @@ def test_registered_as_gattn_and_refuses_sampling(qwen3):
     req = Instance("generate_until", {}, ("Question:", {"do_sample": True, "temperature": 0.7}), 0)
     with pytest.raises(Exception, match="generation_kwargs.*greedy"):
         lm.generate_until([req])
+
+
+def test_a_misspelled_model_arg_is_refused_before_loading(qwen3):
+    """(Before: `step` spelled stpe was dropped and the latest checkpoint scored.) lm-eval's own
+    max_batch_size and device still pass."""
+    from lm_eval.api.registry import get_model
+
+    hf_dir, _, _ = qwen3
+    with pytest.raises(ConfigError) as e:
+        get_model("gattn").create_from_arg_string(f"workdir={hf_dir},stpe=2000", {"batch_size": 2, "device": "cpu"})
+    assert (e.value.field, e.value.value) == ("--model_args", "stpe") and "step" in e.value.allowed
+    lm = get_model("gattn").create_from_arg_string(f"workdir={hf_dir}", {"batch_size": 2, "max_batch_size": 4,
+                                                                         "device": "cpu"})
+    assert lm.rows == 2
 
 
 def test_local_tasks_name_a_missing_file_and_code_runs_only_when_allowed(tmp_path, monkeypatch):

@@ -91,6 +91,14 @@ def test_without_plan_params_prints_the_counts(capsys):
     assert "plan" not in capsys.readouterr().out.lower()
 
 
+def test_params_help_names_the_planner(capsys):
+    """(Before: `python -m gattn.params --help` never mentioned --plan, --days or --tokens-per-sec.)"""
+    with pytest.raises(SystemExit):
+        params.main(["--help"])
+    text = capsys.readouterr().out
+    assert all(flag in text for flag in ("--plan SLICE", "--days", "--tokens-per-sec", "--plan --help")), text
+
+
 def test_a_slice_without_a_fit_names_the_command_that_writes_one():
     with pytest.raises(ConfigError, match=r"v5p:4x4x4 > DIR/moe_15a2b.json and pass --fits DIR"):
         plan.main(["--preset", "moe_15a2b", "--plan", "v5p-128", "--days", "7"])

@@ -6,6 +6,8 @@ provenance of every setting of the paper-scale presets (gattn/experiments/proven
     python -m gattn.params --table6
     python -m gattn.params --preset moe_15a2b [--variant sdpa_elementwise] --json
     python -m gattn.params --provenance [PRESET ...] [--json]
+    python -m gattn.params --plan SLICE --preset PRESET --days D [--tokens-per-sec N] [--json]
+        (a reservation planned from the preset's modelled step: `--plan --help` lists its options)
 """
 
 from __future__ import annotations

@@ -378,8 +378,13 @@ class GattnLM(TemplateLM):
 
     def __init__(self, workdir: str, step: int | None = None, batch_size: int | str = 8,
                  max_length: int | None = None, max_gen_toks: int | None = None, overrides: str = "",
-                 loaded: tuple | None = None, **unused):
+                 loaded: tuple | None = None, **extra):
         super().__init__()
+        # lm-eval adds its own max_batch_size and device (JAX places the model); any other key is a
+        # --model_args typo, which would otherwise be dropped (e.g. stpe=2000 scoring the latest step)
+        for key in sorted(set(extra) - {"max_batch_size", "device"}):
+            raise ConfigError("--model_args", key, "one of workdir, step, batch_size, max_length, max_gen_toks, "
+                              "overrides (docs/evaluation.md)")
         if str(batch_size).startswith("auto"):
             batch_size = 8
         self.rows = int(batch_size)
