@@ -88,6 +88,20 @@ def test_user_tokenizer_file(workdir, tokenizer, tmp_path):  # (`tokenizer`: the
     assert e.value.field == "model.vocab_size" and "512" in e.value.allowed
 
 
+def test_an_empty_or_malformed_tokenizer_file_is_one_line_naming_the_field(tmp_path):
+    """(Before: an empty .model read as a tokenizer of no pieces and the first id lookup crashed
+    train.py and prepare with a segmentation fault; a malformed tokenizer.json raised the
+    tokenizers library's bare Exception.)"""
+    from gattn.data.tokenizer import read_tokenizer
+
+    (tmp_path / "empty.model").write_bytes(b"")
+    (tmp_path / "bad.json").write_text('{"model": 5}')
+    for name, says in (("empty.model", "has none"), ("bad.json", "does not read as one")):
+        with pytest.raises(ConfigError) as e:
+            read_tokenizer(tmp_path / name)
+        assert e.value.field == "data.tokenizer" and says in e.value.allowed, e.value
+
+
 def test_tfds_dataset_matches_the_corpus_split(workdir):
     source = tfds_text.data_source(CFG.data, workdir, "validation")
     expected = [d for d in corpus.documents("embedded", 300_000) if d.split == "validation"]

@@ -256,11 +256,17 @@ def read_tokenizer(path: Path, field: str = "data.tokenizer") -> Tokenizer:
     error)."""
     kind = "a Hugging Face tokenizer.json" if path.suffix == ".json" else "a SentencePiece .model"
     try:
-        return HFTokenizer(path) if path.suffix == ".json" else spm.SentencePieceProcessor(model_proto=path.read_bytes())
-    except (RuntimeError, ValueError, TypeError, KeyError, UnicodeDecodeError) as e:
+        tok = HFTokenizer(path) if path.suffix == ".json" else spm.SentencePieceProcessor(model_proto=path.read_bytes())
+        # SentencePiece takes an empty file as a model of no pieces, whose first id lookup crashes
+        # the process (a segmentation fault); the tokenizers library raises a bare Exception
+        pieces = tok.get_piece_size()
+    except Exception as e:  # noqa: BLE001 (whatever the library raises, the user gets one line)
         why = (cli.first_line(e) or type(e).__name__)[:160]
         raise ConfigError(field, str(path), f"{kind} (judged by its name); this file does not read as one "
                           f"({why}). A .json is read as tokenizer.json, any other name as a SentencePiece model") from None
+    if pieces < 1:
+        raise ConfigError(field, str(path), f"{kind} with pieces; this one has none (an empty file?)")
+    return tok
 
 
 def document_encoder(tokenizer: Tokenizer, max_chars: int = corpus.MAX_CHARS):
