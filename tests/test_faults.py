@@ -450,6 +450,21 @@ def test_a_collapse_is_trouble_and_the_trouble_state_survives_a_resume(tmp_path)
     assert "3 consecutive steps were non-finite or collapsed" in str(e.value) and "ln V" in str(e.value)
 
 
+def test_a_resume_flag_on_a_workdir_without_checkpoints_is_refused(tmp_path):
+    """(Before: `--resume-step 2` on a mistyped --workdir trained a new run from step 0.) Refused
+    before anything is written."""
+    from gattn.config import Config
+    from gattn.train import trainer
+
+    from conftest import tiny_model
+
+    for kwargs, flag in ((dict(resume_step=2), "--resume-step"), (dict(resume_anyway=True), "--resume-anyway")):
+        with pytest.raises(ConfigError) as e:
+            trainer.train(Config(model=tiny_model()), tmp_path / "typo", progress=False, **kwargs)
+        assert e.value.field == flag and "has no checkpoint" in e.value.allowed
+        assert not (tmp_path / "typo").exists()
+
+
 def test_a_plain_rerun_after_a_divergence_stop_is_refused(tmp_path):
     from gattn.train import trainer
 

@@ -535,6 +535,10 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     hosts.check_same_run({**to_dict(cfg), "workdir": str(workdir), "resume_step": resume_step})  # or none trains
     corpus.check_embedded_suffices(cfg)  # a paper preset given no corpus of its own: refused, nothing written
     rundir.check_workdir(workdir)
+    if (resume_step is not None or resume_anyway) and not checkpoint.saved_steps(workdir):
+        # (before: a mistyped --workdir with --resume-step trained a new run from step 0)
+        flag, value = ("--resume-step", resume_step) if resume_step is not None else ("--resume-anyway", True)
+        raise ConfigError(flag, value, f"a run to resume; {workdir} has no checkpoint (a new run starts without it)")
     # A continued run's source is checked before anything is written, the lease included (and
     # only until it has a checkpoint of its own: resuming never reads the source again).
     source_step = init_from.check(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
