@@ -137,6 +137,8 @@ def call_file(path: Path, function: str, field: str, returns: str) -> Any:
     """`function()` of the Python file `path` (a config or study file); errors name `field`, and
     an error raised by the file itself names its file:line (--debug shows the traceback)."""
     spec = importlib.util.spec_from_file_location(f"gattn_{function}_{path.stem}", path)
+    if spec is None:  # (a name Python does not import: config.yaml, a file without .py)
+        raise ConfigError(field, str(path), f"a Python file (.py) that defines {function}() -> {returns}")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
@@ -177,6 +179,9 @@ def load(path: str | Path, overrides: list[str] = (), variant: str | None = None
     model converted from Hugging Face, to continue training it), applies a variant, then the
     overrides."""
     path = resolve(path)
+    if path.suffix not in (".py", ".json"):
+        raise ConfigError("--config", str(path), "a Python config file (.py), a preset by name "
+                          f"({', '.join(presets(''))}), or a run's config.json")
     if path.suffix == ".json":
         try:
             cfg = from_dict(Config, json.loads(path.read_text()))

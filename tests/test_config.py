@@ -208,6 +208,21 @@ def test_load_config_file_with_variant_and_overrides():
     assert e.value.field == "--config"
 
 
+def test_a_config_file_of_another_kind_or_shape_is_one_line(tmp_path):
+    """(Before: config.yaml raised AttributeError ('NoneType' has no 'loader'), a config.json of a
+    list AttributeError, one with "model": 5 TypeError: no field named, exit 1.)"""
+    files = {"tiny.yaml": "model: {}", "list.json": "[1, 2]", "model5.json": '{"model": 5}',
+             "gate.json": '{"model": {"gate": 3}}'}
+    fields = {"tiny.yaml": "--config", "list.json": "config.json", "model5.json": "model", "gate.json": "model.gate"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as e:
+            cli.load(tmp_path / name)
+        assert e.value.field == fields[name], (name, e.value)
+    with pytest.raises(ConfigError, match="a Python file"):
+        cli.call_file(tmp_path / "tiny.yaml", "get_study", "--study", "Study")
+
+
 def test_a_variant_loads_with_an_mtp_loss_weight_and_its_layer_in_either_order():
     """The variant's model and every override are built in one construction, so the cross-field
     check (an MTP loss weight needs model.mtp_layers) sees both, whatever their order; it used to

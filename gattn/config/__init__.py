@@ -128,7 +128,9 @@ def from_dict(cls: type, tree: dict, prefix: str = "") -> Any:
     config.json); nested configs are rebuilt, every value is checked as usual. A `Config` written
     before the architecture / execution split has its execution fields under "model": they are
     read as `exec`."""
-    if cls is Config and any(k in MOVED_TO_EXEC for k in tree.get("model", {})):
+    if not isinstance(tree, dict):  # (a hand-edited config.json: [1, 2], "model": 5)
+        raise ConfigError(prefix or "config.json", tree, f"a JSON object of {cls.__name__}'s fields")
+    if cls is Config and isinstance(tree.get("model"), dict) and any(k in MOVED_TO_EXEC for k in tree["model"]):
         tree = dict(tree, model=dict(tree["model"]), exec=dict(tree.get("exec", {})))
         for name in MOVED_TO_EXEC:
             if name in tree["model"]:
@@ -141,7 +143,11 @@ def from_dict(cls: type, tree: dict, prefix: str = "") -> Any:
         if name not in fields:
             raise ConfigError(path, None, f"unknown field; {cls.__name__} has {', '.join(sorted(fields))}")
         sub = next((a for a in (hints[name], *typing.get_args(hints[name])) if dataclasses.is_dataclass(a)), None)
-        kwargs[name] = from_dict(sub, value, path) if sub is not None and isinstance(value, dict) else value
+        if sub is not None and isinstance(value, dict):
+            value = from_dict(sub, value, path)
+        elif sub is not None and value is not None and hints[name] in (sub, sub | None):  # (a hand-edited "model": 5)
+            raise ConfigError(path, value, f"a JSON object of {sub.__name__}'s fields")
+        kwargs[name] = value
     try:
         return cls(**kwargs)
     except ConfigError as e:
