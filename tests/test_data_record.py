@@ -41,6 +41,25 @@ def started(cfg, work: Path):
     return tok
 
 
+def test_a_resume_of_another_model_is_refused_before_any_file_of_the_run_is_rewritten(tmp_path, monkeypatch):
+    """(Before: the model's check came with the checkpoint's restore, after the dataset's
+    preparation had written the refused vocab_size into WORKDIR/corpus_report.json.)"""
+    from gattn.train import rundir
+
+    data = corpus_folder(tmp_path / "data")
+    cfg = cli.load("tiny", [f"data.source={data}", "model.vocab_size=300"])
+    work = tmp_path / "run"
+    started(cfg, work)
+    rundir.write_config(work, cfg)
+    files = {p: p.read_bytes() for p in work.rglob("*") if p.is_file()}
+    assert (work / "corpus_report.json") in files
+    monkeypatch.setattr(trainer.checkpoint, "saved_steps", lambda workdir: [6])  # the run has a checkpoint
+    with pytest.raises(ConfigError) as e:
+        trainer.prepare(cli.load("tiny", [f"data.source={data}", "model.vocab_size=400"]), work, None)
+    assert (e.value.field, e.value.value) == ("model.vocab_size", 400) and "300" in e.value.allowed
+    assert {p: p.read_bytes() for p in work.rglob("*") if p.is_file()} == files
+
+
 def test_the_run_keeps_its_tokenizer_and_a_resume_refuses_changed_data(tmp_path, monkeypatch, capsys):
     data = corpus_folder(tmp_path / "data")
     cfg = cli.load("tiny", [f"data.source={data}", "model.vocab_size=300"])

@@ -199,10 +199,15 @@ def test_resume_refuses_another_model_and_continues_under_other_execution_settin
     # than the check; the runs below are real subprocesses).
     entry = entry_point("train")
     capsys.readouterr()
+    files = {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()}
     assert cli.run_cli(entry.main, train_cmd(config_file, workdir, "--config.model.d_ff=96")[2:]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert "'model.d_ff' = 96" in err and "trained with 64" in err
+    # (before: a refused vocab_size was already written into corpus_report.json)
+    assert cli.run_cli(entry.main, train_cmd(config_file, workdir, "--config.model.vocab_size=1024")[2:]) == 2
+    assert "'model.vocab_size' = 1024" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in workdir.rglob("*") if p.is_file()} == files
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
     assert json.loads((workdir / "config.json").read_text())["model"]["d_ff"] == 64
     assert not (workdir / "config_history.jsonl").exists()  # a refused resume writes nothing

@@ -106,9 +106,7 @@ def resume(cfg: Config, workdir: Path, mngr, state, mesh, step: int | None):
     def read(s):
         saved_meta = checkpoint.restore_meta(mngr, s) or {}
         if "converted_from" in saved_meta:
-            raise ConfigError("--workdir", str(workdir),
-                              f"it holds a model converted from {saved_meta['converted_from']} (parameters "
-                              "only): train from it in a new run directory with --init-from")
+            raise _converted(workdir, saved_meta["converted_from"])
         if saved_meta.get("config"):
             rundir.check_same(cfg, saved_meta["config"], rundir.RESUME_FIXED,
                               fix="resume with the same value or use a new --workdir")
@@ -490,6 +488,8 @@ def prepare(cfg: Config, workdir: Path, source_step: int | None, allow_corpus_ch
         return None, None, []
     fresh, earlier, path = not checkpoint.saved_steps(workdir), [], None  # a fresh run chooses its tokenizer
     if hosts.primary():
+        if not fresh:  # refused before the tokenizer or the dataset report is rewritten for it
+            _check_resume_fields(cfg, workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         if not fresh and _same_data_config(cfg, workdir):  # (else `resume` names the changed data.* field)
             earlier = data_record.check_resume(cfg, workdir, tokenizer_path(cfg, workdir), allow_corpus_change)
@@ -514,6 +514,28 @@ def share_tokenizer(path: Path) -> None:
     hosts.share_file(path)
     if path.suffix == ".json":
         hosts.share_file(path.with_name("tokenizer_config.json"), optional=True)
+
+
+def _converted(workdir: Path, source: str) -> ConfigError:
+    return ConfigError("--workdir", str(workdir), f"it holds a model converted from {source} (parameters only): "
+                       "train from it in a new run directory with --init-from")
+
+
+def _check_resume_fields(cfg: Config, workdir: Path) -> None:
+    """A resume's fixed fields (rundir.RESUME_FIXED) against the run's config.json, before
+    anything is written (before: a refused vocab_size was already in WORKDIR/corpus_report.json);
+    `resume` checks them again against the checkpoint's own copy."""
+    try:
+        converted = json.loads((workdir / "converted.json").read_text())
+    except (OSError, ValueError):
+        converted = None
+    if isinstance(converted, dict):  # (gattn.convert's run: a model to train from, not a run to resume)
+        raise _converted(workdir, converted.get("from", "?"))
+    try:
+        then = rundir.read_config(workdir)
+    except ConfigError:  # no readable config.json: the checkpoint's copy decides
+        return
+    rundir.check_same(cfg, then, rundir.RESUME_FIXED, fix="resume with the same value or use a new --workdir")
 
 
 def _same_data_config(cfg: Config, workdir: Path) -> bool:
