@@ -293,6 +293,21 @@ def test_the_command_says_a_bad_source_in_one_line_and_exits_2(tmp_path, made, c
     assert not (tmp_path / "out").exists()
 
 
+def test_a_negative_code_budget_or_an_out_that_is_a_file_is_one_line(tmp_path, made, capsys):
+    """(Before: --code-max-bytes -1 made shards without the code domain, and nothing said so;
+    --out naming a file raised NotADirectoryError.)"""
+    from gattn import cli
+
+    (tmp_path / "afile").write_text("x")
+    for extra, flag in ((["--out", str(tmp_path / "out"), "--code-max-bytes", "-1"], "--code-max-bytes"),
+                        (["--out", str(tmp_path / "afile")], "--out")):
+        argv = ["--source", "embedded", "--tokenizer", str(made[2]), *extra]
+        assert cli.run_cli(prepare.main, argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and f"'{flag}'" in err and "\n" not in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists() and (tmp_path / "afile").read_text() == "x"
+
+
 @pytest.mark.slow  # ~90 s: three train.py runs (the data-level checks above run by default)
 def test_train_py_trains_on_shards_and_refuses_a_resume_on_other_shards(made, tmp_path):
     import subprocess

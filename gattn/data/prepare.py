@@ -239,8 +239,12 @@ def prepare(source: str, tokenizer: str, out: str, *, workers: int = 1, num_shar
         bad = next((n, v) for n, v in (("--workers", workers), ("--num-shards", num_shards),
                                        ("--max-chars", max_chars)) if v < 1)
         raise ConfigError(*bad, "expected an integer >= 1")
+    if code_max_bytes < 0:  # (before: -1 was taken and the code domain left out without a word)
+        raise ConfigError("--code-max-bytes", code_max_bytes, "an integer >= 0 (0: no code; as data.code_max_bytes)")
     files = inputs(source)
     root = epath.Path(out).expanduser()
+    if root.exists() and not root.is_dir():  # (before: NotADirectoryError)
+        raise ConfigError("--out", out, "a folder (new or empty) for the shards; this is a file")
     if root.exists() and any(root.iterdir()):
         raise ConfigError("--out", out, "an empty or new folder (the shards of one corpus and tokenizer); "
                           "this one holds files already")
