@@ -361,6 +361,10 @@ def start_distributed(args=None) -> None:
     auto = getattr(args, "distributed", False)
     if not coordinator and not auto:
         return
+    host, _, port = str(coordinator or "").rpartition(":")
+    if coordinator and not (host and port.isdigit() and 0 < int(port) < 65536):  # (before: jax's IndexError)
+        raise ConfigError("--coordinator", coordinator, "HOST:PORT of process 0, e.g. 10.0.0.2:1234 "
+                          "(or JAX_COORDINATOR_ADDRESS)")
     from gattn import cluster  # noqa: PLC0415
 
     join_seconds, heartbeat = cluster.join_seconds(), cluster.heartbeat_seconds()

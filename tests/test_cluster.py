@@ -167,6 +167,20 @@ def test_a_bad_timeout_variable_is_a_clear_error(monkeypatch, value):
         cluster.peer_seconds()
 
 
+@pytest.mark.parametrize("address", ["nocolon", "host:", ":1234", "host:port", "host:70000"])
+def test_a_coordinator_address_without_host_and_port_is_one_line(address):
+    """(Before: "nocolon" reached jax.distributed, which raised an IndexError.)"""
+    import argparse
+
+    from gattn import cli
+    from gattn.config import ConfigError
+
+    args = argparse.Namespace(coordinator=address, num_processes=2, process_id=0, distributed=False)
+    with pytest.raises(ConfigError) as e:
+        cli.start_distributed(args)
+    assert (e.value.field, e.value.value) == ("--coordinator", address) and "HOST:PORT" in e.value.allowed
+
+
 def test_native_logs_go_to_the_workdir_or_beside_a_remote_one(monkeypatch, tmp_path):
     monkeypatch.delenv("GATTN_LOG_DIR", raising=False)
     assert cluster.log_path(str(tmp_path / "run"), 3) == tmp_path / "run" / "logs" / "process_3.log"
