@@ -92,6 +92,8 @@ def main(argv=None):
     if args.lm_eval or args.data_dir or args.allow_code_execution:
         return _lm_eval(args, overrides, ap)
     args.sink_threshold = 0.3 if args.sink_threshold is None else args.sink_threshold
+    if not 0 <= args.sink_threshold < 1:  # (F-Attn is a share of attention: 7, -1 or nan meant 0% or 100%)
+        raise ConfigError("--sink-threshold", args.sink_threshold, "a share of attention in [0, 1)")
     args.map_len = 64 if args.map_len is None else args.map_len
     for name in ("max_batches", "map_len", "limit", "batch_rows"):
         value = getattr(args, name)

@@ -46,6 +46,7 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
     # Checked before anything is restored, named as eval.py's flag.
     analysis.check_map_layers(options.map_layers or (), run_cfg.model.num_layers, "--map-layers",
                               attention_layers=run_cfg.model.full_attention_layers)
+    check_map_len(options, run_cfg)
     cfg, model, step = rundir.load(workdir, step, overrides, cfg=run_cfg)
     out_dir = out_path(workdir, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,6 +107,14 @@ def _announced(batches: list, what: str, say):
 # Bumped when a change to the measurement code changes what results.json holds: results written
 # before are then measured again by `compare`, not mixed with new ones.
 MEASUREMENT_VERSION = 1
+
+
+def check_map_len(options: analysis.Options | None, cfg) -> None:
+    """The attention maps cover at most a row (before: --map-len 100000 asked for 298 GiB after the
+    perplexity pass, and 128 on a 64-token run gave maps whose rows 64.. were zero)."""
+    if options is not None and options.map_len > cfg.train.seq_len:
+        raise ConfigError("--map-len", options.map_len, f"at most the run's train.seq_len ({cfg.train.seq_len}): "
+                          "the maps cover the first positions of a held-out row")
 
 
 def settings(cfg, step: int, overrides: list[str], options: analysis.Options | None,
@@ -241,6 +250,8 @@ def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, ov
             raise ConfigError("--compare", str(w), "a run with a saved checkpoint (it has none yet)")
     workdirs = [Path(w) for w in workdirs]
     cfgs = {w: rundir.load_config(w, overrides) for w in workdirs}  # (overrides refused before any measuring)
+    for c in cfgs.values():
+        check_map_len(eval_kwargs.get("options"), c)
     latest = {w: max(checkpoint.saved_steps(w)) for w in workdirs}
     if (line := steps_warning(workdirs, cfgs, latest)) is not None:
         say(line)
