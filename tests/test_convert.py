@@ -443,6 +443,15 @@ def test_a_kept_untied_head_gives_transformers_logits(tmp_path, tokenizer_file, 
     np.testing.assert_allclose(gattn_logits(tmp_path / "run"), hf_logits(theirs), **TOL)
 
 
+@pytest.mark.parametrize("size", ["0", "-1", "nan"])
+def test_a_shard_size_that_is_not_a_positive_size_is_one_line(tmp_path, capsys, size):
+    """(Before: 0 and -1 wrote one safetensors file per tensor; nan raised a ValueError.) Refused
+    before the run is read (this one does not exist)."""
+    assert convert.main(["to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--max-shard-gb", size]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'--max-shard-gb'" in err and "above 0" in err and not (tmp_path / "out").exists()
+
+
 def test_bad_json_and_a_hugging_face_folder_given_to_to_hf_are_one_line(tmp_path, tokenizer_file, capsys):
     cfg = transformers.Qwen3Config(**DIMS, attn_implementation="eager")
     src = save(transformers.Qwen3ForCausalLM(cfg), tmp_path / "hf", tokenizer_file)

@@ -496,6 +496,11 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"auto (a layout transformers loads as is) or one of {', '.join(LAYOUTS)}")
     b.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
     args = parser.parse_args(argv)
+    if args.command == "to-hf" and not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
+        # (before: 0 and -1 wrote a shard per tensor, nan raised a ValueError)
+        print(f"error: {ConfigError('--max-shard-gb', args.max_shard_gb, 'a size in GB above 0, e.g. 5')}",
+              file=sys.stderr)
+        return 2
     try:
         if args.command == "from-hf":
             path = from_hf(args.src, args.workdir)
