@@ -98,9 +98,11 @@ def test_mesh_shape_has_the_context_axis():
 
 def test_context_parallel_hybrid_step_equals_one_device():
     """The default set's cousin of the slow matrix below: the Qwen3.5-style hybrid (Gated DeltaNet,
-    gated attention, MTP) on context 4 x fsdp 2."""
-    out = multidevice.run("context_step", "--models", "hybrid", "--meshes", "1,2,4")
-    assert [line for line in out.splitlines() if line.startswith("ok ")] == ["ok hybrid (1, 2, 4)"], out
+    gated attention, MTP) on context 4 x fsdp 2; and exec.attention_query_chunk's bound on a
+    device's attention memory under context (before: dropped there)."""
+    out = multidevice.run("context_step", "--models", "hybrid", "--meshes", "1,2,4", "--query-chunk")
+    oks = [line for line in out.splitlines() if line.startswith("ok ")]
+    assert len(oks) == 2 and oks[0].startswith("ok query_chunk") and oks[1] == "ok hybrid (1, 2, 4)", out
 
 
 @pytest.mark.slow

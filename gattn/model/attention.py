@@ -167,7 +167,6 @@ class Attention(nnx.Module):
                                   f"(it runs {impl!r} here): the chunk pairs need the keys' own segment ids and "
                                   "the log-sum-exp, which only those take and return")
             options.pop("prefix_ids", None)
-            options.pop("query_chunk", None)
             out = context.attention(kernels.IMPLS[impl], q_BxSxHxK, k_BxSxHxK, v_BxSxHxK, gate_logits,
                                     segment_ids_BxS=segment_ids_BxS, **options)
         else:

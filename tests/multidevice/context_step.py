@@ -8,7 +8,7 @@ end of some rows).
     python -m multidevice.context_step [--models dense hybrid hybrid_moe hybrid_w1] [--meshes 4,1,2 1,2,4 1,1,8]
 
 Meshes are (data, fsdp, context). Prints "ok MODEL MESH" per pair (tests/test_context.py counts
-them). `--checkpoint DIR` also runs the trainer's step on the hybrid: a train state saved with
+them). `--query-chunk` also checks exec.attention_query_chunk's memory bound on context 2 ("ok query_chunk"). `--checkpoint DIR` also runs the trainer's step on the hybrid: a train state saved with
 Orbax from a mesh without the context axis restores onto one with it (and back), and the next
 step's loss and updated parameters are the same on both layouts ("ok checkpoint ...")."""
 
@@ -112,13 +112,40 @@ def check_checkpoint(workdir: Path) -> None:
         print("ok checkpoint data 8 ->", ("data 2 fsdp 2 context 2", "context 8")[i - 1], flush=True)
 
 
+def check_query_chunk() -> None:
+    """exec.attention_query_chunk bounds a device's attention memory under context parallelism
+    too (before: dropped there, so a chunked forward pass took ~3x the memory of one device's): a
+    dense layer's loss (the forward pass an evaluation or a long prefill runs; a gradient keeps
+    every chunk's scores for the backward pass either way) on context 2, 2 rows of 1024, chunked at
+    64 against not chunked: compiled temporaries and the loss."""
+    cfg = tiny_model(vocab_size=64, num_layers=1, q_heads=8, kv_heads=2)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 1025)))
+    mesh = sharding.make_mesh(MeshConfig(data=1, context=2), jax.devices()[:2])
+    out = {}
+    for chunk in (0, 64):
+        graphdef, params = nnx.split(Transformer(cfg, ExecConfig(attention_query_chunk=chunk), rngs=nnx.Rngs(0)),
+                                     nnx.Param)
+        with jax.set_mesh(mesh):
+            p = jax.device_put(params, sharding.param_shardings(params, mesh))
+            t = jax.device_put(tokens, sharding.batch_sharding(mesh))
+            compiled = jax.jit(lambda p, t, g=graphdef: lm_loss_and_aux(nnx.merge(g, p), t)[0]).lower(p, t).compile()
+            out[chunk] = compiled.memory_analysis().temp_size_in_bytes, compiled(p, t)
+    (full, l0), (chunked, l1) = out[0], out[64]
+    assert chunked < 0.5 * full, ("temp bytes a device, query_chunk 64 vs none", chunked, full)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    print("ok query_chunk", f"{chunked / 2**20:.1f} vs {full / 2**20:.1f} MiB", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=MODELS, default=[m for m in MODELS if "pallas" not in m])
     ap.add_argument("--meshes", nargs="+", type=shape, default=[(4, 1, 2), (1, 2, 4), (1, 1, 8)])
     ap.add_argument("--checkpoint", type=Path, default=None, help="also: the checkpoint check, in this folder")
+    ap.add_argument("--query-chunk", action="store_true", help="also: exec.attention_query_chunk's memory bound")
     args = ap.parse_args(argv)
     check_devices()
+    if args.query_chunk:
+        check_query_chunk()
     if args.checkpoint:
         check_checkpoint(args.checkpoint)
     batch = packed_batch()
