@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from gattn.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
+from gattn.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig, from_dict
 from gattn.data import pipeline, record, tfds_text
 from gattn.data.tokenizer import load_tokenizer
 
@@ -92,6 +92,18 @@ def test_what_a_tfds_source_needs_is_named_in_one_line(data_dir, tmp_path):
         assert e.value.field == field and says in str(e.value) and "\n" not in str(e.value), (data, str(e.value))
     with pytest.raises(ConfigError, match="TRAIN,HELD_OUT"):
         DataConfig(source="tfds:x", tfds_splits="train")
+
+
+def test_the_same_split_for_training_and_validation_is_refused():
+    # (before: accepted, and validation ran on the training documents)
+    for splits in ("train,train", " train , train", "train[:90%],train[:90%]"):
+        with pytest.raises(ConfigError, match="two different splits") as e:
+            DataConfig(source="tfds:x", tfds_splits=splits)
+        assert e.value.field == "tfds_splits" and "\n" not in str(e.value)
+    with pytest.raises(ConfigError) as e:  # as a run's flags name it
+        from_dict(Config, {"data": {"source": "tfds:x", "tfds_splits": "train,train"}})
+    assert e.value.field == "data.tfds_splits"
+    DataConfig(source="tfds:x", tfds_splits="train[:90%],train[90%:]")
 
 
 def test_the_named_dataset_prints_its_sizes(data_dir, tmp_path, capsys):

@@ -123,9 +123,14 @@ class DataConfig:
                 raise ConfigError(name, getattr(self, name), "expected a string")
         if not self.text_feature:
             raise ConfigError("text_feature", self.text_feature, "expected the name of a text feature, e.g. 'text'")
-        if len([s for s in self.tfds_splits.split(",") if s.strip()]) != 2:
+        splits = [s.strip() for s in self.tfds_splits.split(",") if s.strip()]
+        if len(splits) != 2:
             raise ConfigError("tfds_splits", self.tfds_splits,
                               "expected 'TRAIN,HELD_OUT' (two TFDS splits, e.g. 'train,validation')")
+        if splits[0] == splits[1]:  # (before: accepted, and validation ran on training documents)
+            raise ConfigError("tfds_splits", self.tfds_splits, "expected two different splits, TRAIN,HELD_OUT: "
+                              "validation on the training split measures memorization; e.g. "
+                              "'train[:99%],train[99%:]' for a dataset with a train split only")
         _choice("decode_errors", self.decode_errors, DECODE_ERRORS)
         if not isinstance(self.tokenizer, str):
             raise ConfigError("tokenizer", self.tokenizer, "expected a path or ''")

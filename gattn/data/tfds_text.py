@@ -118,7 +118,7 @@ def named_source(data_cfg, split: str):
     features = builder.info.features
     if feature not in features:
         raise ConfigError("data.text_feature", feature, f"one of the dataset's features: {', '.join(sorted(features))}")
-    tfds_split = [s.strip() for s in data_cfg.tfds_splits.split(",")][split != "train"]
+    tfds_split = [s.strip() for s in data_cfg.tfds_splits.split(",") if s.strip()][split != "train"]
     try:
         return tfds.data_source(named(data_cfg), data_dir=data_cfg.tfds_data_dir or None, split=tfds_split)
     except Exception as e:  # noqa: BLE001
