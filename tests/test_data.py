@@ -209,6 +209,42 @@ def test_a_tokenizer_without_eos_is_refused_not_given_id_2(tmp_path):
     assert pipeline._tokenize(HFTokenizer(tmp_path / "tokenizer.json"))({"text": "a b"})["tokens"].tolist() == [1, 2, 3]
 
 
+def test_special_token_text_in_a_document_is_text_not_a_special_id(tmp_path):
+    """(Before: a tokenizer.json turned "</s>" or "<|endoftext|>" in a document's text into the
+    EOS id in the document's middle.) Prompts (`encode`) keep special tokens' ids."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from gattn.data.tokenizer import HFTokenizer, document_encoder
+
+    added = [AddedToken("<s>", special=True), AddedToken("</s>", special=True),
+             AddedToken("<|im_end|>", special=False)]  # (the EOS, marked special nowhere)
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3, "b": 4, "<|im_end|>": 5}
+    unigram = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0), ("\u2581a", -2.0), ("\u2581b", -2.0),
+               ("\u2581", -3.0), ("<", -5.0), ("/", -5.0), ("s", -5.0), (">", -5.0), ("|", -5.0)]
+    kinds = {  # the library's added-token matching, and the model's own vocabulary holding "</s>"
+        "wordlevel": (models.WordLevel(words, unk_token="<unk>"), pre_tokenizers.WhitespaceSplit()),
+        "bpe": (models.BPE(words, [], unk_token="<unk>", ignore_merges=True), pre_tokenizers.WhitespaceSplit()),
+        "unigram": (models.Unigram(unigram, unk_id=0), pre_tokenizers.Metaspace()),
+    }
+    for name, (model, pre) in kinds.items():
+        tok = Tokenizer(model)
+        tok.pre_tokenizer = pre
+        tok.add_tokens(added)
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text(tok.to_str())
+        for eos in ("</s>", "<|im_end|>"):
+            (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos, "bos_token": "<s>"}))
+            hf = HFTokenizer(folder / "tokenizer.json")
+            special = {tok.token_to_id("<s>"), tok.token_to_id("</s>"), hf.eos_id()}  # (<|im_end|>: as the EOS)
+            text = "a </s> b <s> a <|im_end|> b"
+            ids = pipeline._tokenize(hf, True)({"text": text})["tokens"].tolist()
+            assert ids[0] == hf.bos_id() and ids[-1] == hf.eos_id() and not special & set(ids[1:-1]), (name, eos, ids)
+            assert document_encoder(hf)(text) == hf.encode_document(text)
+            assert set(hf.encode(text)) >= special, (name, hf.encode(text))  # prompts: unchanged
+            assert hf.encode_document("a b a") == hf.encode("a b a")
+
+
 def test_the_window_shuffle_permutes_each_window_and_resumes_mid_window():
     """pipeline.WindowShuffle (Grain's window shuffle with numpy's permutation): each window of
     the parent's elements comes out as a permutation of it, different windows in different

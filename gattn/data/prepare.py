@@ -7,7 +7,8 @@ The corpus is read as training reads it (gattn/data/corpus.py: a folder of .txt 
 one such file, or "embedded"; gs:// through etils.epath), with the same held-out rule
 (`corpus.Document.split`, balanced per domain as `corpus.balance` does). Each document's ids,
 exactly those the text path encodes from it (`tokenizer.document_encoder`: `tokenizer.encode` of
-the whole text), are stored as one record.
+the whole text, for a tokenizer.json with special tokens' text read as text), are stored as one
+record.
 The runner is Beam's: the DirectRunner with --workers local processes by default; any other Beam
 option (e.g. --runner=DataflowRunner ...) goes to Beam as it is (docs/training.md#real-corpora).
 A document's file and its place in it depend only on its id, so any number of workers writes the

@@ -4,6 +4,7 @@ or a converted model's own Hugging Face tokenizer (WORKDIR/tokenizer/hf/tokenize
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -50,7 +51,8 @@ class Tokenizer(Protocol):
 
 class HFTokenizer:
     """A Hugging Face tokenizer.json as a `Tokenizer`: encode adds no special tokens; eos_id and
-    bos_id come from tokenizer_config.json beside it (-1 if none: Qwen's names no bos_token)."""
+    bos_id come from tokenizer_config.json beside it (-1 if none: Qwen's names no bos_token).
+    `encode_document` reads a training document's text as text, special tokens' included."""
 
     def __init__(self, path: Path):
         from tokenizers import Tokenizer  # noqa: PLC0415
@@ -67,7 +69,19 @@ class HFTokenizer:
         self._eos, self._bos = special("eos_token"), special("bos_token")
 
     def encode(self, text: str) -> list[int]:
+        """Special tokens' text ("<|im_end|>") is their id: prompts and chat templates use it."""
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_document(self, text: str) -> list[int]:
+        """A document's ids (`document_encoder`): never a special token's, whatever its text holds
+        (before: "a </s> b" ended the document in its middle with the EOS id)."""
+        return self._documents.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _documents(self):
+        spec = self.tok.to_str()
+        special = {t["id"] for t in json.loads(spec).get("added_tokens") or [] if t.get("special")}
+        return _text_only(spec, special | {i for i in (self.eos_id(), self.bos_id()) if i >= 0})
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(map(int, ids)), skip_special_tokens=False)
@@ -80,6 +94,43 @@ class HFTokenizer:
 
     def get_piece_size(self) -> int:
         return self.tok.get_vocab_size(with_added_tokens=True)
+
+
+def _text_only(spec: str, special: set):
+    """tokenizer.json `spec` as a tokenizers.Tokenizer that gives none of the ids in `special`
+    (but the model's unknown token) to any text. Two ways text reaches such an id: the added
+    tokens' matching ("</s>" as a whole; off with encode_special_tokens, once they are marked
+    special), and the model's own vocabulary where it holds them (SentencePiece-converted ones
+    hold "<s>", "</s>": a Unigram model matches "</s>" at score 0, a WordLevel or ignore_merges
+    BPE model a word "</s>"), renamed here out of any text's reach, and the BPE merges that
+    make or use them dropped."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    spec = json.loads(spec)
+    for added in spec.get("added_tokens") or []:
+        added["special"] = added.get("special") or added["id"] in special
+    model = spec.get("model") or {}
+    vocab, unk = model.get("vocab"), model.get("unk_token")
+    hidden = set()
+
+    def out_of_reach(i):
+        return f"\0gattn-special-{i}\0"  # (no pre-tokenizer hands a model this whole)
+
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...], unk by its index
+        for i in special - {model.get("unk_id")}:
+            if 0 <= i < len(vocab):
+                vocab[i] = [out_of_reach(i), *vocab[i][1:]]
+    elif isinstance(vocab, dict):  # BPE, WordLevel, WordPiece: {piece: id}, unk by its piece
+        hidden = {piece for piece, i in vocab.items() if i in special and piece != unk}
+        model["vocab"] = {(out_of_reach(i) if piece in hidden else piece): i for piece, i in vocab.items()}
+    if hidden and isinstance(model.get("merges"), list):
+        def keep(merge):
+            a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
+            return not {a, b, a + b} & hidden
+        model["merges"] = [m for m in model["merges"] if keep(m)]
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.encode_special_tokens = True
+    return tok
 
 
 # Below this many bytes of training text per piece, many learned pieces are rare: training a
@@ -270,8 +321,9 @@ def read_tokenizer(path: Path, field: str = "data.tokenizer") -> Tokenizer:
 
 
 def document_encoder(tokenizer: Tokenizer, max_chars: int = corpus.MAX_CHARS):
-    """A function: a whole document's text -> its ids, exactly `tokenizer.encode(text)` (what the
-    text path calls on each document, gattn/data/pipeline.py), token for token.
+    """A function: a whole document's text -> its ids, exactly `tokenizer.encode(text)`, or a
+    tokenizer.json's `HFTokenizer.encode_document` (no special id from a document's text), token
+    for token (what the text path calls on each document, gattn/data/pipeline.py).
 
     A document of more than `max_chars` characters is encoded in pieces only by a SentencePiece
     BPE model that normalizes character by character (gattn's own: `_train_spm`), and only where
@@ -282,8 +334,8 @@ def document_encoder(tokenizer: Tokenizer, max_chars: int = corpus.MAX_CHARS):
     takes ~170 bytes of memory per character, with SentencePiece and tokenizers alike (measured:
     1.7 GB for a 10M-character document), and is 1.5-3x slower on documents of megabytes."""
     cuts = _sentencepiece_cuts(tokenizer)
-    if cuts is None:
-        return tokenizer.encode
+    if cuts is None:  # (SentencePiece never matches its control pieces, "</s>", in text)
+        return getattr(tokenizer, "encode_document", tokenizer.encode)
     rest, safe = cuts
 
     def encode(text: str) -> list[int]:
