@@ -159,6 +159,18 @@ def test_a_small_lab_run_is_traced_step_for_step(tmp_path):
     assert numbers["m_act"]["max"] == max(r["m_act"] for r in rows)
 
 
+def test_the_trace_command_names_a_run_it_cannot_trace(tmp_path):
+    """(Before: "RUN" without NAME= traced "." and a folder without a run gave a traceback.)"""
+    from gattn import cli
+    from gattn.experiments.study import trace
+
+    for item in (str(tmp_path), f"gated={tmp_path}"):
+        with pytest.raises(ConfigError) as e:
+            trace.main([item, "--out", str(tmp_path / "f.png")])
+        assert (e.value.field, e.value.value) == ("runs", item)
+    assert cli.run_cli(trace.main, [f"gated={tmp_path}", "--out", str(tmp_path / "f.png")]) == 2
+
+
 def test_max_attention_logit_is_the_largest_causal_score():
     import jax.numpy as jnp
 

@@ -186,6 +186,60 @@ def test_bad_study_configs_name_the_field(tmp_path):
         study.load(path, ["train.steps=1", "train.warmup_steps=0"])  # 2 sink points in 1 step
 
 
+def test_a_study_refuses_what_would_file_a_cell_under_another_setting(tmp_path):
+    """A review's findings, each accepted before: overrides that set what each cell sets (train.seed=5
+    trained every "seed" alike); a base model override the cells drop (sandwich_norm, reset by the
+    baseline, yet recorded in study.json); a sink rule without its reference (a KeyError once every
+    cell had trained); an ungated `gated`; and, on resume, changed sink_points, measure_batches or
+    cell_dir (cells measured over 2 batches beside new ones over 8)."""
+    from gattn.config import Config, ModelConfig, TrainConfig
+    from gattn.eval.verdict import SinkRule
+    from gattn.experiments.study.runner import _check_same_study
+
+    base = Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=1, q_heads=2, kv_heads=1, head_dim=16,
+                                    d_ff=64), train=TrainConfig(steps=10, warmup_steps=2))
+    two = dict(base=base, variants=("baseline", "sdpa_elementwise"), seeds=(0, 1))
+    for o in ("train.seed=5", "--config.train.learning_rate=0.1", "train.grad_clip=0"):
+        with pytest.raises(ConfigError) as e:
+            study.Study(**two, overrides=(o,))
+        assert e.value.field == "overrides" and e.value.value == o
+    path = tmp_path / "s.py"
+    path.write_text(STUDY)
+    with pytest.raises(ConfigError) as e:
+        study.load(path, ["model.sandwich_norm=true"])
+    assert e.value.field == "base.variant" and "sandwich_norm" in e.value.value
+    with pytest.raises(ConfigError, match="sink verdict.*the reference, baseline: include it"):
+        study.Study(base=base, variants=("sdpa_elementwise", "sdpa_headwise"), seeds=(0,), sink_rule=SinkRule())
+    with pytest.raises(ConfigError, match="'gated' = 'sdpa_rmsnorm'.*a variant with a gate"):
+        study.Study(base=base, variants=("baseline", "sdpa_rmsnorm"), seeds=(0,), gated="sdpa_rmsnorm")
+    first = study.Study(**two, measure_batches=2)
+    (tmp_path / "study.json").write_text(json.dumps(study.describe(first)))
+    for change in (dict(measure_batches=8), dict(sink_points=1), dict(cell_dir="{variant}/{seed}")):
+        with pytest.raises(ConfigError) as e:
+            _check_same_study(study.Study(**two, **change), tmp_path)
+        assert e.value.field == next(iter(change))
+    old = {k: v for k, v in study.describe(first).items() if k not in ("measure_batches", "sink_points", "cell_dir")}
+    (tmp_path / "study.json").write_text(json.dumps(old))  # written before they were recorded: still matches
+    _check_same_study(first, tmp_path)
+
+
+def test_added_parameters_count_the_models_the_cells_train():
+    """(Before: counted on the study's baseline without its overrides: with d_model 64 the gate's
+    parameters were those of the 32-wide model.)"""
+    from gattn.config import Config, ModelConfig, TrainConfig
+    from gattn.experiments.study.spec import cell_config, cells
+    from gattn.experiments.study.stats import aggregate
+    from gattn.model.params import count_params
+
+    base = Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=1, q_heads=2, kv_heads=1, head_dim=16,
+                                    d_ff=64), train=TrainConfig(steps=10, warmup_steps=2))
+    s = study.Study(base=base, variants=("baseline", "sdpa_elementwise"), seeds=(0,), overrides=("model.d_model=64",))
+    trained = {c.variant: count_params(cell_config(s, c).model) for c in cells(s)}
+    added = {g["variant"]: g["added_params"] for g in aggregate(s, [])}
+    assert added == {"baseline": 0, "sdpa_elementwise": trained["sdpa_elementwise"] - trained["baseline"]}
+    assert added["sdpa_elementwise"] == 64 * 2 * 16  # W_theta: d_model x q_heads x head_dim
+
+
 def test_cell_dir_is_a_checked_template(tmp_path):
     from gattn.config import Config, TrainConfig
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gattn.config import Config, ConfigError, flat_fields, from_dict, to_dict
 from gattn.experiments.study.spec import Cell, Study, cell_config, cells, describe, planned_steps
+from gattn.experiments.study.stats import trained_model
 
 STOPPED = "stopped (SIGTERM); rerun the same command to resume"
 MEASURED = ("gate_score", "f_attn", "sink_head_share", "m_act", "m_act_per_token", "ffn_act", "mean_abs_y",
@@ -168,7 +169,8 @@ def _check_same_study(study: Study, root: Path) -> None:
     except (ConfigError, KeyError, TypeError):
         pass
     old, new = flat_fields(old), flat_fields(describe(study))
-    changed = sorted(k for k in set(old) | set(new) if k != "description" and old.get(k) != new.get(k))
+    changed = sorted(k for k in set(old) | set(new) if k != "description" and old.get(k) != new.get(k)
+                     and not (k in ("sink_points", "measure_batches", "cell_dir") and k not in old))
     if changed:
         k = changed[0]
         raise ConfigError(k, new.get(k), f"{root} holds a study run with {k} = {old.get(k)!r} "
@@ -186,7 +188,7 @@ def cell_row(study: Study, record: dict, root: Path) -> dict:
                 (record["variant"], record["lr"], record["seed"], record.get("clip", study.clips[0])))
     params = count_params(cell_config(study, cell).model)
     row = {"variant": cell.variant, "lr": cell.lr, "seed": cell.seed, "params": params,
-           "added_params": params - count_params(study.baseline)}
+           "added_params": params - count_params(trained_model(study))}
     if record["diverged"]:
         return {**row, "diverged": record["diverged"], "final_loss": record["final_loss"]}
     finite = [x for x in record["losses"]["loss"] if x is not None]

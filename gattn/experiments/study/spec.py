@@ -95,14 +95,34 @@ class Study:
             raise ConfigError("stability_rule", self.stability_rule,
                               "expected a gattn.experiments.study.stability_rule.StabilityRule, or None")
         _check_cell_dir(self)
+        for o in self.overrides:  # (before: train.seed=5 trained every "seed" alike, filed under its own)
+            path = cli.canonical(o.removeprefix("--").removeprefix("config.").partition("=")[0].strip())
+            if path in PER_CELL:
+                raise ConfigError("overrides", o, "fields other than those each cell sets (" + ", ".join(PER_CELL)
+                                  + "): the seeds, learning rates and clip settings are the study's seeds, "
+                                  "learning_rates and grad_clips; the schedule's warmup is its base config's")
         for cell in cells(self):  # every cell's config is checked before anything trains
             cell_config(self, cell)
+        name = self.base.variant.partition("+")[0]
+        made = variants.label(name, self.base.model) if name in variants.REGISTRY else name
+        if made != self.base.variant or "+" in made:  # (before: dropped from every cell, yet in study.json)
+            raise ConfigError("base.variant", made, "a base whose model is its variant: the study builds "
+                              f"each variant on the base's baseline, resetting {', '.join(variants.AXES)}; set "
+                              "such a field in the study file's `overrides` (applied to each cell after its "
+                              "variant), or register a variant in gattn/variants.py")
+        if self.sink_rule is not None and self.reference_variant not in self.variants:
+            # (before: accepted, and the report failed with a KeyError once every cell had trained)
+            raise ConfigError("variants", self.variants, f"the sink verdict judges each gated variant against "
+                              f"the reference, {self.reference_variant}: include it (or set `reference`)")
         if self.gated_variant == self.reference_variant:
             if self.gated and self.reference:
                 raise ConfigError("gated", self.gated, "expected a variant other than `reference`")
             chosen, unset = ("gated", "reference") if self.gated else ("reference", "gated")
             raise ConfigError(unset, "", f"its default, {self.gated_variant}, is also `{chosen}`: "
                               f"set `{unset}` to another variant")
+        if self.gated and variants.apply(self.gated, self.baseline).gate is None:
+            raise ConfigError("gated", self.gated, "a variant with a gate (the claims about gating compare it "
+                              "with the reference)")
 
     @property
     def baseline(self):
@@ -217,6 +237,12 @@ def _check_cell_dir(study: Study) -> None:
         raise bad("gives two cells the same directory (use {lr} with a format that tells the rates apart)")
 
 
+# What `cell_config` sets for each cell: Study.overrides may not change them.
+PER_CELL = ("train.seed", "train.lr_preset", "train.learning_rate", "train.min_learning_rate",
+            "train.warmup_steps", "train.grad_clip", "train.log_every", "train.checkpoint_every",
+            "train.keep_checkpoints", "train.eval_every")
+
+
 def cell_config(study: Study, cell: Cell) -> Config:
     base = study.base
     t = base.train
@@ -282,6 +308,9 @@ def describe(study: Study) -> dict:
            "diverged_loss": study.divergence_threshold, "base": to_dict(study.base)}
     if study.overrides:
         out["overrides"] = list(study.overrides)
+    # What the cells' measurements and checkpoints depend on (recorded since session 9; a
+    # study.json written before lacks them and still matches, see runner._check_same_study)
+    out.update(sink_points=study.sink_points, measure_batches=study.measure_batches, cell_dir=study.cell_dir)
     if study.grad_clips:  # (absent otherwise: a study.json written before the axis still matches)
         out["grad_clips"] = list(study.clips)
     if study.sink_rule is not None:  # (likewise; a resumed study keeps the rule it started with)

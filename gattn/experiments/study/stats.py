@@ -4,11 +4,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
-from gattn import variants
+from gattn import cli, variants
+
+
+def trained_model(study, variant: str | None = None):
+    """The model a cell of `variant` trains (None: the baseline), the study's overrides included
+    (the report's parameter counts; before, they were counted without the overrides)."""
+    model = study.baseline if variant is None else variants.apply(variant, study.baseline)
+    if not study.overrides:
+        return model
+    return cli.apply_overrides(dataclasses.replace(study.base, model=model), list(study.overrides)).model
 
 
 def _stat(values) -> dict | None:
@@ -61,7 +71,7 @@ def aggregate(study, records: list[dict]) -> list[dict]:
     column. Added parameters are counted against the study's base model (the baseline)."""
     from gattn.model.params import count_params  # noqa: PLC0415
 
-    base_params = count_params(study.baseline)
+    base_params = count_params(trained_model(study))
     groups = []
     for clip, lr in ((c, lr) for c in study.clips for lr in study.lrs):
         for v in study.variants:
@@ -69,7 +79,7 @@ def aggregate(study, records: list[dict]) -> list[dict]:
             ok = [r for r in rs if not r["diverged"]]
             domains = sorted({d for r in ok for d in r["perplexity"]})
             g = {"variant": v, "lr": lr, "clip": clip, "seeds": len(rs), "diverged": sum(bool(r["diverged"]) for r in rs),
-                 "added_params": count_params(variants.apply(v, study.baseline)) - base_params,
+                 "added_params": count_params(trained_model(study, v)) - base_params,
                  # (a diverged seed's last finite loss is no final loss; the per-seed list keeps it)
                  "final_loss": _stat(r["final_loss"] for r in ok),
                  "final_loss_per_seed": [r["final_loss"] for r in rs],

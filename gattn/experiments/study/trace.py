@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gattn.config import ConfigError
 from gattn.model.capture import Capture
 from gattn.model.transformer import head_logits, unscanned
 
@@ -208,8 +209,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     traces, numbers = {}, {}
     for item in args.runs:
-        name, _, path = item.partition("=")
+        name, eq, path = item.partition("=")
+        if not (name and eq and path):  # (before: "RUN" alone traced ".")
+            raise ConfigError("runs", item, "NAME=RUN_DIR (the name labels the run in the figure)")
         path = Path(path)
+        if not (path / "metrics.jsonl").is_file():
+            raise ConfigError("runs", item, "a finished training run's folder (with metrics.jsonl and config.json)")
         done = path / "trace.jsonl"
         if args.reuse and done.is_file():
             rows = [json.loads(line) for line in done.read_text().splitlines()]
@@ -232,6 +237,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    import sys
+    from gattn.cli import run_entry_point
 
-    sys.exit(main())
+    run_entry_point(main)  # (errors as one line, exit 2; before: a traceback)
