@@ -59,7 +59,7 @@ def patched(monkeypatch):
             "workdir": str(w), "step": 100, "variant": w.name, "overrides": [], "perplexity": {},
             "measurements": {"overall": {"m_act": 1.0, "m_act_max": 1.0, "f_attn": 0.1, "sink_head_share": 0.0},
                              "per_layer": [{"layer": 0, "m_act": 1.0}]}}
-        return res | {"settings": evaluate.settings(CFG, 100, overrides, options, max_batches)}
+        return res | {"settings": evaluate.settings(CFG, 100, overrides, options, max_batches, workdir=w)}
     monkeypatch.setattr(evaluate, "evaluate", fake_evaluate)
     return calls
 
@@ -123,6 +123,44 @@ def test_compare_remeasures_results_of_other_settings_and_says_why(tmp_path, pat
     assert sum("wrote" in line and "results.json" in line for line in lines) == 5  # each rewrite is said
     # JSON's round trip (tuples as lists) still matches the request.
     assert json.loads(json.dumps(asked)) == evaluate.settings(CFG, 100, [], options, None)
+
+
+def _seal(run, step, digest):
+    """WORKDIR/checkpoints/STEP sealed (gattn/train/seal.py) with one file of sha256 `digest`."""
+    folder = run / "checkpoints" / str(step) / evaluate.checkpoint.CHECKSUMS
+    folder.mkdir(parents=True)
+    (folder / "process_0.json").write_text(json.dumps(
+        {"process": 0, "processes": 1, "files": {"state/x": {"bytes": 4, "sha256": digest}}}))
+
+
+def test_compare_remeasures_results_of_a_checkpoint_set_aside_since(tmp_path, patched):
+    """A --resume-step 2 trained back to step 100: the old step-100 checkpoint is set aside, its
+    eval/results.json stays (before: reused, the old checkpoint's PPL and M-Act beside the new
+    run's loss). Its seals differ, so it is measured again; a results.json that records no
+    checkpoint (an older eval.py) too; the same checkpoint is reused."""
+    run, res = _fake_run(tmp_path, "resumed", None)
+    _seal(run, 100, "a" * 64)
+    measured = evaluate.settings(CFG, 100, [], None, 4, workdir=run)  # as evaluate() records it
+    assert measured["checkpoint"] and measured == evaluate.settings(CFG, 100, [], None, 4, workdir=run)
+    (run / "eval" / "results.json").write_text(json.dumps(res | {"settings": measured}))
+    legacy = _fake_run(tmp_path, "legacy", {k: v for k, v in measured.items() if k != "checkpoint"})[0]
+    _seal(legacy, 100, "a" * 64)
+    lines = []
+    evaluate.compare([run, legacy], max_batches=4, out_dir=tmp_path / "cmp", log=lines.append, figures=False)
+    assert patched == [("legacy", 4, None)], lines
+    assert "reusing resumed: its eval/results.json was measured at step 100" in lines[0]
+    assert lines[1] == ("re-measuring legacy: its results.json was measured on a checkpoint of step 100 that it does "
+                        "not identify (written by an older eval.py: that checkpoint may have been set aside since, "
+                        "e.g. by a --resume-step), this comparison asks for the checkpoint now at step 100")
+    (run / "checkpoints").rename(run / "checkpoints_set_aside")
+    _seal(run, 100, "b" * 64)  # the new step 100, trained since
+    patched.clear()
+    lines.clear()
+    evaluate.compare([run], max_batches=4, out_dir=tmp_path / "cmp", log=lines.append, figures=False)
+    assert patched == [("resumed", 4, None)]
+    assert lines[0] == ("re-measuring resumed: its results.json was measured on another checkpoint of step 100 "
+                        "(set aside since, e.g. by a --resume-step), this comparison asks for the checkpoint now "
+                        "at step 100")
 
 
 def test_compare_without_max_batches_takes_the_count_the_runs_were_measured_over(tmp_path, patched):

@@ -71,7 +71,7 @@ def evaluate(workdir: str | Path, *, step: int | None = None, overrides: list[st
                "perplexity": perplexity, "measurements": measurements, "sinks": sink,
                "measured_on": {"batches": len(chosen), "rows": sum(len(b["tokens"]) for b in chosen),
                                "seq_len": cfg.train.seq_len},
-               "settings": settings(run_cfg, step, overrides, options, max_batches)}
+               "settings": settings(run_cfg, step, overrides, options, max_batches, workdir=workdir)}
     if tasks:  # scored by lm-eval through `harness_model(cfg, model, tokenizer, workdir, step)` (eval.py's)
         from gattn.eval import fewshot  # noqa: PLC0415
 
@@ -118,15 +118,28 @@ def check_map_len(options: analysis.Options | None, cfg) -> None:
 
 
 def settings(cfg, step: int, overrides: list[str], options: analysis.Options | None,
-             max_batches: int | None) -> dict:
-    """What results.json's numbers depend on besides the checkpoint (as JSON holds them): the
-    step, the overrides, the held-out batches measured per domain (M-Act, a running maximum, grows
-    with them) and the measurement options. `compare` reuses a results.json only when they equal
-    the ones it asks for. batch_rows and moe_shards only split the work, so they are left out."""
+             max_batches: int | None, *, workdir: str | Path | None = None) -> dict:
+    """What results.json's numbers depend on (as JSON holds them): the step, which checkpoint of
+    that step (`checkpoint`: a short sha256 of WORKDIR/checkpoints/STEP's seals, or of Orbax's
+    _CHECKPOINT_METADATA where it has none, as an older gattn saved it; None without a `workdir`
+    or either file), the overrides, the held-out batches measured per domain (M-Act, a running
+    maximum, grows with them) and the measurement options. `compare` reuses a results.json only
+    when they equal the ones it asks for. batch_rows and moe_shards only split the work, so they
+    are left out."""
+    import hashlib  # noqa: PLC0415
+
     o = options or analysis.Options()
     per_domain = min(max_batches or cfg.data.eval_batches, cfg.data.eval_batches)
+    # The checkpoint's identity (before: none, so a results.json of a step-4 checkpoint that a
+    # --resume-step set aside stood for the new step 4 trained since). Its seals hold the sha256 of
+    # every file it has; Orbax's metadata its save's timestamps.
+    folder = Path(workdir) / "checkpoints" / str(step) if workdir is not None else None
+    seals = sorted((folder / checkpoint.CHECKSUMS).glob("process_*.json")) if folder else []
+    files = seals or [f for f in ([folder / "_CHECKPOINT_METADATA"] if folder else []) if f.is_file()]
+    ident = hashlib.sha256(b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)).hexdigest()[:16]
     return json.loads(json.dumps({
-        "version": MEASUREMENT_VERSION, "step": step, "overrides": list(overrides),
+        "version": MEASUREMENT_VERSION, "step": step, "checkpoint": ident if files else None,
+        "overrides": list(overrides),
         "batches_per_domain": per_domain, "eval_batches": cfg.data.eval_batches,
         "eval_batch_size": cfg.data.eval_batch_size, "seq_len": cfg.train.seq_len,
         "sink_threshold": o.sink_threshold, "sparsity_thresholds": o.sparsity_thresholds, "gate_bins": o.gate_bins,
@@ -143,7 +156,11 @@ def why_measure(res: dict | None, asked: dict) -> str | None:
     if old.get("version") != asked["version"]:
         return (f"its results.json was measured by measurement code version {old.get('version')}, "
                 f"this is version {asked['version']}")
-    changed = [k for k in asked if k not in ("version", "eval_batches") and old.get(k) != asked[k]]
+    # A results.json of no recorded checkpoint (an older eval.py) may be of one set aside since.
+    changed = [k for k in asked if k not in ("version", "eval_batches")
+               and (old.get(k) != asked[k] or k == "checkpoint" and k not in old)]
+    if "step" in changed and "checkpoint" in changed:
+        changed.remove("checkpoint")  # another step is another checkpoint: the step says it
     if not changed:
         return None
     return (f"its results.json was measured {', '.join(_setting(old, k, True) for k in changed)}, "
@@ -155,6 +172,13 @@ def _setting(s: dict, key: str, measured: bool) -> str:
     v = s.get(key)
     if key == "step":
         return f"at step {v}" if measured else f"step {v} (the latest checkpoint)"
+    if key == "checkpoint":  # (only when the steps agree: `why_measure`)
+        if not measured:
+            return f"the checkpoint now at step {s.get('step')}"
+        if key not in s:
+            return (f"on a checkpoint of step {s.get('step')} that it does not identify (written by an older "
+                    "eval.py: that checkpoint may have been set aside since, e.g. by a --resume-step)")
+        return f"on another checkpoint of step {s.get('step')} (set aside since, e.g. by a --resume-step)"
     if key == "batches_per_domain":
         # "up to": a domain with less held-out text has fewer batches (`perplexity_line` counts them)
         every = v == s.get("eval_batches") and v != 1
@@ -261,7 +285,7 @@ def compare(workdirs: list[str | Path], *, out_dir: str | Path | None = None, ov
         eval_kwargs["max_batches"] = _recorded_batches(found, cfgs, latest, overrides, options, say)
     runs, dirs = {}, {}
     for w in workdirs:
-        asked = settings(cfgs[w], latest[w], overrides, options, eval_kwargs["max_batches"])
+        asked = settings(cfgs[w], latest[w], overrides, options, eval_kwargs["max_batches"], workdir=w)
         res, why = found[w], why_measure(found[w], asked)
         if why is None:
             say(f"reusing {w.name}: its eval/results.json was measured "
@@ -338,7 +362,7 @@ def _recorded_batches(found: dict, cfgs: dict, latest: dict, overrides, options,
     counts = set()
     for w, res in found.items():
         n = ((res or {}).get("settings") or {}).get("batches_per_domain")
-        if n is not None and why_measure(res, settings(cfgs[w], latest[w], overrides, options, n)) is None:
+        if n is not None and why_measure(res, settings(cfgs[w], latest[w], overrides, options, n, workdir=w)) is None:
             counts.add(n)
     if len(counts) == 1:
         n = counts.pop()
