@@ -179,3 +179,54 @@ def test_the_corpus_report_counts_each_domain_and_split_and_is_printed_once(tmp_
     monkeypatch.setattr(corpus, "count", lambda *a: pytest.fail("counted again on a resume"))
     trainer.prepare(cfg, work, None)
     assert "corpus report" not in capsys.readouterr().err
+
+
+def hf_tokenizer(folder: Path, eos: str) -> Path:
+    """A word-level tokenizer.json whose tokenizer_config.json names `eos` (ids 1 and 2 both special)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    words = ["alpha", "beta", "gamma", "delta", "train", "model", "token", "sink", "gate", "layer"]
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<|endoftext|>": 1, "<|im_end|>": 2,
+                                      **{w: i + 3 for i, w in enumerate(words)}}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True), AddedToken("<|im_end|>", special=True)])
+    folder.mkdir(parents=True)
+    (folder / "tokenizer.json").write_text(tok.to_str())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+    return folder / "tokenizer.json"
+
+
+def test_a_tokenizer_json_whose_config_names_another_eos_is_refused(tmp_path):
+    """A tokenizer.json's EOS and BOS come from the tokenizer_config.json beside it, which no
+    sha256 covers. (Before: an edited config, or an identical tokenizer.json beside another one,
+    was accepted by a resume and by shards made with the first, and every document ended with
+    another id.)"""
+    from gattn.data import prepare
+
+    first = hf_tokenizer(tmp_path / "a", "<|endoftext|>")
+    other = hf_tokenizer(tmp_path / "b", "<|im_end|>")  # the same tokenizer.json, another EOS
+    data = corpus_folder(tmp_path / "data", docs=12)
+    cfg = cli.load("tiny", [f"data.source={data}", f"data.tokenizer={first}"])
+    work = tmp_path / "run"
+    work.mkdir()
+    load_tokenizer(cfg, work, fresh=True)
+    record.write(cfg, work, first)
+    rec = json.loads((work / record.RECORD).read_text())
+    assert (rec["eos_id"], rec["bos_id"]) == (1, -1)
+    (first.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(ConfigError) as e:  # a resume, an eval
+        load_tokenizer(cfg, work)
+    assert e.value.field == "data.tokenizer" and "eos_id 2 (the run's: 1)" in str(e.value)
+    (work / record.RECORD).write_text(json.dumps({k: v for k, v in rec.items() if k not in ("eos_id", "bos_id")}))
+    assert load_tokenizer(cfg, work).eos_id() == 2  # a record written before gattn kept the ids: as it was
+    (first.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+    prepare.prepare(str(data), str(first), str(tmp_path / "shards"), num_shards=1, quiet=True)
+    source = f"data.source=shards:{tmp_path / 'shards'}"
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(cli.load("tiny", [source, f"data.tokenizer={other}"]), tmp_path / "s1", fresh=True)
+    assert e.value.field == "data.tokenizer" and "eos_id 2 (the shards': 1)" in str(e.value)
+    assert "\n" not in str(e.value)
+    for tokenizer in (first, ""):  # the file the shards were made with, with its config; their own copy
+        assert load_tokenizer(cli.load("tiny", [source, f"data.tokenizer={tokenizer}"]), tmp_path / "s2",
+                              fresh=True).eos_id() == 1

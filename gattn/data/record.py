@@ -1,5 +1,5 @@
 """What a run was trained on, kept in WORKDIR/data.json: its tokenizer file with the file's
-sha256, and the fingerprint of its data (the corpus, or the Bigram-Backcopy task's tables).
+sha256 (and a tokenizer.json's EOS and BOS ids), and the fingerprint of its data (the corpus, or the Bigram-Backcopy task's tables).
 
 The tokenizer is part of the model: ids mean nothing with another one. The cached SentencePiece
 model is named by the corpus fingerprint, so before this record a changed corpus (files added
@@ -9,7 +9,7 @@ tokenizer under an existing run. The rules (docs/training.md#the-run-keeps-its-t
 - train.py writes the record when a run starts and again on every resume (process 0).
 - Every later user of the run (a resume, eval.py, studies, --init-from, the converter) reads
   text with the recorded tokenizer file, whatever the corpus is now, and refuses a file whose
-  sha256 is not the recorded one.
+  sha256 is not the recorded one, or EOS or BOS id (a tokenizer.json's tokenizer_config.json).
 - A resume refuses a corpus whose fingerprint is not the recorded one (its batches would not
   be the ones the checkpoint's data state points into), unless train.py --allow-corpus-change;
   a reader only notes it (held-out text is read with the run's own tokenizer).
@@ -76,15 +76,28 @@ def fingerprint(cfg) -> str | None:
     return corpus.fingerprint(data.source, data.code_max_bytes, data.decode_errors)
 
 
+def specials(cfg, tokenizer_file) -> dict:
+    """A Hugging Face tokenizer.json's EOS and BOS ids ({"eos_id", "bos_id"}; {} for other
+    tokenizers, whose file holds them): they come from the tokenizer_config.json beside it, which
+    the file's sha256 does not cover."""
+    if cfg.data.source == BACKCOPY or Path(tokenizer_file).suffix != ".json":
+        return {}
+    from gattn.data.tokenizer import HFTokenizer  # noqa: PLC0415 (gattn.data.tokenizer imports this module)
+
+    tok = HFTokenizer(Path(tokenizer_file))
+    return {"eos_id": tok.eos_id(), "bos_id": tok.bos_id()}
+
+
 def write(cfg, workdir, tokenizer_file, earlier: list | None = None) -> None:
-    """Records `tokenizer_file` (relative to the run when inside it) with its sha256, and the
-    data's fingerprint now; `earlier`: fingerprints a resume was allowed to leave behind."""
+    """Records `tokenizer_file` (relative to the run when inside it) with its sha256 (and a
+    tokenizer.json's EOS and BOS ids, `specials`), and the data's fingerprint now; `earlier`:
+    fingerprints a resume was allowed to leave behind."""
     workdir, tokenizer_file = Path(workdir), Path(tokenizer_file)
     name = str(tokenizer_file)
     if name.startswith(str(workdir).rstrip("/") + "/"):
         name = name[len(str(workdir).rstrip("/")) + 1:]
-    rec = {"tokenizer": name, "tokenizer_sha256": sha256(tokenizer_file), "data_source": cfg.data.source,
-           "fingerprint": fingerprint(cfg), "earlier_fingerprints": list(earlier or [])}
+    rec = {"tokenizer": name, "tokenizer_sha256": sha256(tokenizer_file), **specials(cfg, tokenizer_file),
+           "data_source": cfg.data.source, "fingerprint": fingerprint(cfg), "earlier_fingerprints": list(earlier or [])}
     if cfg.data.source.startswith(SHARDS):
         rec["manifest_sha256"] = shards.open_shards(cfg.data.source).sha256
     tmp = workdir / (RECORD + ".tmp")
@@ -145,6 +158,24 @@ def verify(cfg, workdir, tokenizer_file) -> None:
 
 
 _noted: set = set()
+
+
+def verify_specials(cfg, workdir, tokenizer_file, tokenizer) -> None:
+    """Refuses a tokenizer whose EOS or BOS id is not the one the run recorded (`specials`: a
+    tokenizer.json's tokenizer_config.json edited, or another beside an identical copy; before,
+    every document silently ended with another id). A record without them (written before gattn
+    kept them) is taken as it is."""
+    rec = read(workdir) or {}
+    then = {k: rec[k] for k in ("eos_id", "bos_id") if k in rec}
+    now = {"eos_id": tokenizer.eos_id(), "bos_id": tokenizer.bos_id()}
+    changed = [k for k in then if then[k] != now[k]]
+    if changed:
+        field, value = ("data.tokenizer", cfg.data.tokenizer) if cfg.data.tokenizer else ("--workdir", str(workdir))
+        said = ", ".join(f"{k} {now[k]} (the run's: {then[k]})" for k in changed)
+        raise ConfigError(field, value, f"the tokenizer {tokenizer_file} has {said}, from the "
+                          "tokenizer_config.json beside it: restore the tokenizer_config.json this run was "
+                          "trained with, or name a copy of the tokenizer.json with that one beside it "
+                          "(--config.data.tokenizer=PATH)")
 
 
 def legacy_tokenizer(workdir, candidates: list, vocab: int):

@@ -484,7 +484,26 @@ def load_tokenizer(cfg, workdir: Path, *, fresh: bool = False, path: Path | None
         sp = backcopy.Tokenizer.from_json(path.read_text())
     else:
         sp = read_tokenizer(path, "data.tokenizer" if cfg.data.tokenizer else "tokenizer file")
+    if not fresh:
+        record.verify_specials(cfg, workdir, path, sp)
+    if cfg.data.source.startswith(SHARDS):
+        _check_shards_specials(cfg, path, sp)
     if sp.get_piece_size() > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", cfg.model.vocab_size,
                           f"expected >= the tokenizer's {sp.get_piece_size()} pieces ({path})")
     return sp
+
+
+def _check_shards_specials(cfg, path: Path, tokenizer) -> None:
+    """The shards' EOS and BOS ids (their manifest's) must be the tokenizer's: a tokenizer.json's
+    come from the tokenizer_config.json beside it, which the sha256 check (`_shards_tokenizer`)
+    does not cover (before: an identical tokenizer.json in another folder, or an edited config,
+    ended every document with another id than the one the shards were made with)."""
+    manifest = shards.open_shards(cfg.data.source).manifest
+    changed = [f"{k} {now} (the shards': {manifest[k]})" for k, now in
+               (("eos_id", tokenizer.eos_id()), ("bos_id", tokenizer.bos_id())) if k in manifest and manifest[k] != now]
+    if changed:
+        field, value = ("data.tokenizer", cfg.data.tokenizer) if cfg.data.tokenizer else ("data.source", cfg.data.source)
+        raise ConfigError(field, value, f"a tokenizer with the EOS and BOS ids {cfg.data.source} was made with; "
+                          f"{path} has {', '.join(changed)}, from the tokenizer_config.json beside it: "
+                          "use the shards' own tokenizer folder (data.tokenizer '') or restore that file")
