@@ -116,16 +116,20 @@ def _speculative(model, prompts: list[list[int]], max_tokens: int, eos: int | No
         print(f"{_stats_line(stats, stats.seconds)} (compilation included; the speed-up against plain greedy "
               "decoding: --compare-greedy, or bench/decode.py --mode speculative)", file=sys.stderr, flush=True)
         return tokens
-    # one cache length for the warm-up and the timed calls: each decoder compiles once
-    max_len = decode.round_up(decode.round_up(max(map(len, prompts)), 16) + 2 * max_tokens, 16)
-    decode.generate(model, prompts, max_new_tokens=2, max_len=max_len)
-    spec.generate(model, prompts, max_new_tokens=3, max_len=max_len)
+    # each decoder's own cache length (what it takes alone: plain greedy the prompt and its new
+    # tokens, speculative decoding room for the drafts too; before, plain greedy was timed on the
+    # speculative one's, ~2x its slots, which inflated the speed-up), the same for its warm-up
+    # and its timed calls, so each compiles once
+    padded = decode.round_up(max(map(len, prompts)), 16)
+    plain_len, spec_len = (decode.round_up(padded + k * max_tokens, 16) for k in (1, 2))
+    decode.generate(model, prompts, max_new_tokens=2, max_len=plain_len)
+    spec.generate(model, prompts, max_new_tokens=3, max_len=spec_len)
     plain_s, spec_s = [], []
     for _ in range(COMPARE_REPEATS):
         t = time.perf_counter()
-        plain = decode.generate(model, prompts, max_new_tokens=max_tokens, eos_id=eos, max_len=max_len)
+        plain = decode.generate(model, prompts, max_new_tokens=max_tokens, eos_id=eos, max_len=plain_len)
         plain_s.append(time.perf_counter() - t)
-        tokens, stats = spec.generate(model, prompts, max_new_tokens=max_tokens, eos_id=eos, max_len=max_len,
+        tokens, stats = spec.generate(model, prompts, max_new_tokens=max_tokens, eos_id=eos, max_len=spec_len,
                                       with_stats=True)
         spec_s.append(stats.seconds)
     plain_rate = sum(map(len, plain)) / float(np.median(plain_s))

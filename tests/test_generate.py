@@ -103,6 +103,8 @@ def test_sampling_is_reproducible_per_seed_and_a_tiny_top_p_is_greedy(qwen3):
 
 @pytest.mark.parametrize("flags, field", [
     (["--temperature", "-1"], "--temperature"), (["--temperature", "nan"], "--temperature"),
+    # (before: accepted; logits / 1e-39 overflow to inf and the lowest ids were drawn)
+    (["--temperature", "1e-39"], "--temperature"),
     (["--temperature", "1", "--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
     (["--max-tokens", "0"], "--max-tokens")])
 def test_bad_sampling_flags_are_one_config_error_before_the_model_loads(tmp_path, flags, field):
@@ -166,6 +168,9 @@ def test_a_hugging_face_folder_loads_in_memory_as_its_converted_run(qwen3, tmp_p
     assert scanned[0].exec.scan_layers and not cfg.exec.scan_layers
     ids = np.asarray([tok.encode(PROMPTS[0])])
     np.testing.assert_allclose(np.asarray(scanned[1](ids)), np.asarray(model(ids)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError) as e:  # (before: --step 5 was dropped, the folder's weights used)
+        runs.load(folder, 5)
+    assert (e.value.field, e.value.value) == ("--step", 5)
 
 
 def nnx_state(model):

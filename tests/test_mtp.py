@@ -294,7 +294,7 @@ def mtp_run(tmp_path_factory):
     return run
 
 
-def test_generate_speculative_gives_greedy_text_and_reports_acceptance_and_speedup(mtp_run, capsys):
+def test_generate_speculative_gives_greedy_text_and_reports_acceptance_and_speedup(mtp_run, capsys, monkeypatch):
     """`python -m gattn.generate --speculative mtp` on a saved run: the text of plain greedy
     decoding, the acceptance line on stderr; --compare-greedy adds the speed-up and the check."""
     from gattn import generate
@@ -313,8 +313,15 @@ def test_generate_speculative_gives_greedy_text_and_reports_acceptance_and_speed
     # each row: one token from the prompt's pass, then one or two a main step (the last may be cut)
     assert drafts <= 3 * steps and 3 + drafts <= 60 <= 3 + drafts + accepted
     assert 0 < accepted < drafts, spec.err  # the trained layer drafts both accepted and rejected tokens
+    from gattn.eval import decode
+
+    plain_slots, real = [], decode.generate
+    monkeypatch.setattr(decode, "generate", lambda *a, **k: plain_slots.append(k.get("max_len")) or real(*a, **k))
     assert generate.main([*argv, "--speculative", "mtp", "--compare-greedy"]) == 0
     both = capsys.readouterr()
+    # plain greedy timed on its own cache (16 prompt slots + 20 new tokens, rounded: 48), not the
+    # speculative decoder's 64 (before: the speed-up was inflated by plain greedy's extra slots)
+    assert plain_slots == [48] * 4, plain_slots
     assert both.out == plain.out
     assert re.search(r"60 tokens in \d+ main steps, [\d.]+ tokens/s against plain greedy decoding's [\d.]+ tokens/s "
                      r"\(compiled first, medians of 3 calls each\): speed-up [\d.]+x, the same tokens$",

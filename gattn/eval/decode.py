@@ -88,11 +88,17 @@ class Sampling(NamedTuple):
     top_p: jax.Array
 
 
+MIN_TEMPERATURE = 1e-6  # logits / T stay finite in float32 for |logits| up to ~3e32
+
+
 def check_sampling(temperature: float, top_p: float, names: tuple[str, str] = ("temperature", "top_p")) -> None:
     """A ConfigError naming `names` unless temperature >= 0 and 0 < top_p <= 1 (finite numbers)."""
     number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)  # noqa: E731
-    if not number(temperature) or temperature < 0:
-        raise ConfigError(names[0], temperature, "a number >= 0 (0: greedy decoding, the argmax at every step)")
+    # (a positive temperature below MIN_TEMPERATURE overflows float32 logits / T to inf: NaN
+    # probabilities, and the lowest ids drawn; before, 1e-39 gave [1, 1, 1, ...])
+    if not number(temperature) or temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+        raise ConfigError(names[0], temperature, f"0 (greedy decoding, the argmax at every step) or a number >= "
+                          f"{MIN_TEMPERATURE:g}")
     if not number(top_p) or not 0 < top_p <= 1:
         raise ConfigError(names[1], top_p, "a number in (0, 1] (the probability mass sampled from; 1: every token)")
 

@@ -27,6 +27,9 @@ def load(workdir: str | Path, step: int | None = None, overrides: list[str] = ()
     if "architectures" in json.loads((workdir / "config.json").read_text()):  # a Hugging Face folder
         from gattn.interop import convert  # noqa: PLC0415
 
+        if step is not None:  # (before: dropped, and the folder's weights used as step 0)
+            raise ConfigError("--step", step, f"no step for a Hugging Face model folder ({workdir} holds one set "
+                              "of weights); --step selects a checkpoint of a gattn run directory")
         if jax.process_count() > 1:
             raise ConfigError("workdir", str(workdir), "a gattn run directory when several processes run: "
                               f"convert it once first (python -m gattn.convert from-hf {workdir} --workdir RUN)")
