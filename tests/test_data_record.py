@@ -37,7 +37,7 @@ def add_files(folder: Path) -> None:  # the user adds text: a tokenizer trained 
 def started(cfg, work: Path):
     """A run that started in `work` (as train.py does: prepare, then the record once accepted)."""
     tok, path, earlier = trainer.prepare(cfg, work, None)
-    record.write(cfg, work, path, earlier)
+    record.write(cfg, work, path, earlier, tok)
     return tok
 
 
@@ -209,8 +209,7 @@ def test_a_tokenizer_json_whose_config_names_another_eos_is_refused(tmp_path):
     cfg = cli.load("tiny", [f"data.source={data}", f"data.tokenizer={first}"])
     work = tmp_path / "run"
     work.mkdir()
-    load_tokenizer(cfg, work, fresh=True)
-    record.write(cfg, work, first)
+    record.write(cfg, work, first, tokenizer=load_tokenizer(cfg, work, fresh=True))
     rec = json.loads((work / record.RECORD).read_text())
     assert (rec["eos_id"], rec["bos_id"]) == (1, -1)
     (first.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))

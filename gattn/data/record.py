@@ -76,27 +76,24 @@ def fingerprint(cfg) -> str | None:
     return corpus.fingerprint(data.source, data.code_max_bytes, data.decode_errors)
 
 
-def specials(cfg, tokenizer_file) -> dict:
-    """A Hugging Face tokenizer.json's EOS and BOS ids ({"eos_id", "bos_id"}; {} for other
-    tokenizers, whose file holds them): they come from the tokenizer_config.json beside it, which
-    the file's sha256 does not cover."""
-    if cfg.data.source == BACKCOPY or Path(tokenizer_file).suffix != ".json":
+def specials(cfg, tokenizer_file, tokenizer) -> dict:
+    """A Hugging Face tokenizer.json's EOS and BOS ids ({"eos_id", "bos_id"}, read from `tokenizer`,
+    the file loaded; {} for other tokenizers, whose file holds them): they come from the
+    tokenizer_config.json beside it, which the file's sha256 does not cover."""
+    if tokenizer is None or cfg.data.source == BACKCOPY or Path(tokenizer_file).suffix != ".json":
         return {}
-    from gattn.data.tokenizer import HFTokenizer  # noqa: PLC0415 (gattn.data.tokenizer imports this module)
-
-    tok = HFTokenizer(Path(tokenizer_file))
-    return {"eos_id": tok.eos_id(), "bos_id": tok.bos_id()}
+    return {"eos_id": tokenizer.eos_id(), "bos_id": tokenizer.bos_id()}
 
 
-def write(cfg, workdir, tokenizer_file, earlier: list | None = None) -> None:
-    """Records `tokenizer_file` (relative to the run when inside it) with its sha256 (and a
-    tokenizer.json's EOS and BOS ids, `specials`), and the data's fingerprint now; `earlier`:
-    fingerprints a resume was allowed to leave behind."""
+def write(cfg, workdir, tokenizer_file, earlier: list | None = None, tokenizer=None) -> None:
+    """Records `tokenizer_file` (relative to the run when inside it) with its sha256 (and, given
+    `tokenizer`, the file loaded, a tokenizer.json's EOS and BOS ids: `specials`), and the data's
+    fingerprint now; `earlier`: fingerprints a resume was allowed to leave behind."""
     workdir, tokenizer_file = Path(workdir), Path(tokenizer_file)
     name = str(tokenizer_file)
     if name.startswith(str(workdir).rstrip("/") + "/"):
         name = name[len(str(workdir).rstrip("/")) + 1:]
-    rec = {"tokenizer": name, "tokenizer_sha256": sha256(tokenizer_file), **specials(cfg, tokenizer_file),
+    rec = {"tokenizer": name, "tokenizer_sha256": sha256(tokenizer_file), **specials(cfg, tokenizer_file, tokenizer),
            "data_source": cfg.data.source, "fingerprint": fingerprint(cfg), "earlier_fingerprints": list(earlier or [])}
     if cfg.data.source.startswith(SHARDS):
         rec["manifest_sha256"] = shards.open_shards(cfg.data.source).sha256

@@ -644,7 +644,7 @@ def _train(cfg: Config, workdir: Path, progress: bool, resume_step: int | None, 
                           f"at least {start}, the step this run's checkpoint has reached (a run is never cut "
                           "back; evaluate it with eval.py, or train a new run in a new --workdir)")
     if hosts.primary() and tokenizer_file is not None:  # the resume is accepted: what it trains on
-        data_record.write(cfg, workdir, tokenizer_file, earlier)
+        data_record.write(cfg, workdir, tokenizer_file, earlier, tokenizer)
     if hosts.primary():  # (an earlier, different config.json goes to config_history.jsonl)
         rundir.record_config(workdir, cfg, start)
     shardings = jax.tree.map(lambda x: x.sharding, state)
