@@ -263,9 +263,12 @@ def test_nucleus_keeps_the_most_probable_tokens_that_first_reach_top_p():
 @pytest.mark.parametrize("kw, field", [
     (dict(temperature=-0.5), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(temperature=1.0, top_p=0.0), "top_p"), (dict(temperature=1.0, top_p=1.5), "top_p"),
-    (dict(temperature=1.0), "key")])
+    (dict(temperature=1.0), "key"),
+    # (before: a ZeroDivisionError, and an id past the vocabulary decoded as if it were 0)
+    (dict(prefill_chunk=0), "prefill_chunk"), (dict(pad_multiple=0), "pad_multiple"),
+    (dict(prompts=[[3, 10_000]]), "prompts"), (dict(prompts=[[-1, 3]]), "prompts")])
 def test_bad_sampling_settings_are_one_config_error(model, kw, field):
     from gattn.config import ConfigError
 
     with pytest.raises(ConfigError, match=f"'{field}'"):
-        decode.generate(model, PROMPTS, max_new_tokens=2, **kw)
+        decode.generate(model, kw.pop("prompts", PROMPTS), max_new_tokens=2, **kw)

@@ -230,6 +230,13 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
     blocks sliced from the stacked groups once for the call: one more copy of the block weights
     while it runs, instead of one written at every step."""
     _check(prompts, max_new_tokens, max_len)
+    for name, value in (("pad_multiple", pad_multiple), ("prefill_chunk", prefill_chunk)):
+        if value is not None and (not isinstance(value, int) or value < 1):  # (before: ZeroDivisionError)
+            raise ConfigError(name, value, "an integer >= 1" + (", or None (one pass)" if name == "prefill_chunk" else ""))
+    vocab = model.cfg.vocab_size
+    if any(not 0 <= t < vocab for p in prompts for t in p):  # (before: looked up as 0, silently)
+        bad = next(t for p in prompts for t in p if not 0 <= t < vocab)
+        raise ConfigError("prompts", bad, f"token ids in [0, {vocab}), the model's vocabulary")
     sampling = _sampling(len(prompts), temperature, top_p, key)
     s = max(len(p) for p in prompts)
     if prefill_chunk is not None and prefill_chunk < s:
