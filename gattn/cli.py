@@ -130,6 +130,11 @@ def canonical(path: str) -> str:
     return f"exec.{leaf}" if head == "model" and leaf in MOVED_TO_EXEC else path
 
 
+def override_path(override: str) -> str:
+    """The field an override names, canonical: "--config.model.remat=full" -> "exec.remat"."""
+    return canonical(override.removeprefix("--").removeprefix("config.").partition("=")[0].strip())
+
+
 # --------------------------------------------------------------------------- config files
 
 

@@ -82,6 +82,11 @@ def specials(cfg, tokenizer_file, tokenizer) -> dict:
     tokenizer_config.json beside it, which the file's sha256 does not cover."""
     if tokenizer is None or cfg.data.source == BACKCOPY or Path(tokenizer_file).suffix != ".json":
         return {}
+    return special_ids(tokenizer)
+
+
+def special_ids(tokenizer) -> dict:
+    """{"eos_id", "bos_id"} of a loaded tokenizer (what `specials` records and the checks compare)."""
     return {"eos_id": tokenizer.eos_id(), "bos_id": tokenizer.bos_id()}
 
 
@@ -164,7 +169,7 @@ def verify_specials(cfg, workdir, tokenizer_file, tokenizer) -> None:
     kept them) is taken as it is."""
     rec = read(workdir) or {}
     then = {k: rec[k] for k in ("eos_id", "bos_id") if k in rec}
-    now = {"eos_id": tokenizer.eos_id(), "bos_id": tokenizer.bos_id()}
+    now = special_ids(tokenizer)
     changed = [k for k in then if then[k] != now[k]]
     if changed:
         field, value = ("data.tokenizer", cfg.data.tokenizer) if cfg.data.tokenizer else ("--workdir", str(workdir))

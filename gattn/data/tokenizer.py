@@ -500,8 +500,8 @@ def _check_shards_specials(cfg, path: Path, tokenizer) -> None:
     does not cover (before: an identical tokenizer.json in another folder, or an edited config,
     ended every document with another id than the one the shards were made with)."""
     manifest = shards.open_shards(cfg.data.source).manifest
-    changed = [f"{k} {now} (the shards': {manifest[k]})" for k, now in
-               (("eos_id", tokenizer.eos_id()), ("bos_id", tokenizer.bos_id())) if k in manifest and manifest[k] != now]
+    changed = [f"{k} {now} (the shards': {manifest[k]})" for k, now in record.special_ids(tokenizer).items()
+               if k in manifest and manifest[k] != now]
     if changed:
         field, value = ("data.tokenizer", cfg.data.tokenizer) if cfg.data.tokenizer else ("data.source", cfg.data.source)
         raise ConfigError(field, value, f"a tokenizer with the EOS and BOS ids {cfg.data.source} was made with; "

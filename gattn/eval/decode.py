@@ -234,9 +234,8 @@ def generate(model: Transformer, prompts: Sequence[Sequence[int]], *, max_new_to
         if value is not None and (not isinstance(value, int) or value < 1):  # (before: ZeroDivisionError)
             raise ConfigError(name, value, "an integer >= 1" + (", or None (one pass)" if name == "prefill_chunk" else ""))
     vocab = model.cfg.vocab_size
-    if any(not 0 <= t < vocab for p in prompts for t in p):  # (before: looked up as 0, silently)
-        bad = next(t for p in prompts for t in p if not 0 <= t < vocab)
-        raise ConfigError("prompts", bad, f"token ids in [0, {vocab}), the model's vocabulary")
+    if (bad := next((t for p in prompts for t in p if not 0 <= t < vocab), None)) is not None:
+        raise ConfigError("prompts", bad, f"token ids in [0, {vocab}), the model's vocabulary")  # (before: read as 0)
     sampling = _sampling(len(prompts), temperature, top_p, key)
     s = max(len(p) for p in prompts)
     if prefill_chunk is not None and prefill_chunk < s:

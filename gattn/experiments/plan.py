@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gattn import cli
-from gattn.cli import canonical
 from gattn.config import Config, ConfigError
 from gattn.experiments.traffic import CHIPS
 
@@ -138,7 +137,7 @@ def differences(preset: str, cfg: Config, fit: dict, variant: str | None = None)
     found = [f"{k}: the fit has {theirs[k]!r}, the preset {ours[k]!r}" for k in ours if theirs[k] != ours[k]]
     base = cli.load(preset, [], variant=variant)
     for override in fit.get("overrides") or []:
-        field = canonical(override.removeprefix("--").removeprefix("config.").partition("=")[0].strip())
+        field = cli.override_path(override)
         try:
             changed = cli.load(preset, [override], variant=variant) != base
         except ConfigError as e:

@@ -155,8 +155,7 @@ def load_config(workdir: str | Path, overrides: list[str] = ()) -> Config:
     the run's train.seq_len)."""
     run = read_config(workdir)
     overrides = list(overrides)
-    names = [cli.canonical(o.removeprefix("--").removeprefix("config.").partition("=")[0].strip())
-             for o in overrides]
+    names = [cli.override_path(o) for o in overrides]
     if (any(n.startswith("model.yarn.") for n in names) and "model.yarn.original_len" not in names
             and run.model.yarn is None):
         overrides.append(f"model.yarn.original_len={run.train.seq_len}")

@@ -488,10 +488,9 @@ def prepare(cfg: Config, workdir: Path, source_step: int | None, allow_corpus_ch
         return None, None, []
     fresh, earlier, path = not checkpoint.saved_steps(workdir), [], None  # a fresh run chooses its tokenizer
     if hosts.primary():
-        if not fresh:  # refused before the tokenizer or the dataset report is rewritten for it
-            _check_resume_fields(cfg, workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        if not fresh and _same_data_config(cfg, workdir):  # (else `resume` names the changed data.* field)
+        if not fresh:  # the run's fields first (a changed data.* named), before anything is rewritten for it
+            _check_resume_fields(cfg, workdir)
             earlier = data_record.check_resume(cfg, workdir, tokenizer_path(cfg, workdir), allow_corpus_change)
         if source_step is not None:
             init_from.copy_tokenizer(cfg, workdir)
@@ -538,13 +537,6 @@ def _check_resume_fields(cfg: Config, workdir: Path) -> None:
     rundir.check_same(cfg, then, rundir.RESUME_FIXED, fix="resume with the same value or use a new --workdir")
 
 
-def _same_data_config(cfg: Config, workdir: Path) -> bool:
-    try:
-        return rundir.read_config(workdir).data == cfg.data
-    except ConfigError:  # no readable config.json: the fingerprint decides
-        return True
-
-
 def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_step: int | None = None,
           allow_corpus_change: bool = False, resume_anyway: bool = False) -> dict:
     """Trains `cfg` in `workdir` (resuming if it holds a checkpoint; else starting from the
@@ -557,13 +549,14 @@ def train(cfg: Config, workdir: str | Path, *, progress: bool = True, resume_ste
     hosts.check_same_run({**to_dict(cfg), "workdir": str(workdir), "resume_step": resume_step})  # or none trains
     corpus.check_embedded_suffices(cfg)  # a paper preset given no corpus of its own: refused, nothing written
     rundir.check_workdir(workdir)
-    if (resume_step is not None or resume_anyway) and not checkpoint.saved_steps(workdir):
+    saved = checkpoint.saved_steps(workdir)
+    if (resume_step is not None or resume_anyway) and not saved:
         # (before: a mistyped --workdir with --resume-step trained a new run from step 0)
         flag, value = ("--resume-step", resume_step) if resume_step is not None else ("--resume-anyway", True)
         raise ConfigError(flag, value, f"a run to resume; {workdir} has no checkpoint (a new run starts without it)")
     # A continued run's source is checked before anything is written, the lease included (and
     # only until it has a checkpoint of its own: resuming never reads the source again).
-    source_step = init_from.check(cfg) if cfg.train.init_from and not checkpoint.saved_steps(workdir) else None
+    source_step = init_from.check(cfg) if cfg.train.init_from and not saved else None
     if hosts.primary():
         rundir.check_writable(workdir)
     with lease.hold(workdir, primary=hosts.primary()):  # one train.py per run directory (WORKDIR/lock.json)

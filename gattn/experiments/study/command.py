@@ -119,7 +119,7 @@ def steps(text: str | None) -> list[str]:
 def study_from(args: argparse.Namespace, overrides: list[str]) -> Study:
     """The study the command line asks for: the study file's (if given) with the flags' fields
     replacing its own, or one of the flags on the base config; overrides apply to the base."""
-    if any(cli.canonical(o.removeprefix("--config.").partition("=")[0].strip()) == "variant" for o in overrides):
+    if any(cli.override_path(o) == "variant" for o in overrides):
         raise ConfigError("--config.variant", None, "choose the variants with --variants a,b")
     overrides = overrides + steps(args.steps)
     given = fields(args)

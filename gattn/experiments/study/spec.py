@@ -96,8 +96,7 @@ class Study:
                               "expected a gattn.experiments.study.stability_rule.StabilityRule, or None")
         _check_cell_dir(self)
         for o in self.overrides:  # (before: train.seed=5 trained every "seed" alike, filed under its own)
-            path = cli.canonical(o.removeprefix("--").removeprefix("config.").partition("=")[0].strip())
-            if path in PER_CELL:
+            if cli.override_path(o) in PER_CELL:
                 raise ConfigError("overrides", o, "fields other than those each cell sets (" + ", ".join(PER_CELL)
                                   + "): the seeds, learning rates and clip settings are the study's seeds, "
                                   "learning_rates and grad_clips; the schedule's warmup is its base config's")
@@ -289,7 +288,7 @@ def comparison(config: str | Path, names: list[str], overrides: list[str] = (), 
     DIR/VARIANT; a run counts as diverged only when training stopped on non-finite losses; F-Attn
     is measured at `sink_points` checkpoints (fewer if there are fewer steps). `fields`: other
     Study fields."""
-    paths = [cli.canonical(o.removeprefix("--").removeprefix("config.").partition("=")[0].strip()) for o in overrides]
+    paths = [cli.override_path(o) for o in overrides]
     if "variant" in paths:
         raise ConfigError("--config.variant", None, "choose the variants with --variants a,b")
     base = cli.load(config, overrides)
